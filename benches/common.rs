@@ -1,0 +1,87 @@
+//! Shared bench plumbing: CUDA-event timing, a bench-name filter, and the summary table + JSON
+//! that every bench binary prints last.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{sys::CUevent_flags, CudaStream};
+
+/// Measured H200 ceilings (shared/design/BENCHMARKS.md): copy bandwidth counting read + written.
+pub const HBM_TBPS: f64 = 4.3;
+
+/// Times `iters` back-to-back runs of `f` on `stream` with CUDA events; returns the total.
+pub fn time_events(stream: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -> Duration {
+    let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    let end = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    end.synchronize().unwrap();
+    let ms = start.elapsed_ms(&end).unwrap();
+    Duration::from_secs_f64(f64::from(ms) / 1e3)
+}
+
+/// Median of `n` single-run event timings (after `warmup` runs), in microseconds.
+pub fn median_us(stream: &Arc<CudaStream>, warmup: usize, n: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..warmup {
+        f();
+    }
+    let mut v: Vec<f64> = (0..n).map(|_| time_events(stream, 1, &mut f).as_secs_f64() * 1e6).collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[n / 2]
+}
+
+/// The first free argument (criterion's filter), if any.
+pub fn filter() -> Option<String> {
+    std::env::args().skip(1).find(|a| !a.starts_with('-') && a != "--bench")
+}
+
+pub fn selected(name: &str) -> bool {
+    filter().is_none_or(|f| name.contains(&f))
+}
+
+/// One row of the summary table.
+pub struct Row {
+    pub name: String,
+    pub us: f64,
+    pub bytes: f64,
+    pub flops: f64,
+    /// The floor in microseconds (bytes / HBM or flops / peak) for the ratio column.
+    pub floor_us: f64,
+}
+
+/// Prints the summary table last (the GPU runner shows the end of the output) and writes JSON to
+/// `$NVFP4MOE_BENCH_JSON` (a directory) when set.
+pub fn report(bench: &str, rows: &[Row]) {
+    println!();
+    println!("== {bench}: summary (median of CUDA-event timings) ==");
+    println!("{:<44} {:>10} {:>9} {:>9} {:>10} {:>8}", "case", "us", "TB/s", "%4.3TB/s", "TFLOP/s", "floor/t");
+    for r in rows {
+        let tbps = r.bytes / (r.us * 1e-6) / 1e12;
+        let tflops = r.flops / (r.us * 1e-6) / 1e12;
+        println!(
+            "{:<44} {:>10.2} {:>9.3} {:>8.1}% {:>10.1} {:>8.2}",
+            r.name,
+            r.us,
+            tbps,
+            100.0 * tbps / HBM_TBPS,
+            tflops,
+            r.floor_us / r.us
+        );
+    }
+    if let Some(dir) = std::env::var_os("NVFP4MOE_BENCH_JSON") {
+        let items: Vec<String> = rows
+            .iter()
+            .map(|r| {
+                format!(
+                    "{{\"case\":\"{}\",\"us\":{:.3},\"bytes\":{},\"flops\":{},\"floor_us\":{:.3}}}",
+                    r.name, r.us, r.bytes, r.flops, r.floor_us
+                )
+            })
+            .collect();
+        let path = std::path::Path::new(&dir).join(format!("{bench}.json"));
+        let _ = std::fs::create_dir_all(&dir);
+        std::fs::write(&path, format!("[\n{}\n]\n", items.join(",\n"))).unwrap();
+    }
+}

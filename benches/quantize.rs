@@ -1,0 +1,76 @@
+//! `quantize_nvfp4` / `dequantize_nvfp4` throughput on the GPU, timed with CUDA events.
+//! Bytes counted: quantize 2 read + 0.5625 written per element; dequantize the reverse.
+//! Target (H200): quantize bf16 [8192, 7168] at >= 80% of 4.3 TB/s.
+//!
+//! `cargo bench --bench quantize [-- FILTER]`; criterion runs short (0.5 s warm-up, 1.5 s).
+
+mod common;
+
+use std::time::Duration;
+
+use common::{median_us, report, selected, time_events, Row, HBM_TBPS};
+use criterion::{criterion_group, Criterion, Throughput};
+use cudarc::driver::CudaContext;
+use nvfp4_moe::layout::{scale_len, ScaleLayout};
+use nvfp4_moe::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into};
+use nvfp4_moe::rng::Rng;
+
+const SHAPES: [(usize, usize); 4] = [(8192, 7168), (65536, 2048), (16384, 14336), (128, 7168)];
+
+fn benches(c: &mut Criterion) {
+    let ctx = CudaContext::new(0).expect("a CUDA GPU");
+    let s = ctx.default_stream();
+    let mut rng = Rng::from_entropy();
+    let mut rows_out = Vec::new();
+    for &(rows, cols) in &SHAPES {
+        for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
+            let n = rows * cols;
+            let x = s.clone_htod(&rng.varied_bf16(n)).unwrap();
+            let mut codes = s.alloc_zeros::<u8>(n / 2).unwrap();
+            let mut scales = s.alloc_zeros::<u8>(scale_len(layout, rows, cols)).unwrap();
+            let mut out = s.alloc_zeros::<half::bf16>(n).unwrap();
+            let bytes = n as f64 * 2.5625;
+            let g = 0.01f32;
+            let lname = match layout {
+                ScaleLayout::Linear => "linear",
+                ScaleLayout::Swizzled128x4 => "swizzled",
+            };
+
+            let qname = format!("quantize/{rows}x{cols}/{lname}");
+            if selected(&qname) {
+                let mut run = || quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+                let mut grp = c.benchmark_group("quantize");
+                grp.throughput(Throughput::Bytes(bytes as u64));
+                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| b.iter_custom(|it| time_events(&s, it, &mut run)));
+                grp.finish();
+                let us = median_us(&s, 5, 41, &mut run);
+                rows_out.push(Row { name: qname, us, bytes, flops: 0.0, floor_us: bytes / (HBM_TBPS * 1e12) * 1e6 });
+            }
+
+            let dname = format!("dequantize/{rows}x{cols}/{lname}");
+            if selected(&dname) {
+                quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+                let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
+                let mut grp = c.benchmark_group("dequantize");
+                grp.throughput(Throughput::Bytes(bytes as u64));
+                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| b.iter_custom(|it| time_events(&s, it, &mut run)));
+                grp.finish();
+                let us = median_us(&s, 5, 41, &mut run);
+                rows_out.push(Row { name: dname, us, bytes, flops: 0.0, floor_us: bytes / (HBM_TBPS * 1e12) * 1e6 });
+            }
+        }
+    }
+    report("quantize", &rows_out);
+}
+
+criterion_group! {
+    name = group;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_millis(1500))
+        .sample_size(10)
+        .without_plots();
+    targets = benches
+}
+
+criterion::criterion_main!(group);

@@ -1,0 +1,109 @@
+//! Builds the C++/CUDA core with CMake (through the `cmake` crate, always Release) and the cxx
+//! bridge (through `cxx-build`), and links both with the static CUDA runtime.
+//!
+//! Toolchain lookup: `NVCC` (path to nvcc) or `CUDA_HOME`, else `third_party/cuda`; `CUTLASS_DIR`,
+//! else `third_party/cutlass`; `CMAKE` or `cmake` on PATH, else `third_party/cmake/bin/cmake`.
+//! `third_party/fetch.sh` installs the pinned ones. `NVFP4MOE_CUDA_ARCHS` overrides the target list
+//! (CMake syntax, default `90a-real` = `-gencode=arch=compute_90a,code=sm_90a`).
+//!
+//! The CMake build directory is shared by every cargo profile (`<target>/nvfp4moe-core`, or
+//! `NVFP4MOE_CORE_BUILD_DIR`), so the heavy CUDA files compile once, not once per profile.
+
+use std::env;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fail(msg: &str) -> ! {
+    println!("cargo::error={msg}");
+    eprintln!("error: {msg}");
+    std::process::exit(1);
+}
+
+fn main() {
+    for var in ["CUDA_HOME", "NVCC", "CUTLASS_DIR", "NVFP4MOE_CUDA_ARCHS", "CMAKE", "NVFP4MOE_CORE_BUILD_DIR"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    for path in ["build.rs", "cpp", "src/ffi.rs", "third_party/requirements.txt"] {
+        println!("cargo:rerun-if-changed={path}");
+    }
+
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let third_party = manifest.join("third_party");
+    let fetch_hint = "run `third_party/fetch.sh` to install the pinned CUDA 13.0 toolchain, CUTLASS 4.2 and CMake, \
+                      or point NVCC/CUDA_HOME, CUTLASS_DIR and CMAKE at your own";
+
+    let nvcc = match (env::var_os("NVCC"), env::var_os("CUDA_HOME")) {
+        (Some(n), _) => PathBuf::from(n),
+        (None, Some(h)) => PathBuf::from(h).join("bin/nvcc"),
+        (None, None) => third_party.join("cuda/bin/nvcc"),
+    };
+    if !nvcc.is_file() {
+        fail(&format!("nvfp4-moe: nvcc not found at {}: {fetch_hint}", nvcc.display()));
+    }
+    let cuda_root = nvcc.parent().and_then(Path::parent).unwrap().to_path_buf();
+    let cutlass = env::var_os("CUTLASS_DIR").map(PathBuf::from).unwrap_or_else(|| third_party.join("cutlass"));
+    if !cutlass.join("include/cutlass/cutlass.h").is_file() {
+        fail(&format!("nvfp4-moe: CUTLASS headers not found under {}: {fetch_hint}", cutlass.display()));
+    }
+    let cmake_bin = env::var_os("CMAKE").map(PathBuf::from).or_else(|| {
+        let ok = Command::new("cmake").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+        if ok {
+            None
+        } else {
+            Some(third_party.join("cmake/bin/cmake"))
+        }
+    });
+    if let Some(c) = &cmake_bin {
+        if !c.is_file() {
+            fail(&format!("nvfp4-moe: cmake not found: {fetch_hint}"));
+        }
+        // The `cmake` crate runs $CMAKE when set.
+        env::set_var("CMAKE", c);
+    }
+    let archs = env::var("NVFP4MOE_CUDA_ARCHS").unwrap_or_else(|_| "90a-real".to_string());
+
+    // One CMake build for all profiles: OUT_DIR is <target>/<profile>/build/<pkg>-<hash>/out.
+    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+    let core_dir = env::var_os("NVFP4MOE_CORE_BUILD_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        out_dir.ancestors().nth(4).map(|t| t.join("nvfp4moe-core")).unwrap_or_else(|| out_dir.join("core"))
+    });
+    std::fs::create_dir_all(&core_dir).unwrap();
+    // Two profiles building at once must not run CMake in the same folder together.
+    let lock = File::create(core_dir.join(".lock")).unwrap();
+    lock.lock().unwrap();
+
+    let dst = cmake::Config::new(manifest.join("cpp"))
+        .out_dir(&core_dir)
+        .profile("Release")
+        .no_default_flags(true)
+        .define("CMAKE_CUDA_COMPILER", &nvcc)
+        .define("CUTLASS_DIR", &cutlass)
+        .define("NVFP4MOE_CUDA_ARCHS", &archs)
+        .define("CMAKE_INSTALL_LIBDIR", "lib")
+        .build();
+    drop(lock);
+
+    cxx_build::bridge("src/ffi.rs")
+        .file("cpp/bridge/shim.cc")
+        .include(manifest.join("cpp/include"))
+        .std("c++17")
+        .flag_if_supported("-Wno-unused-parameter")
+        .compile("nvfp4moe_bridge");
+
+    println!("cargo:rustc-link-search=native={}", dst.join("lib").display());
+    println!("cargo:rustc-link-lib=static=nvfp4moe_core");
+    for lib in ["lib64", "lib"] {
+        let d = cuda_root.join(lib);
+        if d.join("libcudart_static.a").is_file() {
+            println!("cargo:rustc-link-search=native={}", d.display());
+            break;
+        }
+    }
+    // The static CUDA runtime loads the driver (libcuda) with dlopen at run time, like cudarc.
+    println!("cargo:rustc-link-lib=static=cudart_static");
+    for lib in ["stdc++", "dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
+    println!("cargo:rustc-env=NVFP4MOE_CUDA_ARCHS={archs}");
+}

@@ -1,0 +1,68 @@
+#include "nvfp4-moe/cpp/bridge/shim.h"
+#include "nvfp4-moe/src/ffi.rs.h"
+
+#include "nvfp4moe/nvfp4moe.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace nvfp4moe::bridge {
+namespace {
+
+void throw_on_error(Status s) {
+  if (s != Status::kSuccess) {
+    std::string msg = status_string(s);
+    msg += ": ";
+    msg += last_error_message();
+    throw std::runtime_error(msg);
+  }
+}
+
+void* stream_ptr(uint64_t s) { return reinterpret_cast<void*>(static_cast<uintptr_t>(s)); }
+const void* dptr(uint64_t p) { return reinterpret_cast<const void*>(static_cast<uintptr_t>(p)); }
+void* dptr_mut(uint64_t p) { return reinterpret_cast<void*>(static_cast<uintptr_t>(p)); }
+
+}  // namespace
+
+void quantize_nvfp4(const QuantizeParams& p) {
+  QuantizeNvfp4Args a;
+  a.x = dptr(p.x);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.decode_scale = p.decode_scale;
+  a.layout = static_cast<ScaleLayout>(p.layout);
+  a.codes = dptr_mut(p.codes);
+  a.scales = dptr_mut(p.scales);
+  throw_on_error(nvfp4moe::quantize_nvfp4(a, stream_ptr(p.stream)));
+}
+
+void dequantize_nvfp4(const DequantizeParams& p) {
+  DequantizeNvfp4Args a;
+  a.codes = dptr(p.codes);
+  a.scales = dptr(p.scales);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.decode_scale = p.decode_scale;
+  a.layout = static_cast<ScaleLayout>(p.layout);
+  a.out = dptr_mut(p.out);
+  throw_on_error(nvfp4moe::dequantize_nvfp4(a, stream_ptr(p.stream)));
+}
+
+CoreBuildInfo core_build_info() {
+  BuildInfo b = build_info();
+  CoreBuildInfo out;
+  out.cuda_version = b.cuda_version;
+  out.cuda_archs = rust::String(b.cuda_archs);
+  out.cutlass_major = b.cutlass_major;
+  out.cutlass_minor = b.cutlass_minor;
+  out.cutlass_patch = b.cutlass_patch;
+  out.runtime_version = runtime_version();
+  out.driver_version = driver_version();
+  return out;
+}
+
+uint64_t core_scale_bytes(uint32_t layout, int64_t rows, int64_t cols) {
+  return scale_bytes(static_cast<ScaleLayout>(layout), rows, cols);
+}
+
+}  // namespace nvfp4moe::bridge

@@ -1,0 +1,21 @@
+// The cxx bridge shim: the only C++ that knows about Rust. It forwards to the plain C++ core
+// (nvfp4moe/nvfp4moe.h) and turns a non-success Status into an exception, which cxx hands to Rust
+// as Err. The Rust side validates every argument before calling, so an exception here means a CUDA
+// error or a disagreement between the two validations.
+#pragma once
+
+#include "rust/cxx.h"
+#include <cstdint>
+
+namespace nvfp4moe::bridge {
+
+struct QuantizeParams;
+struct DequantizeParams;
+struct CoreBuildInfo;
+
+void quantize_nvfp4(const QuantizeParams& p);
+void dequantize_nvfp4(const DequantizeParams& p);
+CoreBuildInfo core_build_info();
+uint64_t core_scale_bytes(uint32_t layout, int64_t rows, int64_t cols);
+
+}  // namespace nvfp4moe::bridge

@@ -1,0 +1,90 @@
+// nvfp4moe: NVFP4 Mixture-of-Experts kernels for NVIDIA Hopper (sm_90a).
+//
+// The C++ core API. Plain C++17: no CUDA, CUTLASS or Rust headers are needed to use it. Streams are
+// passed as `void*` (a `cudaStream_t` / `CUstream`); device pointers as raw pointers.
+//
+// NVFP4 (see shared/design/NVFP4.md, the pinned recipe):
+//   value = e2m1(code) * e4m3(block scale) * g
+// where g is the FP32 per-tensor *decode scale* (ModelOpt's `weight_scale_2`). Other libraries'
+// "global scale" is 1/g; nothing in this API takes a global scale.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nvfp4moe {
+
+// Every entry point returns a Status. Arguments are validated on the host before any launch; a
+// non-success status means nothing was enqueued, except kCudaError after a failed launch.
+enum class Status : int32_t {
+  kSuccess = 0,
+  kInvalidShape = 1,         // e.g. cols not a multiple of 16, negative sizes
+  kMisaligned = 2,           // a pointer is not aligned as the kernel requires
+  kInvalidDecodeScale = 3,   // g is not finite and > 0
+  kUnsupportedLayout = 4,    // unknown ScaleLayout value
+  kNullPointer = 5,          // a required pointer is null
+  kCudaError = 6,            // a CUDA runtime call or a launch failed; see last_error_message()
+};
+
+// A short static description of a status.
+const char* status_string(Status status) noexcept;
+
+// The message of the last non-success status returned on this thread (with CUDA's own error text
+// for kCudaError). Valid until the next call into the core on this thread.
+const char* last_error_message() noexcept;
+
+// Where the E4M3 block scales of a [rows, cols] NVFP4 tensor live.
+enum class ScaleLayout : int32_t {
+  // e4m3 [rows, cols/16] row-major: how checkpoints store weight scales.
+  kLinear = 0,
+  // Blackwell block-scaled MMA's "128x4" layout: rows padded to a multiple of 128, scale columns
+  // to a multiple of 4, padding bytes 0. For row m, scale column k (kTiles = ceil(cols/16/4)):
+  //   offset = (m/128)*(kTiles*512) + (k/4)*512 + (m%32)*16 + ((m%128)/32)*4 + (k%4)
+  kSwizzled128x4 = 1,
+};
+
+// Bytes of the scale buffer of a [rows, cols] NVFP4 tensor in `layout` (padding included).
+// Returns 0 for invalid arguments.
+size_t scale_bytes(ScaleLayout layout, int64_t rows, int64_t cols) noexcept;
+
+// quantize_nvfp4: bf16 [rows, cols] -> codes u8 [rows, cols/2] + e4m3 scales, by the pinned recipe.
+// Byte-identical to the crate's CPU reference for any input, NaN and Inf included. Padding bytes of
+// the swizzled layout are written (0).
+struct QuantizeNvfp4Args {
+  const void* x = nullptr;     // bf16 [rows, cols], row-major, 16-byte aligned
+  int64_t rows = 0;            // >= 0
+  int64_t cols = 0;            // > 0, multiple of 16
+  float decode_scale = 1.0f;   // g, finite and > 0
+  ScaleLayout layout = ScaleLayout::kLinear;
+  void* codes = nullptr;       // u8 [rows, cols/2], element 2j in the low nibble; 8-byte aligned
+  void* scales = nullptr;      // scale_bytes(layout, rows, cols) bytes
+};
+Status quantize_nvfp4(const QuantizeNvfp4Args& args, void* stream) noexcept;
+
+// dequantize_nvfp4: codes + scales -> bf16 [rows, cols]:
+//   out = bf16_rne((e2m1(code) * e4m3(scale)) * g)   (the first product is exact in FP32)
+// A NaN scale gives the canonical bf16 NaN 0x7FC0 for its 16 elements.
+struct DequantizeNvfp4Args {
+  const void* codes = nullptr;   // u8 [rows, cols/2], 8-byte aligned
+  const void* scales = nullptr;  // scale_bytes(layout, rows, cols) bytes
+  int64_t rows = 0;
+  int64_t cols = 0;              // > 0, multiple of 16
+  float decode_scale = 1.0f;     // g, finite and > 0
+  ScaleLayout layout = ScaleLayout::kLinear;
+  void* out = nullptr;           // bf16 [rows, cols], 16-byte aligned
+};
+Status dequantize_nvfp4(const DequantizeNvfp4Args& args, void* stream) noexcept;
+
+// What this core was built with.
+struct BuildInfo {
+  int cuda_version;          // CUDART_VERSION at build time, e.g. 13000
+  const char* cuda_archs;    // the CUDA architectures compiled in, e.g. "90a-real"
+  int cutlass_major, cutlass_minor, cutlass_patch;
+};
+BuildInfo build_info() noexcept;
+
+// The CUDA runtime and driver versions found at run time (0 when unavailable).
+int runtime_version() noexcept;
+int driver_version() noexcept;
+
+}  // namespace nvfp4moe

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds every test binary, every bench binary and the CLI here (no GPU needed), and gathers them
+# with a runner into gpu-bundle/ (git-ignored). On the H200 (device tool, carry ["gpu-bundle"]):
+#   bash gpu-bundle/run.sh                 # all GPU tests (--include-ignored), then all benches
+#   bash gpu-bundle/run.sh quantize/8192   # tests, then only benches whose name contains the filter
+#   NVFP4MOE_BENCHES=none bash gpu-bundle/run.sh   # tests only
+# The runner prints a summary table last and writes logs + bench JSON under $OUT (or ./gpu-out).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+third_party/fetch.sh
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target}
+bundle=gpu-bundle
+rm -rf "$bundle" && mkdir -p "$bundle/tests" "$bundle/benches"
+
+list_exes() { python3 -c '
+import json, sys
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["target"]["kind"][0], m["executable"])
+'; }
+
+cargo build --release --bin nvfp4-moe
+cp "$CARGO_TARGET_DIR/release/nvfp4-moe" "$bundle/"
+cargo test --release --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
+  cp "$exe" "$bundle/tests/$kind-$name"
+done
+cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
+  [ "$kind" = bench ] && cp "$exe" "$bundle/benches/$name"
+done
+cp scripts/gpu-run.sh "$bundle/run.sh"
+strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* 2>/dev/null || true
+du -sh "$bundle"; ls -la "$bundle" "$bundle/tests" "$bundle/benches"

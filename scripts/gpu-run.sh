@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the bundle made by scripts/gpu-bundle.sh: every test binary with
+# --include-ignored, then the benches (filter = the arguments; NVFP4MOE_BENCHES=none skips them),
+# then a summary table. Logs and bench JSON go to $OUT (or ./gpu-out).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export NVFP4MOE_CLI="$here/nvfp4-moe"
+export NVFP4MOE_BENCH_JSON="$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
+summary=()
+fails=0
+for t in "$here"/tests/*; do
+  name=$(basename "$t")
+  log="$out/test-$name.log"
+  start=$(date +%s)
+  "$t" --include-ignored --test-threads=2 >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  res=$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')
+  [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
+  summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
+done
+if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
+  for b in "$here"/benches/*; do
+    name=$(basename "$b")
+    "$b" --bench "$@" 2>&1 | tee "$out/bench-$name.log" | grep -vE '^(Benchmarking|\s*$)' || true
+  done
+fi
+echo
+echo "================ GPU summary ($(date -u +%Y-%m-%d)) ================"
+for s in "${summary[@]}"; do echo "$s"; done
+if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
+  for b in "$here"/benches/*; do
+    sed -n '/== .*: summary/,$p' "$out/bench-$(basename "$b").log"
+  done
+fi
+echo "test binaries failed: $fails"
+exit $fails

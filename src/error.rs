@@ -1,0 +1,53 @@
+//! The crate's one error type. Every fallible call returns [`Result`]; bad input is reported here
+//! before any kernel is launched.
+
+/// Everything that can go wrong in `nvfp4-moe`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A shape argument is out of range (e.g. K not a multiple of 16, zero-sized where not allowed).
+    #[error("invalid shape: {0}")]
+    InvalidShape(String),
+    /// A buffer holds fewer elements than the call needs.
+    #[error("buffer `{name}` too small: needs {needed} elements, has {actual}")]
+    BufferTooSmall { name: &'static str, needed: usize, actual: usize },
+    /// A device pointer is not aligned as the kernel requires.
+    #[error("buffer `{name}` is not {align}-byte aligned (address {addr:#x})")]
+    Misaligned { name: &'static str, align: usize, addr: u64 },
+    /// A decode scale (the per-tensor multiplier g, value = e2m1 x e4m3 x g) is not finite and > 0.
+    #[error("decode scale must be finite and > 0, got {0}")]
+    InvalidDecodeScale(f32),
+    /// A scale layout that this operation does not support.
+    #[error("unsupported scale layout: {0}")]
+    UnsupportedLayout(String),
+    /// A tensor in a file has a missing name, a wrong dtype or a wrong shape.
+    #[error("tensor `{name}`: {what}")]
+    Tensor { name: String, what: String },
+    /// An error from the CUDA driver (through cudarc).
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    /// An error reported by the C++ core (a CUDA runtime error or a failed launch).
+    #[error("CUDA core: {0}")]
+    Core(String),
+    /// File input/output.
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    /// A malformed safetensors file.
+    #[error("safetensors: {0}")]
+    Safetensors(#[from] safetensors::SafeTensorError),
+    /// A malformed JSON file (checkpoint index or config).
+    #[error("json: {0}")]
+    Json(#[from] serde_json::Error),
+    /// Anything else the caller asked for that cannot be done.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl From<cxx::Exception> for Error {
+    fn from(e: cxx::Exception) -> Self {
+        Error::Core(e.what().to_string())
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,58 @@
+//! The raw cxx bridge to the C++ core. Nothing here validates: the safe layer
+//! (`quantize.rs` and friends) checks every argument before it calls in.
+//!
+//! Device pointers and streams cross as `u64` (a `CUdeviceptr` / `CUstream`).
+
+#[cxx::bridge(namespace = "nvfp4moe::bridge")]
+pub(crate) mod raw {
+    /// Arguments of `quantize_nvfp4` (see `cpp/include/nvfp4moe/nvfp4moe.h`).
+    struct QuantizeParams {
+        x: u64,
+        rows: i64,
+        cols: i64,
+        decode_scale: f32,
+        layout: u32,
+        codes: u64,
+        scales: u64,
+        stream: u64,
+    }
+
+    /// Arguments of `dequantize_nvfp4`.
+    struct DequantizeParams {
+        codes: u64,
+        scales: u64,
+        rows: i64,
+        cols: i64,
+        decode_scale: f32,
+        layout: u32,
+        out: u64,
+        stream: u64,
+    }
+
+    /// What the core was built with and what it finds at run time.
+    struct CoreBuildInfo {
+        cuda_version: i32,
+        cuda_archs: String,
+        cutlass_major: i32,
+        cutlass_minor: i32,
+        cutlass_patch: i32,
+        runtime_version: i32,
+        driver_version: i32,
+    }
+
+    unsafe extern "C++" {
+        include!("nvfp4-moe/cpp/bridge/shim.h");
+
+        /// # Safety
+        /// Every pointer must be a live device allocation of the size the arguments imply, on the
+        /// context of `stream`, and must stay alive until the enqueued work has finished.
+        unsafe fn quantize_nvfp4(p: &QuantizeParams) -> Result<()>;
+
+        /// # Safety
+        /// As for `quantize_nvfp4`.
+        unsafe fn dequantize_nvfp4(p: &DequantizeParams) -> Result<()>;
+
+        fn core_build_info() -> CoreBuildInfo;
+        fn core_scale_bytes(layout: u32, rows: i64, cols: i64) -> u64;
+    }
+}

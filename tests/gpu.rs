@@ -1,0 +1,289 @@
+//! GPU tests: every kernel against the CPU reference on fresh random data. They need a CUDA GPU
+//! (sm_90a build) and are ignored by default; run them with
+//! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+use nvfp4_moe::layout::{scale_len, ScaleLayout};
+use nvfp4_moe::quantize::{dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Tensor};
+use nvfp4_moe::reference::{self, Nvfp4Host};
+use nvfp4_moe::rng::Rng;
+use nvfp4_moe::Error;
+
+const POISON: u8 = 0xA5;
+
+fn stream() -> Arc<CudaStream> {
+    CudaContext::new(0).expect("CUDA device 0").default_stream()
+}
+
+/// A device buffer filled with a poison byte, so an unwritten output byte cannot pass.
+fn poisoned_u8(s: &Arc<CudaStream>, n: usize) -> CudaSlice<u8> {
+    s.clone_htod(&vec![POISON; n]).unwrap()
+}
+
+fn poisoned_bf16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    s.clone_htod(&vec![bf16::from_bits(0x7F81); n]).unwrap()
+}
+
+/// Data kinds that stress the recipe.
+#[derive(Clone, Copy, Debug)]
+enum Data {
+    Normal,
+    Varied,
+    Tiny,
+    Huge,
+    NonFinite,
+    Ties,
+}
+
+/// Random inputs of one kind. `Ties` builds blocks whose elements sit exactly on E2M1 decision
+/// points (and the scale exactly on the amax), assuming decode scale `g` is a power of two.
+fn make_data(rng: &mut Rng, kind: Data, rows: usize, cols: usize, g: f32) -> Vec<bf16> {
+    let n = rows * cols;
+    match kind {
+        Data::Normal => rng.normal_bf16(n, 1.0),
+        Data::Varied => rng.varied_bf16(n),
+        Data::Tiny => rng.normal_bf16(n, 1e-30),
+        Data::Huge => rng.normal_bf16(n, 1e30),
+        Data::NonFinite => {
+            let mut v = rng.varied_bf16(n);
+            for _ in 0..(n / 97).max(1) {
+                let i = rng.below(n as u64) as usize;
+                v[i] = match rng.below(4) {
+                    0 => bf16::NAN,
+                    1 => bf16::INFINITY,
+                    2 => bf16::NEG_INFINITY,
+                    _ => bf16::from_f32(-0.0),
+                };
+            }
+            v
+        }
+        Data::Ties => {
+            const POINTS: [f32; 14] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n / 16 {
+                // A normal E4M3 scale with any mantissa; amax = 6 * s * g pins the scale to s.
+                let s = nvfp4_moe::format::e4m3_decode((rng.range(8, 0x7E) as u8) & 0x7F);
+                let d = s * g;
+                let lead = rng.below(16) as usize;
+                for i in 0..16 {
+                    let t = if i == lead { 6.0 } else { POINTS[rng.below(POINTS.len() as u64) as usize] };
+                    let sign = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+                    let x = sign * t * d;
+                    let b = bf16::from_f32(x);
+                    assert_eq!(b.to_f32(), x, "tie value must be exact in bf16");
+                    v.push(b);
+                }
+            }
+            v
+        }
+    }
+}
+
+fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, u8, u8)> {
+    a.iter().zip(b).enumerate().find(|(_, (x, y))| x != y).map(|(i, (x, y))| (i, *x, *y))
+}
+
+/// Quantizes on the GPU into poisoned buffers and compares every byte (padding included) with
+/// the CPU reference; then dequantizes on the GPU and compares every bf16 with the reference.
+fn check_case(s: &Arc<CudaStream>, rng: &mut Rng, rows: usize, cols: usize, kind: Data, layout: ScaleLayout, g_choice: Option<f32>) {
+    let seed = rng.seed();
+    let g0 = g_choice.unwrap_or(1.0);
+    let x = make_data(rng, kind, rows, cols, g0);
+    let g = match g_choice {
+        Some(g) => g,
+        None => reference::weight_decode_scale(&x).unwrap_or(1.0),
+    };
+    let ctx = format!("rows={rows} cols={cols} {kind:?} {layout:?} g={g} seed={seed}");
+    let want = reference::quantize(&x, rows, cols, g, layout).unwrap();
+
+    let x_dev = s.clone_htod(&x).unwrap();
+    let mut codes = poisoned_u8(s, rows * cols / 2);
+    let mut scales = poisoned_u8(s, scale_len(layout, rows, cols));
+    quantize_nvfp4_into(s, &x_dev, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+    let got_codes = s.clone_dtoh(&codes).unwrap();
+    let got_scales = s.clone_dtoh(&scales).unwrap();
+    assert!(first_diff(&got_scales, &want.scales).is_none(), "scales differ at {:?}: {ctx}", first_diff(&got_scales, &want.scales));
+    assert!(first_diff(&got_codes, &want.codes).is_none(), "codes differ at {:?}: {ctx}", first_diff(&got_codes, &want.codes));
+
+    let want_deq = reference::dequantize(&want);
+    let mut out = poisoned_bf16(s, rows * cols);
+    dequantize_nvfp4_into(s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
+    let got_deq = s.clone_dtoh(&out).unwrap();
+    let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
+    let (gb, wb) = (bits(&got_deq), bits(&want_deq));
+    if let Some(i) = gb.iter().zip(&wb).position(|(a, b)| a != b) {
+        panic!("dequantize differs at {i}: gpu {:#06x} cpu {:#06x}: {ctx}", gb[i], wb[i]);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn quantize_matches_reference_on_many_shapes() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    // (rows, cols): 1 row, K = 16, K not a multiple of 64, K = 7168, rows not a multiple of 128,
+    // thousands of rows.
+    let shapes: [(usize, usize); 24] = [
+        (1, 16),
+        (1, 7168),
+        (2, 16),
+        (3, 48),
+        (5, 80),
+        (7, 2880),
+        (17, 112),
+        (31, 208),
+        (64, 64),
+        (127, 7168),
+        (128, 128),
+        (129, 2880),
+        (200, 1040),
+        (255, 336),
+        (256, 2048),
+        (300, 4096),
+        (511, 16),
+        (640, 1536),
+        (1000, 768),
+        (1024, 2880),
+        (2048, 7168),
+        (3000, 2048),
+        (4099, 272),
+        (8192, 256),
+    ];
+    let kinds = [Data::Normal, Data::Varied, Data::Tiny, Data::Huge, Data::NonFinite, Data::Ties];
+    let mut n = 0;
+    for (i, &(rows, cols)) in shapes.iter().enumerate() {
+        for (j, &kind) in kinds.iter().enumerate() {
+            let layout = if (i + j) % 2 == 0 { ScaleLayout::Linear } else { ScaleLayout::Swizzled128x4 };
+            // Ties need a power-of-two g; others use the weight convention or a few fixed values.
+            let g = match (kind, (i + j) % 3) {
+                (Data::Ties, k) => Some([1.0f32, 0.0078125, 64.0][k]),
+                (_, 0) => None,
+                (_, 1) => Some(1.0),
+                (_, _) => Some(0.37),
+            };
+            check_case(&s, &mut rng, rows, cols, kind, layout, g);
+            n += 1;
+        }
+    }
+    eprintln!("{n} quantize/dequantize cases bit-exact");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn quantize_edge_blocks() {
+    let s = stream();
+    let cols = 64;
+    // Row 0: all zero. Row 1: -0.0 only. Row 2: scale rounds to zero. Row 3: NaN with Inf.
+    // Row 4: Inf block. Row 5: a tiny subnormal-scale block. Row 6: max bf16.
+    let mut x = vec![bf16::ZERO; 8 * cols];
+    for v in &mut x[cols..2 * cols] {
+        *v = bf16::from_f32(-0.0);
+    }
+    for (i, v) in x[2 * cols..3 * cols].iter_mut().enumerate() {
+        *v = bf16::from_f32(1e-6 * (i as f32 + 1.0));
+    }
+    x[3 * cols] = bf16::NAN;
+    x[3 * cols + 1] = bf16::INFINITY;
+    x[4 * cols + 3] = bf16::INFINITY;
+    x[4 * cols + 4] = bf16::NEG_INFINITY;
+    x[4 * cols + 5] = bf16::from_f32(3.0);
+    for (i, v) in x[5 * cols..6 * cols].iter_mut().enumerate() {
+        *v = bf16::from_f32(0.004 * (i as f32 - 30.0));
+    }
+    for v in &mut x[6 * cols..7 * cols] {
+        *v = bf16::MAX;
+    }
+    let mut rng = Rng::from_entropy();
+    for v in &mut x[7 * cols..] {
+        *v = bf16::from_f32(rng.normal());
+    }
+    for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
+        for g in [1.0f32, 1e-3, 1e-30, 3e30] {
+            let want = reference::quantize(&x, 8, cols, g, layout).unwrap();
+            let xd = s.clone_htod(&x).unwrap();
+            let t = quantize_nvfp4(&s, &xd, 8, cols, g, layout).unwrap();
+            let got = t.to_host(&s).unwrap();
+            assert_eq!(got.scales, want.scales, "{layout:?} g={g}");
+            assert_eq!(got.codes, want.codes, "{layout:?} g={g}");
+            let deq = s.clone_dtoh(&dequantize_nvfp4(&s, &t).unwrap()).unwrap();
+            let wdeq = reference::dequantize(&want);
+            let b = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(b(&deq[..8 * cols]), b(&wdeq), "{layout:?} g={g}");
+        }
+    }
+}
+
+/// Millions of blocks whose quotients land on or within a few ulps of the E2M1 decision points,
+/// at scales across the E4M3 range: the kernel's fast division path must agree with true division.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn quantize_division_fast_path_is_exact() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    let seed = rng.seed();
+    let (rows, cols) = (4096usize, 1024usize);
+    const POINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    for &g in &[1.0f32, 0.3, 1.7e-5, 2.2e4] {
+        let mut x = Vec::with_capacity(rows * cols);
+        for _ in 0..rows * cols / 16 {
+            let amax = 6.0 * nvfp4_moe::format::e4m3_decode(rng.range(1, 0x7E) as u8) * g * rng.uniform(0.9, 1.1);
+            x.push(bf16::from_f32(amax));
+            let d_est = amax / 6.0;
+            for _ in 1..16 {
+                let t = POINTS[rng.below(7) as usize];
+                let v = bf16::from_f32(t * d_est);
+                // Nudge a few bf16 ulps either way.
+                let bits = (v.to_bits() as i32 + rng.range(0, 7) as i32 - 3) as u16;
+                x.push(bf16::from_bits(bits));
+            }
+        }
+        let want = reference::quantize(&x, rows, cols, g, ScaleLayout::Linear).unwrap();
+        let xd = s.clone_htod(&x).unwrap();
+        let got = quantize_nvfp4(&s, &xd, rows, cols, g, ScaleLayout::Linear).unwrap().to_host(&s).unwrap();
+        assert!(got.scales == want.scales, "scales differ at {:?} g={g} seed={seed}", first_diff(&got.scales, &want.scales));
+        assert!(got.codes == want.codes, "codes differ at {:?} g={g} seed={seed}", first_diff(&got.codes, &want.codes));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_input_is_rejected_before_launch() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    let (rows, cols) = (4usize, 64usize);
+    let x = s.clone_htod(&rng.normal_bf16(rows * cols + 8, 1.0)).unwrap();
+    let mut codes = poisoned_u8(&s, rows * cols / 2 + 8);
+    let mut scales = poisoned_u8(&s, 512);
+    // x shifted by one bf16: 2-byte aligned only.
+    let e = quantize_nvfp4_into(&s, &x.slice(1..), rows, cols, 1.0, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    assert!(matches!(e, Error::Misaligned { name: "x", .. }), "{e}");
+    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Linear, &mut codes.slice_mut(4..), &mut scales).unwrap_err();
+    assert!(matches!(e, Error::Misaligned { name: "codes", .. }), "{e}");
+    let e = quantize_nvfp4_into(&s, &x, rows, 40, 1.0, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    assert!(matches!(e, Error::InvalidShape(_)), "{e}");
+    let e = quantize_nvfp4_into(&s, &x, rows, cols, f32::NAN, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    assert!(matches!(e, Error::InvalidDecodeScale(_)), "{e}");
+    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Swizzled128x4, &mut codes, &mut scales.slice_mut(..100)).unwrap_err();
+    assert!(matches!(e, Error::BufferTooSmall { name: "scales", .. }), "{e}");
+    s.synchronize().unwrap();
+    // Nothing was launched: the outputs still hold the poison.
+    assert!(s.clone_dtoh(&codes).unwrap().iter().all(|&b| b == POISON));
+    assert!(s.clone_dtoh(&scales).unwrap().iter().all(|&b| b == POISON));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_round_trip_through_device() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    let (rows, cols) = (37usize, 96usize);
+    let x = rng.varied_bf16(rows * cols);
+    let h: Nvfp4Host = reference::quantize(&x, rows, cols, 0.5, ScaleLayout::Swizzled128x4).unwrap();
+    let t = Nvfp4Tensor::from_host(&s, &h).unwrap();
+    let back = t.to_host(&s).unwrap();
+    assert_eq!(back.codes, h.codes);
+    assert_eq!(back.scales, h.scales);
+}
