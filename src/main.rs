@@ -5,7 +5,6 @@
 
 use std::fmt;
 use std::io::Write;
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -97,7 +96,11 @@ compute capability, memory, SMs, whether this build has kernels for it).";
 /// Why the command failed: a usage error (exit 2) or a failure while running (exit 1).
 #[derive(Debug)]
 enum Fail {
-    Usage { msg: String, usage: &'static str, help_cmd: &'static str },
+    Usage {
+        msg: String,
+        usage: &'static str,
+        help_cmd: &'static str,
+    },
     Run(String),
 }
 
@@ -110,11 +113,19 @@ impl From<Error> for Fail {
 type CliResult<T> = std::result::Result<T, Fail>;
 
 fn usage_err(cmd: &Command, msg: impl fmt::Display) -> Fail {
-    Fail::Usage { msg: msg.to_string(), usage: cmd.usage, help_cmd: cmd.name }
+    Fail::Usage {
+        msg: msg.to_string(),
+        usage: cmd.usage,
+        help_cmd: cmd.name,
+    }
 }
 
 fn top_usage_err(msg: impl fmt::Display) -> Fail {
-    Fail::Usage { msg: msg.to_string(), usage: USAGE, help_cmd: "" }
+    Fail::Usage {
+        msg: msg.to_string(),
+        usage: USAGE,
+        help_cmd: "",
+    }
 }
 
 /// One subcommand: its flags (name, value placeholder, required) and help.
@@ -131,7 +142,13 @@ const QUANTIZE: Command = Command {
     summary: "quantize one 2-D tensor to NVFP4 in ModelOpt's checkpoint layout",
     usage: QUANTIZE_USAGE,
     help: QUANTIZE_HELP,
-    flags: &[("input", true), ("tensor", true), ("output", true), ("prefix", false), ("backend", false)],
+    flags: &[
+        ("input", true),
+        ("tensor", true),
+        ("output", true),
+        ("prefix", false),
+        ("backend", false),
+    ],
 };
 
 const DEQUANTIZE: Command = Command {
@@ -139,15 +156,33 @@ const DEQUANTIZE: Command = Command {
     summary: "decode a ModelOpt NVFP4 weight to BF16",
     usage: DEQUANTIZE_USAGE,
     help: DEQUANTIZE_HELP,
-    flags: &[("input", true), ("output", true), ("prefix", false), ("name", false), ("backend", false)],
+    flags: &[
+        ("input", true),
+        ("output", true),
+        ("prefix", false),
+        ("name", false),
+        ("backend", false),
+    ],
 };
 
-const INFO: Command = Command { name: "info", summary: "version, build and GPUs", usage: INFO_USAGE, help: INFO_HELP, flags: &[] };
+const INFO: Command = Command {
+    name: "info",
+    summary: "version, build and GPUs",
+    usage: INFO_USAGE,
+    help: INFO_HELP,
+    flags: &[],
+};
 
 const ALL: [&Command; 3] = [&QUANTIZE, &DEQUANTIZE, &INFO];
 
 fn print_command_help(cmd: &Command) {
-    out!("nvfp4-moe {}: {}\n\nUsage:\n  {}\n\n{}", cmd.name, cmd.summary, cmd.usage, cmd.help);
+    out!(
+        "nvfp4-moe {}: {}\n\nUsage:\n  {}\n\n{}",
+        cmd.name,
+        cmd.summary,
+        cmd.usage,
+        cmd.help
+    );
 }
 
 fn print_help() {
@@ -161,7 +196,10 @@ struct Flags {
 
 impl Flags {
     fn get(&self, name: &str) -> Option<&str> {
-        self.values.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
+        self.values
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// A required flag (presence is checked by [`parse_flags`]).
@@ -181,7 +219,10 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
             return Ok(None);
         }
         let Some(body) = a.strip_prefix("--") else {
-            return Err(usage_err(cmd, format!("unexpected argument `{a}` (flags are `--name value`)")));
+            return Err(usage_err(
+                cmd,
+                format!("unexpected argument `{a}` (flags are `--name value`)"),
+            ));
         };
         let (key, inline) = match body.split_once('=') {
             Some((k, v)) => (k, Some(v.to_string())),
@@ -189,8 +230,15 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
         };
         let Some(&(name, _)) = cmd.flags.iter().find(|(n, _)| *n == key) else {
             let known: Vec<String> = cmd.flags.iter().map(|(n, _)| format!("--{n}")).collect();
-            let known = if known.is_empty() { "it takes none".to_string() } else { format!("it takes {}", known.join(", ")) };
-            return Err(usage_err(cmd, format!("unknown flag `--{key}` for `{}` ({known})", cmd.name)));
+            let known = if known.is_empty() {
+                "it takes none".to_string()
+            } else {
+                format!("it takes {}", known.join(", "))
+            };
+            return Err(usage_err(
+                cmd,
+                format!("unknown flag `--{key}` for `{}` ({known})", cmd.name),
+            ));
         };
         let value = match inline {
             Some(v) => v,
@@ -203,18 +251,28 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
             },
         };
         if value.is_empty() && name != "prefix" {
-            return Err(usage_err(cmd, format!("flag `--{name}` needs a non-empty value")));
+            return Err(usage_err(
+                cmd,
+                format!("flag `--{name}` needs a non-empty value"),
+            ));
         }
         if values.iter().any(|(n, _)| *n == name) {
             return Err(usage_err(cmd, format!("flag `--{name}` given twice")));
         }
         values.push((name, value));
     }
-    let missing: Vec<String> =
-        cmd.flags.iter().filter(|(n, req)| *req && !values.iter().any(|(v, _)| v == n)).map(|(n, _)| format!("--{n}")).collect();
+    let missing: Vec<String> = cmd
+        .flags
+        .iter()
+        .filter(|(n, req)| *req && !values.iter().any(|(v, _)| v == n))
+        .map(|(n, _)| format!("--{n}"))
+        .collect();
     if !missing.is_empty() {
         let s = if missing.len() > 1 { "s" } else { "" };
-        return Err(usage_err(cmd, format!("missing required flag{s} {}", missing.join(", "))));
+        return Err(usage_err(
+            cmd,
+            format!("missing required flag{s} {}", missing.join(", ")),
+        ));
     }
     Ok(Some(Flags { values }))
 }
@@ -225,21 +283,15 @@ enum Backend {
     Cuda,
 }
 
-impl Backend {
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-            Backend::Cuda => "cuda",
-        }
-    }
-}
-
 fn parse_backend(cmd: &Command, flags: &Flags) -> CliResult<Option<Backend>> {
     match flags.get("backend") {
         None => Ok(None),
         Some("cpu") => Ok(Some(Backend::Cpu)),
         Some("cuda") => Ok(Some(Backend::Cuda)),
-        Some(other) => Err(usage_err(cmd, format!("unknown backend `{other}` (expected cpu or cuda)"))),
+        Some(other) => Err(usage_err(
+            cmd,
+            format!("unknown backend `{other}` (expected cpu or cuda)"),
+        )),
     }
 }
 
@@ -318,6 +370,15 @@ fn resolve_backend(requested: Option<Backend>) -> CliResult<(Backend, String)> {
     }
 }
 
+/// A float for people: plain between 1e-3 and 1e4, else scientific (both exact round trips).
+fn fmt_f32(v: f32) -> String {
+    if v == 0.0 || (1e-3..1e4).contains(&v.abs()) {
+        format!("{v}")
+    } else {
+        format!("{v:e}")
+    }
+}
+
 fn fmt_dur(d: Duration) -> String {
     let s = d.as_secs_f64();
     if s >= 1.0 {
@@ -347,67 +408,96 @@ fn chunk_rows(cols: usize) -> usize {
     ((4usize << 20) / cols.max(1)).clamp(1, 1024)
 }
 
-/// Counts a finished worker even when it unwinds, so the progress loop always ends.
-struct Finished<'a>(&'a AtomicUsize);
-
-impl Drop for Finished<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, Ordering::Release);
+/// `(number of non-finite elements, largest finite magnitude)` of `x`, on all cores. Works on the
+/// bits (vectorizes): an all-ones exponent is Inf/NaN, and the magnitude bits of finite values
+/// order like the values.
+fn scan_amax(x: &[bf16]) -> (usize, bf16) {
+    fn scan(x: &[bf16]) -> (usize, u16) {
+        x.iter().fold((0usize, 0u16), |(n, m), v| {
+            let mag = v.to_bits() & 0x7FFF;
+            let finite = mag < 0x7F80;
+            (
+                n + usize::from(!finite),
+                if finite { m.max(mag) } else { m },
+            )
+        })
     }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunk = x.len().div_ceil(threads).max(1 << 20);
+    let (n, m) = std::thread::scope(|s| {
+        let parts: Vec<_> = x.chunks(chunk).map(|c| s.spawn(move || scan(c))).collect();
+        parts
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .fold((0, 0), |(n, m), (a, b)| (n + a, m.max(b)))
+    });
+    (n, bf16::from_bits(m))
 }
 
 /// Runs `work` on every item (`(rows in it, item)`) on all cores, printing `what: done/total
-/// rows` to stderr every ~0.5 s while it runs. Returns the first error.
-fn run_chunked<T: Send>(what: &str, total_rows: usize, items: Vec<(usize, T)>, work: impl Fn(T) -> nvfp4_moe::Result<()> + Sync) -> nvfp4_moe::Result<()> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, items.len().max(1));
+/// rows` to stderr at most every ~0.5 s while it runs (so quick runs print nothing). Returns the
+/// first error.
+fn run_chunked<T: Send>(
+    what: &str,
+    total_rows: usize,
+    items: Vec<(usize, T)>,
+    work: impl Fn(T) -> nvfp4_moe::Result<()> + Sync,
+) -> nvfp4_moe::Result<()> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, items.len().max(1));
     let queue = Mutex::new(items.into_iter());
     let done = AtomicUsize::new(0);
-    let finished = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
     let first_err: Mutex<Option<Error>> = Mutex::new(None);
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                let _f = Finished(&finished);
-                while !failed.load(Ordering::Relaxed) {
-                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-                    let Some((n, item)) = next else { break };
-                    match work(item) {
-                        Ok(()) => {
-                            done.fetch_add(n, Ordering::Relaxed);
-                        }
-                        Err(e) => {
-                            first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-                            failed.store(true, Ordering::Relaxed);
-                        }
-                    }
-                }
-            });
-        }
-        let mut last = Instant::now();
-        let mut printed = false;
-        while finished.load(Ordering::Acquire) < threads {
-            std::thread::sleep(Duration::from_millis(20));
-            if last.elapsed() >= Duration::from_millis(500) {
-                let d = done.load(Ordering::Relaxed);
-                eprintln!("  {what}: {d}/{total_rows} rows ({:.0}%)", 100.0 * d as f64 / total_rows.max(1) as f64);
-                last = Instant::now();
-                printed = true;
+    // When progress was last printed, and whether it ever was.
+    let progress = Mutex::new((Instant::now(), false));
+    let worker = || {
+        while !failed.load(Ordering::Relaxed) {
+            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+            let Some((n, item)) = next else { break };
+            if let Err(e) = work(item) {
+                first_err
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+                failed.store(true, Ordering::Relaxed);
+                break;
+            }
+            let d = done.fetch_add(n, Ordering::Relaxed) + n;
+            let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
+            if d < total_rows && p.0.elapsed() >= Duration::from_millis(500) {
+                eprintln!(
+                    "  {what}: {d}/{total_rows} rows ({:.0}%)",
+                    100.0 * d as f64 / total_rows.max(1) as f64
+                );
+                *p = (Instant::now(), true);
             }
         }
-        if printed && !failed.load(Ordering::Relaxed) {
-            eprintln!("  {what}: {total_rows}/{total_rows} rows (100%)");
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(worker);
         }
+        worker();
     });
-    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
+    if let Some(e) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
     }
+    if progress.into_inner().unwrap_or_else(|p| p.into_inner()).1 {
+        eprintln!("  {what}: {total_rows}/{total_rows} rows (100%)");
+    }
+    Ok(())
 }
 
 /// The CPU reference quantizer over row chunks on all cores (valid for the linear layout: the
 /// codes and scales of consecutive row ranges are consecutive).
-fn quantize_cpu(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>)> {
+fn quantize_cpu(
+    x: &[bf16],
+    rows: usize,
+    cols: usize,
+    g: f32,
+) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>)> {
     let mut codes = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * cols / 16];
     let ch = chunk_rows(cols);
@@ -457,9 +547,13 @@ fn dequantize_cpu(w: &ModelOptWeight) -> nvfp4_moe::Result<Vec<bf16>> {
             codes: c.to_vec(),
             scales: s.to_vec(),
         };
-        let y = reference::dequantize(&h);
+        let y = reference::try_dequantize(&h)?;
         if y.len() != o.len() {
-            return Err(Error::Invalid(format!("reference dequantizer returned {} elements, expected {}", y.len(), o.len())));
+            return Err(Error::Invalid(format!(
+                "reference dequantizer returned {} elements, expected {}",
+                y.len(),
+                o.len()
+            )));
         }
         o.copy_from_slice(&y);
         Ok(())
@@ -470,11 +564,20 @@ fn dequantize_cpu(w: &ModelOptWeight) -> nvfp4_moe::Result<Vec<bf16>> {
 fn phase(name: &str, bytes: usize, t: Instant) {
     let d = t.elapsed();
     let rate = bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9;
-    eprintln!("  cuda {name:<8} {:>10} in {} ({rate:.1} GB/s)", fmt_bytes(bytes), fmt_dur(d));
+    eprintln!(
+        "  cuda {name:<8} {:>10} in {} ({rate:.1} GB/s)",
+        fmt_bytes(bytes),
+        fmt_dur(d)
+    );
 }
 
 /// The GPU quantizer on GPU 0, printing its phases. Returns (codes, scales, kernel time).
-fn quantize_cuda(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>, Duration)> {
+fn quantize_cuda(
+    x: &[bf16],
+    rows: usize,
+    cols: usize,
+    g: f32,
+) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>, Duration)> {
     if rows == 0 {
         return Ok((Vec::new(), Vec::new(), Duration::ZERO));
     }
@@ -530,14 +633,16 @@ fn dequantize_cuda(w: &ModelOptWeight) -> nvfp4_moe::Result<(Vec<bf16>, Duration
 /// Adds the file to a safetensors parse error, which does not name it.
 fn file_ctx(path: &str) -> impl Fn(Error) -> Fail + '_ {
     move |e| match e {
-        Error::Safetensors(s) => Fail::Run(format!("`{path}` is not a valid safetensors file: {s}")),
+        Error::Safetensors(s) => {
+            Fail::Run(format!("`{path}` is not a valid safetensors file: {s}"))
+        }
         e => Fail::from(e),
     }
 }
 
 fn backend_label(b: Backend, gpu: &str) -> String {
     match b {
-        Backend::Cpu => format!("cpu ({} threads)", std::thread::available_parallelism().map_or(1, |n| n.get())),
+        Backend::Cpu => "cpu (reference)".to_string(),
         Backend::Cuda => format!("cuda (GPU 0: {gpu})"),
     }
 }
@@ -550,17 +655,29 @@ fn cmd_quantize(flags: &Flags) -> CliResult<()> {
 
     let (x, rows, cols, src) = nio::read_matrix_bf16(input, name).map_err(file_ctx(input))?;
     let tensor_err = |e: Error| Fail::Run(format!("tensor `{name}` [{rows}, {cols}]: {e}"));
-    out!("read `{name}` [{rows}, {cols}] {} from {input} ({})", src.name(), fmt_dur(t_all.elapsed()));
+    out!(
+        "read `{name}` [{rows}, {cols}] {} from {input} ({})",
+        src.name(),
+        fmt_dur(t_all.elapsed())
+    );
     if src == SourceDtype::F32 {
         out!("note: `{name}` is F32: rounded to BF16 (round-to-nearest-even) before quantizing");
     }
     reference::validate_quantize_shape(rows, cols).map_err(tensor_err)?;
-    let non_finite = x.iter().filter(|v| !v.is_finite()).count();
+    let (non_finite, amax) = scan_amax(&x);
     if non_finite > 0 {
         out!("warning: `{name}` holds {non_finite} non-finite element(s): Inf saturates (scale 448, code ±6), a NaN makes its block's scale NaN (0x7F)");
     }
-    let g = reference::weight_decode_scale(&x).map_err(tensor_err)?;
-    let amax = x.iter().map(|v| v.to_f32()).filter(|v| v.is_finite()).fold(0f32, |m, v| m.max(v.abs()));
+    if amax.to_f32() == 0.0 {
+        return Err(tensor_err(Error::Invalid(format!(
+            "cannot derive a decode scale: none of its {} elements is finite and non-zero",
+            x.len()
+        ))));
+    }
+    // The reference's g of a tensor depends on its finite amax alone: a one-element tensor holding
+    // that amax gives the same g without a second pass over the whole tensor.
+    let g = reference::weight_decode_scale(&[amax]).map_err(tensor_err)?;
+    let amax = amax.to_f32();
 
     let (backend, gpu) = resolve_backend(requested)?;
     let t = Instant::now();
@@ -576,12 +693,28 @@ fn cmd_quantize(flags: &Flags) -> CliResult<()> {
     };
     let t_q = t.elapsed();
     drop(x);
-    let kernel = kernel.map(|k| format!(", kernel {}", fmt_dur(k))).unwrap_or_default();
-    out!("quantized on {} in {}{kernel}", backend_label(backend, &gpu), fmt_dur(t_q));
-    out!("decode scale g = {g:e} (weight_scale_2; amax {amax:e} / (6 * 448)), linear block-16 scales");
+    let kernel = kernel
+        .map(|k| format!(", kernel {}", fmt_dur(k)))
+        .unwrap_or_default();
+    out!(
+        "quantized on {} in {}{kernel}",
+        backend_label(backend, &gpu),
+        fmt_dur(t_q)
+    );
+    out!(
+        "decode scale g = {} (weight_scale_2; amax {} / (6 * 448)), linear block-16 scales",
+        fmt_f32(g),
+        fmt_f32(amax)
+    );
 
     let t = Instant::now();
-    let w = ModelOptWeight { codes, scales, decode_scale: g, rows, cols };
+    let w = ModelOptWeight {
+        codes,
+        scales,
+        decode_scale: g,
+        rows,
+        cols,
+    };
     nio::write_modelopt(output, &prefix, &w)?;
     out!(
         "wrote {output} ({}): {prefix}weight U8 [{rows}, {}], {prefix}weight_scale F8_E4M3 [{rows}, {}], {prefix}weight_scale_2 F32 [] in {}",
@@ -603,7 +736,11 @@ fn cmd_dequantize(flags: &Flags) -> CliResult<()> {
 
     let w = nio::read_modelopt(input, &prefix).map_err(file_ctx(input))?;
     let (rows, cols) = (w.rows, w.cols);
-    out!("read `{prefix}weight` NVFP4 [{rows}, {cols}] from {input}: decode scale g = {:e} ({})", w.decode_scale, fmt_dur(t_all.elapsed()));
+    out!(
+        "read `{prefix}weight` NVFP4 [{rows}, {cols}] from {input}: decode scale g = {} ({})",
+        fmt_f32(w.decode_scale),
+        fmt_dur(t_all.elapsed())
+    );
 
     let (backend, gpu) = resolve_backend(requested)?;
     let t = Instant::now();
@@ -614,12 +751,22 @@ fn cmd_dequantize(flags: &Flags) -> CliResult<()> {
             (y, Some(k))
         }
     };
-    let kernel = kernel.map(|k| format!(", kernel {}", fmt_dur(k))).unwrap_or_default();
-    out!("dequantized on {} in {}{kernel}", backend_label(backend, &gpu), fmt_dur(t.elapsed()));
+    let kernel = kernel
+        .map(|k| format!(", kernel {}", fmt_dur(k)))
+        .unwrap_or_default();
+    out!(
+        "dequantized on {} in {}{kernel}",
+        backend_label(backend, &gpu),
+        fmt_dur(t.elapsed())
+    );
 
     let t = Instant::now();
     nio::write_bf16(output, out_name, &y, rows, cols)?;
-    out!("wrote {output} ({}): {out_name} BF16 [{rows}, {cols}] in {}", fmt_bytes(y.len() * 2), fmt_dur(t.elapsed()));
+    out!(
+        "wrote {output} ({}): {out_name} BF16 [{rows}, {cols}] in {}",
+        fmt_bytes(y.len() * 2),
+        fmt_dur(t.elapsed())
+    );
     out!("total {}", fmt_dur(t_all.elapsed()));
     Ok(())
 }
@@ -629,11 +776,31 @@ fn cmd_info() -> CliResult<()> {
     let (ma, mi, pa) = b.cutlass_version;
     out!("nvfp4-moe {VERSION}");
     out!("build:");
-    out!("  CUDA compiled against  {}", info::cuda_version_string(b.cuda_version));
-    out!("  target archs           {}", if b.cuda_archs.is_empty() { "(none)" } else { &b.cuda_archs });
+    out!(
+        "  CUDA compiled against  {}",
+        info::cuda_version_string(b.cuda_version)
+    );
+    out!(
+        "  target archs           {}",
+        if b.cuda_archs.is_empty() {
+            "(none)"
+        } else {
+            &b.cuda_archs
+        }
+    );
     out!("  CUTLASS                {ma}.{mi}.{pa}");
-    out!("  CUDA runtime           {}", info::cuda_version_string(b.runtime_version));
-    out!("  CUDA driver            {}", if b.driver_version > 0 { info::cuda_version_string(b.driver_version) } else { "none (no driver loaded)".into() });
+    out!(
+        "  CUDA runtime           {}",
+        info::cuda_version_string(b.runtime_version)
+    );
+    out!(
+        "  CUDA driver            {}",
+        if b.driver_version > 0 {
+            info::cuda_version_string(b.driver_version)
+        } else {
+            "none (no driver loaded)".into()
+        }
+    );
     let gpus = info::gpus();
     if gpus.is_empty() {
         out!("no CUDA GPU visible");
@@ -641,7 +808,11 @@ fn cmd_info() -> CliResult<()> {
         out!("GPUs:");
         for g in &gpus {
             let (ma, mi) = g.compute_capability;
-            let ok = if arch_supported(g.compute_capability, &b.cuda_archs) { "supported by this build" } else { "NOT supported by this build" };
+            let ok = if arch_supported(g.compute_capability, &b.cuda_archs) {
+                "supported by this build"
+            } else {
+                "NOT supported by this build"
+            };
             out!(
                 "  [{}] {}: compute capability {ma}.{mi}, {:.1} GiB, {} SMs ({ok})",
                 g.ordinal,
@@ -714,8 +885,14 @@ fn main() -> ExitCode {
     static PANICKED: AtomicBool = AtomicBool::new(false);
     std::panic::set_hook(Box::new(|p| {
         if !PANICKED.swap(true, Ordering::SeqCst) {
-            let at = p.location().map(|l| format!(" (at {}:{})", l.file(), l.line())).unwrap_or_default();
-            eprintln!("error: internal error: {}{at}", panic_message(p.payload()).replace('\n', " "));
+            let at = p
+                .location()
+                .map(|l| format!(" (at {}:{})", l.file(), l.line()))
+                .unwrap_or_default();
+            eprintln!(
+                "error: internal error: {}{at}",
+                panic_message(p.payload()).replace('\n', " ")
+            );
         }
     }));
 
@@ -736,8 +913,16 @@ fn main() -> ExitCode {
             eprintln!("error: {msg}");
             ExitCode::from(1)
         }
-        Ok(Err(Fail::Usage { msg, usage, help_cmd })) => {
-            let more = if help_cmd.is_empty() { "nvfp4-moe --help".to_string() } else { format!("nvfp4-moe {help_cmd} --help") };
+        Ok(Err(Fail::Usage {
+            msg,
+            usage,
+            help_cmd,
+        })) => {
+            let more = if help_cmd.is_empty() {
+                "nvfp4-moe --help".to_string()
+            } else {
+                format!("nvfp4-moe {help_cmd} --help")
+            };
             if usage == USAGE {
                 eprintln!("error: {msg}\n\n{usage}\n\nRun `{more}` for details.");
             } else {
@@ -766,6 +951,46 @@ mod tests {
         assert!(!arch_supported((9, 0), "80-real"));
         assert!(arch_supported((9, 0), ""));
         assert!(arch_supported((9, 0), "garbage"));
+    }
+
+    #[test]
+    fn amax_scan_matches_a_plain_scan_and_gives_the_reference_g() {
+        let mut r = nvfp4_moe::rng::Rng::from_entropy();
+        eprintln!("seed = {:#x}", r.seed());
+        for n in [1usize, 17, 1000, (1 << 20) + 3, 3 << 20] {
+            let mut x = r.varied_bf16(n);
+            for _ in 0..r.range(0, 4) {
+                let i = r.range(0, n);
+                x[i] = [
+                    bf16::NAN,
+                    bf16::INFINITY,
+                    bf16::NEG_INFINITY,
+                    bf16::from_bits(0xFF81),
+                    bf16::from_bits(0x0001),
+                ][r.range(0, 5)];
+            }
+            let want_nf = x.iter().filter(|v| !v.is_finite()).count();
+            let want_amax = x
+                .iter()
+                .map(|v| v.to_f32())
+                .filter(|v| v.is_finite())
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let (nf, amax) = scan_amax(&x);
+            assert_eq!((nf, amax.to_f32()), (want_nf, want_amax), "n = {n}");
+            if want_amax > 0.0 {
+                let g = reference::weight_decode_scale(&x).unwrap();
+                assert_eq!(
+                    reference::weight_decode_scale(&[amax]).unwrap().to_bits(),
+                    g.to_bits(),
+                    "n = {n}"
+                );
+            }
+        }
+        assert_eq!(scan_amax(&[]), (0, bf16::ZERO));
+        assert_eq!(
+            scan_amax(&[bf16::NAN, bf16::from_f32(-0.0)]),
+            (1, bf16::ZERO)
+        );
     }
 
     #[test]

@@ -73,7 +73,7 @@ fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
 }
 
 fn check_align(name: &'static str, addr: u64, align: usize) -> Result<()> {
-    if addr % align as u64 != 0 {
+    if !addr.is_multiple_of(align as u64) {
         return Err(Error::Misaligned { name, align, addr });
     }
     Ok(())
@@ -136,6 +136,7 @@ fn stream_handle(stream: &CudaStream) -> Result<u64> {
     Ok(stream.cu_stream() as u64)
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Quantizes `x` (bf16 `[rows, cols]`) into caller-provided buffers: `codes` (`rows * cols / 2`
 /// bytes) and `scales` ([`scale_len`]`(layout, rows, cols)` bytes, padding written as 0), with
 /// the decode scale `decode_scale` (g; the "global scale" of other libraries is 1/g).
