@@ -17,7 +17,8 @@ import json, sys
 for line in sys.stdin:
     try: m = json.loads(line)
     except ValueError: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+    # Test harnesses only (profile.test); cargo also reports the plain CLI binary it builds.
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and (m["profile"]["test"] or m["target"]["kind"][0] == "bench"):
         print(m["target"]["name"], m["target"]["kind"][0], m["executable"])
 '; }
 

@@ -36,8 +36,9 @@ pub struct BlockQuant {
 /// 4. `code_i = e2m1_rne_satfinite(x_i / d)`, sign from the IEEE sign bit.
 ///
 /// Whatever the f32 arithmetic gives at the extremes is the answer: if `d` overflows to +Inf
-/// (huge g) finite elements give codes 0/8 by sign and an Inf element gives Inf/Inf = NaN, which
-/// `e2m1_encode` maps to code 0. The recipe needs `g` finite and > 0 (see
+/// (huge g) finite elements give codes 0/8 by sign and an Inf element gives Inf/Inf = NaN: a
+/// NaN quotient has magnitude 0 and keeps the sign of x_i (code 0 or 8), as step 4 takes the sign
+/// from x_i. The recipe needs `g` finite and > 0 (see
 /// [`validate_decode_scale`]); other `g` never panic but give meaningless bytes.
 pub fn quantize_block(x: &[f32; 16], decode_scale: f32) -> BlockQuant {
     if x.iter().any(|v| v.is_nan()) {
@@ -51,7 +52,8 @@ pub fn quantize_block(x: &[f32; 16], decode_scale: f32) -> BlockQuant {
     }
     let mut codes = [0u8; 16];
     for (code, &v) in codes.iter_mut().zip(x) {
-        *code = e2m1_encode(v / block_decode);
+        let q = v / block_decode;
+        *code = if q.is_nan() { ((v.to_bits() >> 31) as u8) << 3 } else { e2m1_encode(q) };
     }
     BlockQuant { scale, codes }
 }
@@ -497,6 +499,10 @@ mod tests {
         assert_eq!(q.codes[0], 0);
         assert_eq!(q.codes[1], 8);
         assert_eq!(q.codes[2], 0);
+        // -Inf / Inf = NaN: magnitude 0 with the sign of x (code 8), as the GPU writes it.
+        x[3] = f32::NEG_INFINITY;
+        let q = quantize_block(&x, pow2(125));
+        assert_eq!(q.codes[3], 8);
     }
 
     #[test]

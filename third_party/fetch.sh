@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fetches the pinned build toolchain into git-ignored folders under third_party/:
-#   cuda/     CUDA 13.0 nvcc + nvvm + crt + cudart (static) + cccl + cuobjdump, merged into one tree
+#   cuda/     CUDA 13.0 nvcc + nvvm + crt + cudart (static) + cccl, cuobjdump + nvdisasm (13.2, SASS
+#             checks only), merged into one tree
 #   cutlass/  CUTLASS 4.2 headers: include/, tools/util/include/, examples/
 #   cmake/    CMake 4.x (only when no cmake >= 3.24 is on PATH)
 # Every archive's sha256 is pinned in requirements.txt and checked by pip (--require-hashes).
@@ -33,7 +34,7 @@ mkdir -p "$dl"
 rm -rf cuda cutlass cmake .stage
 mkdir -p .stage
 for w in "$dl"/nvidia_cuda_*.whl "$dl"/nvidia_nvvm-*.whl; do
-  case "$w" in *cuda_cccl*|*cuda_crt*|*cuda_nvcc*|*cuda_runtime*|*cuda_cuobjdump*|*nvvm*) ;; *) continue ;; esac
+  case "$w" in *cuda_cccl*|*cuda_crt*|*cuda_nvcc*|*cuda_runtime*|*cuda_cuobjdump*|*cuda_nvdisasm*|*nvvm*) ;; *) continue ;; esac
   unzip -q -o "$w" 'nvidia/cu13/*' -d .stage
 done
 mv .stage/nvidia/cu13 cuda

@@ -60,12 +60,22 @@ CUTLASS_DEVICE uint32_t e4m3_encode(float x) {
   return sign | (e << 3) | r;  // a < 448 keeps this below 0x7E
 }
 
-// |q| -> E2M1 magnitude index (0..7), round-to-nearest-even with saturation: the count of decision
-// points passed. Ties (0.25, 1.25, 2.5, 5 with '>'; 0.75, 1.75, 3.5 with '>=') go to the neighbour
-// whose mantissa bit is 0. NaN gives 0.
-CUTLASS_DEVICE uint32_t e2m1_magnitude(float a) {
-  return uint32_t(a > 0.25f) + uint32_t(a >= 0.75f) + uint32_t(a > 1.25f) + uint32_t(a >= 1.75f) +
-         uint32_t(a > 2.5f) + uint32_t(a >= 3.5f) + uint32_t(a > 5.0f);
+// |q| -> E2M1 magnitude index (0..7), round-to-nearest-even with saturation (decision points
+// 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5; ties to the even-mantissa neighbour). The FPU does the
+// rounding: adding C = 2^22 * max(2^floor(log2 a), 1) rounds a to a multiple of ulp(C), which is
+// the E2M1 grid step at a (0.5 below 2, then 1, then 2, ...), ties to even; subtracting C is exact.
+// An E2M1 value v then maps to its index exactly as the FP32 bits of v * 2^-126, shifted right by
+// 22 (the bits below are zero). The sign of q is ignored; NaN must not reach here.
+// kAnySize: q may be >= 2^105 or Inf (clamps C); otherwise |q| < 2^100 is required.
+template <bool kAnySize>
+CUTLASS_DEVICE uint32_t e2m1_magnitude(float q) {
+  uint32_t pow2 = __float_as_uint(q) & 0x7F800000u;
+  if constexpr (kAnySize) {
+    pow2 = min(pow2, 0x41000000u);  // C <= 2^25, so Inf and huge values round to >= 8
+  }
+  float c = __uint_as_float(max(pow2, 0x3F800000u) + (22u << 23));
+  float r = fminf(__fsub_rn(__fadd_rn(fabsf(q), c), c), 6.0f);
+  return __float_as_uint(__fmul_rn(r, 0x1p-126f)) >> 22;
 }
 
 CUTLASS_DEVICE float e2m1_decode(uint32_t code) {
@@ -74,6 +84,19 @@ CUTLASS_DEVICE float e2m1_decode(uint32_t code) {
   uint32_t m = code & 1u;
   uint32_t mag = e == 0 ? (m ? 0x3F000000u : 0u) : (((e + 126u) << 23) | (m << 22));
   return __uint_as_float(mag | ((code & 8u) << 28));
+}
+
+// The rare exact path of step 4 (true division per element), taken per block so the fast path
+// stays branch-free.
+CUTLASS_DEVICE void quantize_codes_exact(const float (&x)[16], float d, uint32_t (&packed)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    float q = __fdiv_rn(x[i], d);
+    // Inf / Inf (an Inf element when d overflowed to Inf) is NaN: code 0, as in the CPU reference.
+    uint32_t mag = isnan(q) ? 0u : e2m1_magnitude<true>(q);
+    uint32_t code = mag | ((__float_as_uint(x[i]) >> 28) & 8u);
+    packed[i / 8] |= code << (4 * (i % 8));
+  }
 }
 
 // One NVFP4 block of 16 values: its scale byte and 8 packed code bytes (element 2j in the low
@@ -107,24 +130,24 @@ CUTLASS_DEVICE Block16 quantize_block16(const float (&x)[16], float g) {
   out.scale = s;
   // Step 4: code_i = e2m1(x_i / d) with a true division. Fast path (Markstein): with r = RN(1/d),
   // q0 = RN(x r) is within an ulp of x/d and q0 + RN(x - d q0) r rounds to exactly RN(x/d),
-  // provided nothing over- or underflows. Unless s saturated, |x/d| <= ~12, and with d in
-  // [2^-60, 2^60] every quotient near a decision point has a normal remainder. A saturated scale
-  // (huge amax, or an Inf element) can make x/d overflow: it takes the exact division.
-  bool fast = (s < 0x7Eu) && (d >= 0x1p-60f) && (d <= 0x1p60f);
-  float r = __fdiv_rn(1.0f, d);
+  // provided nothing over- or underflows: with d in [2^-60, 2^60] and |x| <= 2^60 d (so |x/d| <=
+  // 2^60; only a saturated scale allows more than ~12), every quotient near a decision point has
+  // normal operands and an exact remainder. Anything else (an Inf element, a huge amax against a
+  // tiny g) takes the exact division.
+  bool fast = (d >= 0x1p-60f) && (d <= 0x1p60f) && (amax <= __fmul_rn(0x1p60f, d));
   uint32_t packed[2] = {0u, 0u};
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < 16; ++i) {
-    float q;
-    if (fast) {
+  if (fast) {
+    float r = __fdiv_rn(1.0f, d);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 16; ++i) {
       float q0 = __fmul_rn(x[i], r);
-      float rem = __fmaf_rn(-q0, d, x[i]);
-      q = __fmaf_rn(rem, r, q0);
-    } else {
-      q = __fdiv_rn(x[i], d);
+      float q = __fmaf_rn(__fmaf_rn(-q0, d, x[i]), r, q0);
+      // Magnitude bits from the index, sign bit from x (so -0.0 gives code 8).
+      packed[i / 8] |= (e2m1_magnitude<false>(q) << (4 * (i % 8))) |
+                       ((__float_as_uint(x[i]) >> (28 - 4 * (i % 8))) & (8u << (4 * (i % 8))));
     }
-    uint32_t code = e2m1_magnitude(fabsf(q)) | ((__float_as_uint(x[i]) >> 28) & 8u);
-    packed[i / 8] |= code << (4 * (i % 8));
+  } else {
+    quantize_codes_exact(x, d, packed);
   }
   out.codes_lo = packed[0];
   out.codes_hi = packed[1];
