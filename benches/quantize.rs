@@ -25,8 +25,9 @@ fn benches(c: &mut Criterion) {
     for &(rows, cols) in &SHAPES {
         for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
             let n = rows * cols;
-            let xh = rng.varied_bf16(n);
-            // The weight convention (g = amax / (6 * 448)): no block scale saturates.
+            // Normal data like real weights and activations, and the weight convention
+            // g = amax / (6 * 448): no block scale saturates.
+            let xh = rng.normal_bf16(n, 1.0);
             let g = nvfp4_moe::reference::weight_decode_scale(&xh).unwrap();
             let x = s.clone_htod(&xh).unwrap();
             let mut codes = s.alloc_zeros::<u8>(n / 2).unwrap();

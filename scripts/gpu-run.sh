@@ -13,6 +13,8 @@ summary=()
 fails=0
 for t in "$here"/tests/*; do
   name=$(basename "$t")
+  # NVFP4MOE_TESTS=substring runs only the matching test binaries.
+  case "$name" in *"${NVFP4MOE_TESTS:-}"*) ;; *) continue ;; esac
   log="$out/test-$name.log"
   start=$(date +%s)
   "$t" --include-ignored --test-threads=2 >"$log" 2>&1
