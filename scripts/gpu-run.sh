@@ -17,7 +17,7 @@ for t in "$here"/tests/*; do
   case "$name" in *"${NVFP4MOE_TESTS:-}"*) ;; *) continue ;; esac
   log="$out/test-$name.log"
   start=$(date +%s)
-  "$t" --include-ignored --test-threads=2 >"$log" 2>&1
+  timeout "${NVFP4MOE_TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads=2 >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   res=$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')
@@ -27,7 +27,8 @@ done
 if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
   for b in "$here"/benches/*; do
     name=$(basename "$b")
-    "$b" --bench "$@" 2>&1 | tee "$out/bench-$name.log" | grep -vE '^(Benchmarking|\s*$)' || true
+    timeout "${NVFP4MOE_BENCH_TIMEOUT:-400}" "$b" --bench "$@" 2>&1 | tee "$out/bench-$name.log" \
+      | grep -vE '^(Benchmarking|\s*$)|time:|thrpt:|change:|outlier|^Found|(high|low) (mild|severe)' || true
   done
 fi
 echo

@@ -40,6 +40,33 @@ pub(crate) mod raw {
         driver_version: i32,
     }
 
+    /// Arguments of `prepare_nvfp4_weights`.
+    struct PrepareWeightsParams {
+        codes: u64,
+        scales: u64,
+        experts: i64,
+        n: i64,
+        k: i64,
+        prepared: u64,
+        error: u64,
+        stream: u64,
+    }
+
+    /// Arguments of `grouped_gemm_nvfp4`.
+    struct GroupedGemmParams {
+        prepared: u64,
+        decode_scale: u64,
+        experts: i64,
+        n: i64,
+        k: i64,
+        x: u64,
+        total_rows: i64,
+        expert_offsets: u64,
+        out: u64,
+        tile: i32,
+        stream: u64,
+    }
+
     unsafe extern "C++" {
         include!("nvfp4-moe/cpp/bridge/shim.h");
 
@@ -51,6 +78,18 @@ pub(crate) mod raw {
         /// # Safety
         /// As for `quantize_nvfp4`.
         unsafe fn dequantize_nvfp4(p: &DequantizeParams) -> Result<()>;
+
+        /// # Safety
+        /// Every pointer must be a live device allocation of the size the arguments imply.
+        unsafe fn prepare_nvfp4_weights(p: &PrepareWeightsParams) -> Result<()>;
+
+        /// # Safety
+        /// Every pointer must be a live device allocation of the size the arguments imply, and
+        /// `prepared` must hold weights prepared for the same experts, n and k.
+        unsafe fn grouped_gemm_nvfp4(p: &GroupedGemmParams) -> Result<()>;
+
+        fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
+        fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;
 
         fn core_build_info() -> CoreBuildInfo;
         fn core_scale_bytes(layout: u32, rows: i64, cols: i64) -> u64;

@@ -1005,3 +1005,39 @@ mod tests {
         assert_eq!(s, vec![0u8; grouped_scale_len(0, 2, 32)]);
     }
 }
+
+/// NVFP4 weights of E experts on the host in the checkpoint (ModelOpt) layout: codes
+/// `[E, n, k/2]` (element 2j in the low nibble), linear E4M3 scales `[E, n, k/16]`, and one decode
+/// scale per expert.
+#[derive(Clone, Debug)]
+pub struct ExpertWeightsHost {
+    pub experts: usize,
+    pub n: usize,
+    pub k: usize,
+    pub codes: Vec<u8>,
+    pub scales: Vec<u8>,
+    pub decode_scales: Vec<f32>,
+}
+
+impl ExpertWeightsHost {
+    /// Weight `(e, f, kk)` exactly as the format defines it: e2m1 x e4m3 (f32, exact), without
+    /// the expert's decode scale.
+    pub fn weight(&self, e: usize, f: usize, kk: usize) -> f32 {
+        let row = e * self.n + f;
+        let byte = self.codes[row * (self.k / 2) + kk / 2];
+        let code = if kk % 2 == 0 { byte & 0xF } else { byte >> 4 };
+        e2m1_decode(code) * e4m3_decode(self.scales[row * (self.k / 16) + kk / 16])
+    }
+}
+
+/// One element of the grouped GEMM, in f64: `sum_k x[row, k] * w_e[f, k] * g_e` where `e` is the
+/// expert owning `row` (the CPU oracle for the GPU kernel).
+pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: usize, f: usize) -> f64 {
+    let k = w.k;
+    let xr = &x[row * k..(row + 1) * k];
+    let mut acc = 0.0f64;
+    for (kk, xv) in xr.iter().enumerate() {
+        acc += f64::from(xv.to_f32()) * f64::from(w.weight(e, f, kk));
+    }
+    acc * f64::from(w.decode_scales[e])
+}

@@ -48,6 +48,41 @@ void dequantize_nvfp4(const DequantizeParams& p) {
   throw_on_error(nvfp4moe::dequantize_nvfp4(a, stream_ptr(p.stream)));
 }
 
+void prepare_nvfp4_weights(const PrepareWeightsParams& p) {
+  PrepareWeightsArgs a;
+  a.codes = dptr(p.codes);
+  a.scales = dptr(p.scales);
+  a.experts = p.experts;
+  a.n = p.n;
+  a.k = p.k;
+  a.prepared = dptr_mut(p.prepared);
+  a.error = static_cast<int*>(dptr_mut(p.error));
+  throw_on_error(nvfp4moe::prepare_nvfp4_weights(a, stream_ptr(p.stream)));
+}
+
+void grouped_gemm_nvfp4(const GroupedGemmParams& p) {
+  GroupedGemmArgs a;
+  a.prepared = dptr(p.prepared);
+  a.decode_scale = static_cast<const float*>(dptr(p.decode_scale));
+  a.experts = p.experts;
+  a.n = p.n;
+  a.k = p.k;
+  a.x = dptr(p.x);
+  a.total_rows = p.total_rows;
+  a.expert_offsets = static_cast<const int*>(dptr(p.expert_offsets));
+  a.out = dptr_mut(p.out);
+  a.tile = static_cast<GemmTile>(p.tile);
+  throw_on_error(nvfp4moe::grouped_gemm_nvfp4(a, stream_ptr(p.stream)));
+}
+
+uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) {
+  return prepared_weight_bytes(experts, n, k);
+}
+
+int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts) {
+  return static_cast<int32_t>(choose_gemm_tile(total_rows, experts));
+}
+
 CoreBuildInfo core_build_info() {
   BuildInfo b = build_info();
   CoreBuildInfo out;

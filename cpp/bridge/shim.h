@@ -12,9 +12,15 @@ namespace nvfp4moe::bridge {
 struct QuantizeParams;
 struct DequantizeParams;
 struct CoreBuildInfo;
+struct PrepareWeightsParams;
+struct GroupedGemmParams;
 
 void quantize_nvfp4(const QuantizeParams& p);
 void dequantize_nvfp4(const DequantizeParams& p);
+void prepare_nvfp4_weights(const PrepareWeightsParams& p);
+void grouped_gemm_nvfp4(const GroupedGemmParams& p);
+uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k);
+int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts);
 CoreBuildInfo core_build_info();
 uint64_t core_scale_bytes(uint32_t layout, int64_t rows, int64_t cols);
 

@@ -87,4 +87,66 @@ BuildInfo build_info() noexcept;
 int runtime_version() noexcept;
 int driver_version() noexcept;
 
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4-weight grouped GEMM (Hopper, sm_90a): out[rows of expert e] = x[rows of e] * W[e]^T.
+//
+// Weights are the wgmma M side (output features), tokens the N side. NVFP4 weights are
+// dequantized to BF16 exactly in the mainloop and fed to register-sourced wgmma; the per-expert
+// FP32 decode scale is applied in the epilogue.
+
+// Prepared weights: the checkpoint layout retiled once at load into contiguous "chunks" of 64
+// rows x 64 K (one wgmma M atom x four NVFP4 blocks), each 2048 code bytes + 256 scale bytes,
+// ordered [expert][row / 64][k / 64]. Inside a chunk every consumer thread finds its A-fragment
+// nibbles as one 32-bit word per 16-wide k-block and its two rows' scales as bytes that decode
+// to BF16 (s * 2^118) with a shift and an or. See prepare_weights.cu for the exact layout.
+constexpr int kWeightChunkRows = 64;
+constexpr int kWeightChunkK = 64;
+constexpr int kWeightChunkBytes = 64 * 64 / 2 + 64 * 64 / 16;  // 2304
+
+// Bytes of the prepared weight buffer for E experts of [n, k] weights.
+size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept;
+
+struct PrepareWeightsArgs {
+  const void* codes = nullptr;   // u8 [E, n, k/2], ModelOpt packing (element 2j in the low nibble)
+  const void* scales = nullptr;  // e4m3 [E, n, k/16], linear (checkpoint layout)
+  int64_t experts = 0;
+  int64_t n = 0;                 // output features, multiple of 64
+  int64_t k = 0;                 // reduction size, multiple of 64
+  void* prepared = nullptr;      // prepared_weight_bytes(E, n, k) bytes
+  // Device int32 [2], set to {-1, 0} by the caller before the launch. After it, the first bad
+  // scale found (NaN, or negative and non-zero) is reported as {flat scale index, byte}.
+  int* error = nullptr;
+};
+// Enqueues the preparation. Blocks whose scale is zero get zero codes (they decode to 0 whatever
+// the encoded scale). The caller checks `error` after synchronizing.
+Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexcept;
+
+// Tile configurations of the grouped GEMM (weights rows x tokens per CTA tile).
+enum class GemmTile : int32_t {
+  kAuto = 0,       // pick from total rows and experts (see choose_gemm_tile)
+  kM128N16 = 1,    // decode: few rows per expert
+  kM128N128 = 2,   // prefill: many rows per expert
+};
+
+// The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
+// rows each expert got. With <= 24 rows per expert on average, N16 wastes least; else N128.
+GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
+
+struct GroupedGemmArgs {
+  const void* prepared = nullptr;        // prepare_nvfp4_weights output
+  const float* decode_scale = nullptr;   // device f32 [E]: each expert's decode scale g_e
+  int64_t experts = 0;
+  int64_t n = 0;                         // multiple of 64
+  int64_t k = 0;                         // multiple of 64
+  const void* x = nullptr;               // bf16 [total_rows, k], 16-byte aligned
+  int64_t total_rows = 0;                // rows of x and out (may exceed expert_offsets[E])
+  const int* expert_offsets = nullptr;   // device i32 [E+1]: rows of expert e are [off[e], off[e+1])
+  void* out = nullptr;                   // bf16 [total_rows, n], 16-byte aligned
+  GemmTile tile = GemmTile::kAuto;
+};
+// One launch for all experts; per-expert row counts are read on the device (no host sync; valid
+// inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
+Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;
+
 }  // namespace nvfp4moe

@@ -1,0 +1,132 @@
+//! The NVFP4 grouped GEMM at MoE shapes: L1 (n = 2I, k = H) and L2 (n = H, k = I) of deepseek-v3,
+//! qwen3-30b-a3b and mixtral-8x7b, T in {1, 16, 128, 1024, 8192} tokens x top-k rows, balanced
+//! routing, L2 flushed (256 MiB write) before each timed launch. Reports microseconds, TB/s of
+//! weight bytes (0.5625 B per weight of the experts that got rows) and TFLOP/s.
+//!
+//! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{report, selected, Row, HBM_TBPS};
+use criterion::{criterion_group, Criterion};
+use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+use nvfp4_moe::rng::Rng;
+
+const BF16_TFLOPS: f64 = 795.0;
+
+struct Preset {
+    name: &'static str,
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+    top_k: usize,
+}
+
+const PRESETS: [Preset; 3] = [
+    Preset { name: "deepseek-v3", experts: 256, hidden: 7168, inter: 2048, top_k: 8 },
+    Preset { name: "qwen3-30b-a3b", experts: 128, hidden: 2048, inter: 768, top_k: 8 },
+    Preset { name: "mixtral-8x7b", experts: 8, hidden: 4096, inter: 14336, top_k: 2 },
+];
+const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
+
+/// Device weights filled by replicating a 64 MiB random block (random enough for timing, and
+/// seconds faster than generating gigabytes on the host); scales are valid E4M3 bytes.
+fn device_weights(s: &Arc<CudaStream>, rng: &mut Rng, experts: usize, n: usize, k: usize) -> Nvfp4Weights {
+    let fill = |len: usize, gen: &mut dyn FnMut() -> u8| -> CudaSlice<u8> {
+        let block = 64 << 20;
+        let host: Vec<u8> = (0..block.min(len)).map(|_| gen()).collect();
+        let src = s.clone_htod(&host).unwrap();
+        let mut dst = unsafe { s.alloc::<u8>(len).unwrap() };
+        let mut off = 0;
+        while off < len {
+            let m = host.len().min(len - off);
+            s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m)).unwrap();
+            off += m;
+        }
+        dst
+    };
+    let mut r1 = Rng::new(rng.next_u64());
+    let mut r2 = Rng::new(rng.next_u64());
+    let codes = fill(experts * n * k / 2, &mut || r1.next_u64() as u8);
+    let scales = fill(experts * n * k / 16, &mut || r2.range(0x20, 0x48) as u8);
+    let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
+    Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k).unwrap()
+}
+
+/// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
+fn balanced_offsets(rows: usize, experts: usize) -> Vec<i32> {
+    let mut off = vec![0i32];
+    for e in 0..experts {
+        let c = rows / experts + usize::from(e < rows % experts);
+        off.push(off.last().unwrap() + c as i32);
+    }
+    off
+}
+
+fn benches(c: &mut Criterion) {
+    let ctx = CudaContext::new(0).expect("a CUDA GPU");
+    let s = ctx.default_stream();
+    let mut rng = Rng::from_entropy();
+    let mut flush = s.alloc_zeros::<u8>(256 << 20).unwrap();
+    let mut table = Vec::new();
+    for p in &PRESETS {
+        for (layer, n, k) in [("L1", 2 * p.inter, p.hidden), ("L2", p.hidden, p.inter)] {
+            let prefix = format!("{}/{layer}", p.name);
+            if !TOKENS.iter().any(|t| selected(&format!("{prefix}/T{t}"))) {
+                continue;
+            }
+            let w = device_weights(&s, &mut rng, p.experts, n, k);
+            let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
+            let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
+            let mut out = s.alloc_zeros::<bf16>(max_rows * n).unwrap();
+            for &t in &TOKENS {
+                let name = format!("{prefix}/T{t}");
+                if !selected(&name) {
+                    continue;
+                }
+                let rows = t * p.top_k;
+                let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
+                let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&w, GemmTile::Auto);
+                // One timed launch after an L2 flush.
+                let mut once = || -> f64 {
+                    s.memset_zeros(&mut flush).unwrap();
+                    let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    plan.launch(&s, &x, rows, &off, &mut out).unwrap();
+                    let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    b.synchronize().unwrap();
+                    f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
+                };
+                let mut grp = c.benchmark_group("grouped_gemm");
+                grp.bench_function(&name, |b| {
+                    b.iter_custom(|iters| Duration::from_secs_f64((0..iters).map(|_| once()).sum::<f64>() * 1e-6))
+                });
+                grp.finish();
+                let mut v: Vec<f64> = (0..31).map(|_| once()).collect();
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                let us = v[15];
+                let active = p.experts.min(rows);
+                let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
+                let flops = 2.0 * rows as f64 * n as f64 * k as f64;
+                let floor = (wbytes / (HBM_TBPS * 1e12)).max(flops / (BF16_TFLOPS * 1e12)) * 1e6;
+                table.push(Row { name: format!("{name} ({:?})", plan.tile_for(rows)), us, bytes: wbytes, flops, floor_us: floor });
+            }
+        }
+    }
+    report("gemm", &table);
+}
+
+criterion_group! {
+    name = group;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(1000))
+        .sample_size(10)
+        .without_plots();
+    targets = benches
+}
+criterion::criterion_main!(group);

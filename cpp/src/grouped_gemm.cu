@@ -1,0 +1,91 @@
+// grouped_gemm_nvfp4: host-side validation, tile choice, the x tensor map, and dispatch to the
+// per-configuration kernels (grouped_gemm_m128n*.cu).
+#include "grouped_gemm_sm90.cuh"
+
+#include <mutex>
+
+namespace nvfp4moe {
+namespace {
+
+// cuTensorMapEncodeTiled (driver API, CUDA 12.0 signature), reached through the runtime's driver
+// entry point: no link against libcuda.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn tensor_map_encoder() {
+  static EncodeTiledFn fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    cudaDriverEntryPointQueryResult q;
+    void* p = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<EncodeTiledFn>(p);
+    }
+  });
+  return fn;
+}
+
+}  // namespace
+
+GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
+  if (experts <= 0) return GemmTile::kM128N128;
+  // Average rows per expert; routing skew only makes some experts bigger, which N128 tiles serve
+  // well, while decode batches (<= 24 rows per expert) waste least with N16.
+  return total_rows <= 24 * experts ? GemmTile::kM128N16 : GemmTile::kM128N128;
+}
+
+Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
+  if (a.experts <= 0 || a.experts > gemm::kMaxExperts) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: experts must be in [1, %d] (got %lld)", gemm::kMaxExperts,
+                (long long)a.experts);
+  }
+  if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
+                (long long)a.n, (long long)a.k);
+  }
+  if (a.total_rows > (int64_t(1) << 31) - 1 || a.n * a.total_rows > (int64_t(1) << 62)) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
+  }
+  if (a.total_rows == 0) return Status::kSuccess;
+  if (!a.prepared || !a.decode_scale || !a.x || !a.expert_offsets || !a.out) {
+    return fail(Status::kNullPointer, "grouped_gemm_nvfp4: null pointer");
+  }
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 || reinterpret_cast<uintptr_t>(a.out) % 16 ||
+      reinterpret_cast<uintptr_t>(a.prepared) % 16) {
+    return fail(Status::kMisaligned, "grouped_gemm_nvfp4: x, out and prepared weights must be 16-byte aligned");
+  }
+  auto encode = tensor_map_encoder();
+  if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
+
+  GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
+  int block_n = tile == GemmTile::kM128N16 ? 16 : 128;
+
+  // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
+  // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
+  CUtensorMap map;
+  cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.total_rows)};
+  cuuint64_t strides[1] = {cuuint64_t(a.k) * 2};
+  cuuint32_t box[2] = {64, cuuint32_t(block_n)};
+  cuuint32_t elem_strides[2] = {1, 1};
+  CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a.x), dims, strides, box,
+                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled failed (%d)", int(r));
+  }
+
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
+  }
+  gemm::Params p{static_cast<const uint8_t*>(a.prepared), a.decode_scale, a.expert_offsets,
+                 static_cast<__nv_bfloat16*>(a.out), int(a.experts), int(a.n), int(a.k), int(a.total_rows)};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (tile == GemmTile::kM128N16) return gemm::launch_grouped_gemm<gemm::ConfigN16>(map, p, sms, st);
+  return gemm::launch_grouped_gemm<gemm::ConfigN128>(map, p, sms, st);
+}
+
+}  // namespace nvfp4moe

@@ -1,0 +1,304 @@
+// The NVFP4-weight grouped GEMM for Hopper (sm_90a): a warp-specialized persistent kernel.
+//
+//   out[r, f] = sum_k x[r, k] * W_e[f, k] * g_e      for rows r of expert e
+//
+// GEMM view: M = output features f (weights, register-sourced wgmma A), N = rows/tokens (x, wgmma B
+// from shared memory), K = k. A CTA tile is 128 features x kBlockN rows; a K stage is 64 wide.
+//
+// Roles (384 threads):
+//   warpgroup 0 (producer, one elected thread): per stage, two bulk copies of prepared weight
+//     chunks (one per consumer warpgroup, nvfp4_weights.cuh) and one TMA 2-D load of the x tile
+//     (kBlockN rows x 64 k, 128-byte swizzle, the GMMA K-major SW128 layout), all completing on
+//     the stage's full barrier (cutlass::PipelineTmaAsync).
+//   warpgroups 1, 2 (consumers): each owns 64 of the 128 features. Per stage, each thread reads
+//     its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly (shift/mask/or
+//     and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas; the epilogue
+//     multiplies by g_e * 2^8, rounds to BF16 and stores through shared memory with 16-byte
+//     row-masked stores (rows past the expert's end are never written).
+//
+// Scheduling: persistent CTAs walk a tile list laid out [expert][row tile][feature tile]. Each CTA
+// builds the per-expert tile prefix sum in shared memory from expert_offsets (device memory), so
+// the host never needs the row counts and experts with no rows cost nothing.
+#pragma once
+
+#include "nvfp4moe/nvfp4moe.h"
+#include "nvfp4_weights.cuh"
+#include "status.hpp"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace nvfp4moe::gemm {
+
+using namespace cute;
+
+constexpr int kMaxExperts = 1024;
+constexpr int kThreads = 384;
+constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
+constexpr int kTileK = 64;   // one prepared chunk per consumer warpgroup per stage
+
+struct Params {
+  const uint8_t* prepared;     // nvfp4_weights.cuh layout
+  const float* decode_scale;   // [E]
+  const int* expert_offsets;   // [E+1]
+  __nv_bfloat16* out;          // [total_rows, n]
+  int experts;
+  int n;
+  int k;
+  int total_rows;              // rows of x and out: offsets are clamped to [0, total_rows]
+};
+
+// Expert e's rows [begin, end), clamped so that malformed offsets can never address memory
+// outside x or out (they then give wrong rows, not out-of-bounds accesses).
+CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
+  int begin = min(max(p.expert_offsets[e], 0), p.total_rows);
+  int end = min(max(p.expert_offsets[e + 1], begin), p.total_rows);
+  return make_int2(begin, end);
+}
+
+template <int kBlockN_, int kStages_>
+struct Config {
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
+
+  using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
+                                                    Shape<_64, Int<kBlockN>, Int<kTileK>>>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}));
+  // x tile per stage: (kBlockN, 64, stages), K-major with the 128-byte swizzle TMA writes.
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{},
+                                             make_shape(Int<kBlockN>{}, Int<kTileK>{}, Int<kStages>{})));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct alignas(1024) SharedStorage {
+    alignas(1024) bfloat16_t b[kBlockN * kTileK * kStages];        // (kBlockN, 64, stages)
+    alignas(128) uint8_t a[kStages][2][weights::kChunkBytes];      // two weight chunks per stage
+    alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
+    int tile_prefix[kMaxExperts + 1];
+    typename Pipeline::SharedStorage pipeline;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static constexpr uint32_t kStageBytes = 2 * weights::kChunkBytes + kBlockN * kTileK * 2;
+};
+
+// Which expert and tiles a linear tile index names. prefix[e] = first tile of expert e.
+struct TileCoord {
+  int expert;
+  int m_tile;  // 128-feature tile
+  int n_tile;  // kBlockN-row tile within the expert
+};
+
+CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, int m_tiles) {
+  int lo = 0, hi = experts - 1;  // largest e with prefix[e] <= tile
+  while (lo < hi) {
+    int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  int local = tile - prefix[lo];
+  return TileCoord{lo, local % m_tiles, local / m_tiles};
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_x, Params p) {
+  using SharedStorage = typename Cfg::SharedStorage;
+  using Pipeline = typename Cfg::Pipeline;
+  constexpr int kBlockN = Cfg::kBlockN;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const int warp_group = threadIdx.x / 128;
+  const int m_tiles = (p.n + kTileM - 1) / kTileM;
+  const int k_tiles = p.k / kTileK;
+  const int chunks_m = p.n / weights::kChunkRows;
+
+  // Tile prefix: counts first (e's count stored at e + 1), then an exclusive scan.
+  {
+    int* prefix = ss.tile_prefix;
+    for (int e = threadIdx.x; e < p.experts; e += kThreads) {
+      int2 rr = expert_rows(p, e);
+      int rows = rr.y - rr.x;
+      prefix[e + 1] = rows > 0 ? m_tiles * ((rows + kBlockN - 1) / kBlockN) : 0;
+    }
+    if (threadIdx.x == 0) prefix[0] = 0;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      // Warp-wide scan over consecutive runs of experts.
+      int lane = threadIdx.x;
+      int per = (p.experts + 31) / 32;
+      int begin = min(lane * per, p.experts), end = min(begin + per, p.experts);
+      int sum = 0;
+      for (int e = begin; e < end; ++e) sum += prefix[e + 1];
+      int incl = sum;
+      CUTLASS_PRAGMA_UNROLL
+      for (int d = 1; d < 32; d *= 2) {
+        int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+        if (lane >= d) incl += v;
+      }
+      int run = incl - sum;
+      for (int e = begin; e < end; ++e) {
+        run += prefix[e + 1];
+        prefix[e + 1] = run;
+      }
+    }
+    __syncthreads();
+  }
+  const int total_tiles = ss.tile_prefix[p.experts];
+
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = Cfg::kStageBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = 256;
+  pp.num_producers = 1;
+  Pipeline pipeline(ss.pipeline, pp, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(&tma_x);
+      auto state = cutlass::make_producer_start_state<Pipeline>();
+      for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
+        int row0 = expert_rows(p, tc.expert).x + tc.n_tile * kBlockN;
+        int mt0 = tc.m_tile * 2;
+        // With n % 128 == 64 the last tile has one 64-row half: the second consumer gets the
+        // first half again (its results are not stored), so every stage moves the same bytes.
+        int mt1 = mt0 + 1 < chunks_m ? mt0 + 1 : mt0;
+        for (int kc = 0; kc < k_tiles; ++kc) {
+          pipeline.producer_acquire(state);
+          uint64_t* bar = pipeline.producer_get_barrier(state);
+          int s = state.index();
+          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, kc, p.n, p.k), bar,
+                                   ss.a[s][0], weights::kChunkBytes);
+          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, kc, p.n, p.k), bar,
+                                   ss.a[s][1], weights::kChunkBytes);
+          SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                 ss.b + s * (kBlockN * kTileK), kc * kTileK, row0);
+          ++state;
+        }
+      }
+      pipeline.producer_tail(state);
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int cw = warp_group - 1;  // which 64 features of the tile
+  const int t = threadIdx.x % 128;
+  const int w = t / 32, lane = t % 32, g = lane / 4;
+
+  typename Cfg::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(t);
+  Tensor sB = make_tensor(make_smem_ptr(ss.b), typename Cfg::SmemLayoutB{});  // (BN, 64, stages)
+  Tensor tCsB = thr_mma.partition_B(sB);                                       // (MMA, MMA_N, MMA_K, stages)
+  Tensor tCrB = thr_mma.make_fragment_B(tCsB);
+  // A fragment in registers: (MMA = 8 values, MMA_M = 1, MMA_K = 4).
+  Tensor tCrA = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b),
+                                                         make_layout(make_shape(_64{}, Int<kTileK>{}), LayoutRight{})));
+  Tensor accum = partition_fragment_C(tiled_mma, make_shape(_64{}, Int<kBlockN>{}));  // (MMA, 1, 1)
+  Tensor cC = make_identity_tensor(make_shape(_64{}, Int<kBlockN>{}));
+  Tensor tCcC = thr_mma.partition_C(cC);  // (feature, row) coordinates of each accumulator
+
+  auto state = typename Pipeline::PipelineState{};
+  bfloat16_t* epi = ss.epi[cw];
+
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
+    int2 rr = expert_rows(p, tc.expert);
+    int row_begin = rr.x + tc.n_tile * kBlockN;
+    int row_end = rr.y;
+    int feature0 = tc.m_tile * kTileM + cw * 64;
+    float out_scale = p.decode_scale[tc.expert] * 256.0f;  // undo the 2^-8 of the weight encoding
+
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    for (int kc = 0; kc < k_tiles; ++kc) {
+      pipeline.consumer_wait(state);
+      int s = state.index();
+      const uint8_t* chunk = ss.a[s][cw];
+      uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
+      uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
+      const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4; ++kb) {
+        uint32_t sw = kb < 2 ? sc.x : sc.y;
+        // Bytes (row m0, row m0 + 8) of this k-block, each replicated into both 16-bit lanes.
+        uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+        uint32_t s_r = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel0 << 8)));
+        uint32_t s_r8 = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel8 | (sel8 << 8)));
+        Tensor a_kb = recast<uint32_t>(tCrA(_, 0, kb));  // 4 registers: bf16 pairs j = 0..3
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          uint32_t v = weights::e2m1x2_to_bf16x2_scaled(cw4[kb] >> (4 * j));
+          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v),
+                                        *reinterpret_cast<const __nv_bfloat162*>(j % 2 ? &s_r8 : &s_r));
+          a_kb(j) = *reinterpret_cast<uint32_t*>(&prod);
+        }
+      }
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4; ++kb) {
+        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, s), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      pipeline.consumer_release(state);
+      ++state;
+    }
+
+    // Epilogue: scale, round to BF16, stage as (rows, 64 features) and store 16-byte pieces.
+    cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) {
+      int f = get<0>(tCcC(i));
+      int r = get<1>(tCcC(i));
+      epi[r * 64 + f] = bfloat16_t(accum(i) * out_scale);
+    }
+    cutlass::arch::NamedBarrier::sync(128, 1 + cw);
+    bool half_valid = feature0 < p.n;
+    CUTLASS_PRAGMA_UNROLL
+    for (int piece = t; piece < kBlockN * 8; piece += 128) {
+      int r = piece / 8, f8 = (piece % 8) * 8;
+      int row = row_begin + r;
+      if (half_valid && row < row_end) {
+        uint4 v = *reinterpret_cast<const uint4*>(epi + r * 64 + f8);
+        *reinterpret_cast<uint4*>(p.out + int64_t(row) * p.n + feature0 + f8) = v;
+      }
+    }
+  }
+}
+
+// Host side: launches Cfg's kernel on `ctas` persistent CTAs. Instantiated once per configuration,
+// each in its own .cu file (grouped_gemm_m128n*.cu).
+template <class Cfg>
+Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, cudaStream_t stream) {
+  auto kernel = grouped_gemm_kernel<Cfg>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (e != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
+  }
+  kernel<<<ctas, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
+  return check_launch("grouped_gemm_nvfp4");
+}
+
+// The two configurations (declared here, defined in their own translation units).
+using ConfigN16 = Config<16, 16>;
+using ConfigN128 = Config<128, 8>;
+extern template Status launch_grouped_gemm<ConfigN16>(const CUtensorMap&, const Params&, int, cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN128>(const CUtensorMap&, const Params&, int, cudaStream_t);
+
+}  // namespace nvfp4moe::gemm

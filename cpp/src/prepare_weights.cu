@@ -1,0 +1,124 @@
+// prepare_nvfp4_weights: ModelOpt-layout NVFP4 weights -> the chunked layout of nvfp4_weights.cuh.
+// One thread per (chunk, consumer thread t): it gathers t's 32 nibbles (4 k-blocks x 8 values)
+// and, for c == 0, its two rows' four scale bytes.
+#include "nvfp4moe/nvfp4moe.h"
+#include "nvfp4_weights.cuh"
+#include "status.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+namespace nvfp4moe {
+namespace {
+
+using namespace weights;
+
+// E4M3 scale byte -> prepared byte. Zero -> 0 (any byte works: the block's codes are zeroed).
+// Returns false for NaN or a negative non-zero scale.
+CUTLASS_DEVICE bool encode_scale(uint32_t s, uint32_t& out) {
+  if ((s & 0x7Fu) == 0x7Fu || ((s & 0x80u) && (s & 0x7Fu))) {
+    return false;
+  }
+  if ((s & 0x7Fu) == 0) {
+    out = 0;
+    return true;
+  }
+  __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(s), __NV_E4M3);
+  float v = __half2float(__half(h)) * 0x1p118f;  // exact: a power-of-two scaling in range
+  uint32_t b = __float_as_uint(v);              // as FP32: exponent E, mantissa top 3 bits
+  uint32_t e = (b >> 23) & 0xFFu;                // FP32 and BF16 share the exponent field
+  out = ((e - 224u) << 3) | ((b >> 20) & 7u);
+  return true;
+}
+
+__global__ void prepare_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
+                               int64_t experts, int64_t n, int64_t k, uint8_t* __restrict__ prepared,
+                               int* __restrict__ error) {
+  int64_t chunks_per_expert = (n / kChunkRows) * (k / kChunkK);
+  int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t chunk = gid / 128;
+  if (chunk >= experts * chunks_per_expert) {
+    return;
+  }
+  int t = int(gid % 128);
+  int64_t e = chunk / chunks_per_expert;
+  int64_t rem = chunk % chunks_per_expert;
+  int64_t mt = rem / (k / kChunkK);
+  int64_t kc = rem % (k / kChunkK);
+  int w = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
+  int64_t row0 = e * n + mt * kChunkRows + 16 * w + g;  // global row of value rows m0, m0 + 8
+  int64_t row8 = row0 + 8;
+  int64_t kbs = k / 16;                                  // scale columns per row
+
+  uint32_t words[4];
+  uint32_t sbytes[4][2];
+  for (int kb = 0; kb < 4; ++kb) {
+    int64_t kblock = kc * 4 + kb;  // global 16-wide block index along k
+    uint32_t s0 = scales[row0 * kbs + kblock];
+    uint32_t s8 = scales[row8 * kbs + kblock];
+    uint32_t e0 = 0, e8 = 0;
+    bool ok0 = encode_scale(s0, e0), ok8 = encode_scale(s8, e8);
+    if ((!ok0 || !ok8) && c == 0) {
+      int64_t bad = ok0 ? row8 * kbs + kblock : row0 * kbs + kblock;
+      if (atomicCAS(error, -1, int(bad < 0x7FFFFFFF ? bad : 0x7FFFFFFF)) == -1) {
+        error[1] = int(ok0 ? s8 : s0);
+      }
+    }
+    sbytes[kb][0] = e0;
+    sbytes[kb][1] = e8;
+    // Source bytes: value pairs (v0 = 0, 1) share one byte (low nibble = even k).
+    int64_t kbyte = (kblock * 16 + 2 * c) / 2;
+    uint32_t b00 = codes[row0 * (k / 2) + kbyte];      // row m0,   k0, k0+1
+    uint32_t b10 = codes[row8 * (k / 2) + kbyte];      // row m0+8, k0, k0+1
+    uint32_t b01 = codes[row0 * (k / 2) + kbyte + 4];  // row m0,   k0+8, k0+9
+    uint32_t b11 = codes[row8 * (k / 2) + kbyte + 4];  // row m0+8, k0+8, k0+9
+    if ((s0 & 0x7Fu) == 0) b00 = b01 = 0;  // zero-scale blocks decode to zero
+    if ((s8 & 0x7Fu) == 0) b10 = b11 = 0;
+    // Pair j = (values 2j, 2j+1): j=0 -> b00, j=1 -> b10, j=2 -> b01, j=3 -> b11.
+    const uint32_t pair[4] = {b00, b10, b01, b11};
+    uint32_t word = 0;
+    for (int j = 0; j < 4; ++j) {
+      word |= (pair[j] & 0xFu) << (4 * j);
+      word |= ((pair[j] >> 4) & 0xFu) << (16 + 4 * j);
+    }
+    words[kb] = word;
+  }
+  uint8_t* dst = prepared + chunk * kChunkBytes;
+  reinterpret_cast<uint4*>(dst)[t] = make_uint4(words[0], words[1], words[2], words[3]);
+  if (c == 0) {
+    uint8_t* sd = dst + kChunkCodeBytes + (w * 8 + g) * 8;
+    for (int kb = 0; kb < 4; ++kb) {
+      sd[2 * kb] = uint8_t(sbytes[kb][0]);
+      sd[2 * kb + 1] = uint8_t(sbytes[kb][1]);
+    }
+  }
+}
+
+}  // namespace
+
+size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept {
+  if (experts <= 0 || n <= 0 || k <= 0 || n % 64 || k % 64) return 0;
+  return size_t(experts) * size_t(n / 64) * size_t(k / 64) * size_t(kChunkBytes);
+}
+
+Status prepare_nvfp4_weights(const PrepareWeightsArgs& a, void* stream) noexcept {
+  if (a.experts <= 0 || a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64) {
+    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: experts > 0 and n, k positive multiples of 64 "
+                "(experts=%lld n=%lld k=%lld)", (long long)a.experts, (long long)a.n, (long long)a.k);
+  }
+  if (!a.codes || !a.scales || !a.prepared || !a.error) {
+    return fail(Status::kNullPointer, "prepare_nvfp4_weights: null pointer");
+  }
+  if (reinterpret_cast<uintptr_t>(a.prepared) % 16) {
+    return fail(Status::kMisaligned, "prepare_nvfp4_weights: prepared must be 16-byte aligned");
+  }
+  int64_t threads = a.experts * (a.n / 64) * (a.k / 64) * 128;
+  unsigned grid = unsigned((threads + 255) / 256);
+  prepare_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(a.codes), static_cast<const uint8_t*>(a.scales), a.experts, a.n, a.k,
+      static_cast<uint8_t*>(a.prepared), a.error);
+  return check_launch("prepare_nvfp4_weights");
+}
+
+}  // namespace nvfp4moe

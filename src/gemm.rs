@@ -1,0 +1,316 @@
+//! The NVFP4-weight grouped GEMM on Hopper: prepared weights ([`Nvfp4Weights`]) and a launch plan
+//! ([`GroupedGemm`]).
+//!
+//! `out[rows of expert e] = x[rows of e] * W_e^T * g_e` for all experts in one launch; the row
+//! ranges come from `expert_offsets` in device memory, so nothing synchronizes with the host.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use crate::error::{Error, Result};
+use crate::ffi::raw;
+use crate::reference::ExpertWeightsHost;
+
+/// NVFP4 expert weights `[E, n, k]` prepared for the grouped GEMM: retiled once, at load, into
+/// the chunk layout the mainloop reads (`cpp/src/nvfp4_weights.cuh`), plus each expert's decode
+/// scale on the device. One prepared layout serves every tile configuration.
+///
+/// The weight chunks are contiguous, so the kernel moves them with bulk copies and needs no tensor
+/// map for them; the activation tensor map is encoded per launch (its address changes per call).
+pub struct Nvfp4Weights {
+    prepared: CudaSlice<u8>,
+    decode_scales: CudaSlice<f32>,
+    host_decode_scales: Vec<f32>,
+    experts: usize,
+    n: usize,
+    k: usize,
+}
+
+/// Checks the shape rules of the grouped GEMM (pure; no GPU).
+pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
+    if experts == 0 || experts > 1024 {
+        return Err(Error::InvalidShape(format!("experts must be in 1..=1024, got {experts}")));
+    }
+    if n == 0 || k == 0 || n % 64 != 0 || k % 64 != 0 {
+        return Err(Error::InvalidShape(format!("n and k must be positive multiples of 64, got n={n} k={k}")));
+    }
+    if (experts * n).checked_mul(k).is_none() {
+        return Err(Error::InvalidShape(format!("{experts} x {n} x {k} overflows")));
+    }
+    Ok(())
+}
+
+fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
+    if actual < needed {
+        return Err(Error::BufferTooSmall { name, needed, actual });
+    }
+    Ok(())
+}
+
+fn check_align(name: &'static str, addr: u64, align: usize) -> Result<()> {
+    if !addr.is_multiple_of(align as u64) {
+        return Err(Error::Misaligned { name, align, addr });
+    }
+    Ok(())
+}
+
+fn stream_handle(stream: &CudaStream) -> Result<u64> {
+    stream.context().bind_to_thread()?;
+    Ok(stream.cu_stream() as u64)
+}
+
+impl Nvfp4Weights {
+    /// Prepares checkpoint-layout weights already on the device: `codes` u8 `[E, n, k/2]`, `scales`
+    /// E4M3 `[E, n, k/16]` (linear), and one decode scale per expert (host). Synchronizes `stream`
+    /// once to report a bad scale (NaN or negative) as an error naming the expert, row and block.
+    pub fn prepare<C: DevicePtr<u8>, S: DevicePtr<u8>>(
+        stream: &Arc<CudaStream>,
+        codes: &C,
+        scales: &S,
+        decode_scales: &[f32],
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self> {
+        check_gemm_shape(experts, n, k)?;
+        if decode_scales.len() != experts {
+            return Err(Error::InvalidShape(format!("{} decode scales for {experts} experts", decode_scales.len())));
+        }
+        for &g in decode_scales {
+            crate::reference::validate_decode_scale(g)?;
+        }
+        check_len("codes", codes.len(), experts * n * k / 2)?;
+        check_len("scales", scales.len(), experts * n * k / 16)?;
+        let bytes = raw::core_prepared_weight_bytes(experts as i64, n as i64, k as i64) as usize;
+        // SAFETY: the kernel writes every byte of `prepared` (every chunk, every thread's slot).
+        let mut prepared = unsafe { stream.alloc::<u8>(bytes)? };
+        let mut error = stream.clone_htod(&[-1i32, 0])?;
+        {
+            let (c_ptr, _gc) = codes.device_ptr(stream);
+            let (s_ptr, _gs) = scales.device_ptr(stream);
+            let (p_ptr, _gp) = prepared.device_ptr_mut(stream);
+            let (e_ptr, _ge) = error.device_ptr_mut(stream);
+            let p = raw::PrepareWeightsParams {
+                codes: c_ptr,
+                scales: s_ptr,
+                experts: experts as i64,
+                n: n as i64,
+                k: k as i64,
+                prepared: p_ptr,
+                error: e_ptr,
+                stream: stream_handle(stream)?,
+            };
+            // SAFETY: lengths checked above; `prepared` has prepared_weight_bytes bytes.
+            unsafe { raw::prepare_nvfp4_weights(&p)? };
+        }
+        let err = stream.clone_dtoh(&error)?;
+        if err[0] >= 0 {
+            let idx = err[0] as usize;
+            let kbs = k / 16;
+            let (row, block) = (idx / kbs, idx % kbs);
+            return Err(Error::Invalid(format!(
+                "weight_scale of expert {} row {} block {} is {:#04x} (NaN or negative): not a valid NVFP4 scale",
+                row / n,
+                row % n,
+                block,
+                err[1]
+            )));
+        }
+        let decode_scales_dev = stream.clone_htod(decode_scales)?;
+        Ok(Nvfp4Weights {
+            prepared,
+            decode_scales: decode_scales_dev,
+            host_decode_scales: decode_scales.to_vec(),
+            experts,
+            n,
+            k,
+        })
+    }
+
+    /// Uploads host weights and prepares them.
+    pub fn from_host(stream: &Arc<CudaStream>, w: &ExpertWeightsHost) -> Result<Self> {
+        check_gemm_shape(w.experts, w.n, w.k)?;
+        check_len("codes", w.codes.len(), w.experts * w.n * w.k / 2)?;
+        check_len("scales", w.scales.len(), w.experts * w.n * w.k / 16)?;
+        let codes = stream.clone_htod(&w.codes)?;
+        let scales = stream.clone_htod(&w.scales)?;
+        Self::prepare(stream, &codes, &scales, &w.decode_scales, w.experts, w.n, w.k)
+    }
+
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    pub fn k(&self) -> usize {
+        self.k
+    }
+    /// The per-expert decode scales (g).
+    pub fn decode_scales(&self) -> &[f32] {
+        &self.host_decode_scales
+    }
+    /// Bytes of the prepared weights on the device.
+    pub fn prepared_bytes(&self) -> usize {
+        self.prepared.len()
+    }
+}
+
+/// A tile configuration of the grouped GEMM (output features x rows per CTA tile).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum GemmTile {
+    /// Chosen from the total row count and the expert count ([`GemmTile::choose`]).
+    Auto = 0,
+    /// 128 x 16: decode, few rows per expert.
+    M128N16 = 1,
+    /// 128 x 128: prefill, many rows per expert.
+    M128N128 = 2,
+}
+
+impl GemmTile {
+    /// The documented heuristic (the core's `choose_gemm_tile`): with at most 24 rows per expert on
+    /// average N16, else N128. Uses only what the host knows without synchronizing.
+    pub fn choose(total_rows: usize, experts: usize) -> GemmTile {
+        match raw::core_choose_gemm_tile(total_rows as i64, experts as i64) {
+            1 => GemmTile::M128N16,
+            _ => GemmTile::M128N128,
+        }
+    }
+}
+
+/// The epilogue of a grouped GEMM plan, as a type. `PlainBf16` writes `[rows, n]` BF16.
+pub trait Epilogue {
+    /// Output columns per row for a weight of `n` rows.
+    fn out_cols(n: usize) -> usize;
+}
+
+/// The plain epilogue: `out = acc * g_e`, rounded once to BF16, `[rows, n]`.
+pub struct PlainBf16;
+
+impl Epilogue for PlainBf16 {
+    fn out_cols(n: usize) -> usize {
+        n
+    }
+}
+
+/// A launch plan for one weight set: validated once, launched many times.
+pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
+    weights: &'w Nvfp4Weights,
+    tile: GemmTile,
+    _epilogue: PhantomData<E>,
+}
+
+impl<'w, E: Epilogue> GroupedGemm<'w, E> {
+    /// A plan over `weights` with tile configuration `tile` (`GemmTile::Auto` decides per launch).
+    pub fn new(weights: &'w Nvfp4Weights, tile: GemmTile) -> Self {
+        GroupedGemm { weights, tile, _epilogue: PhantomData }
+    }
+
+    /// Scratch memory a launch needs: none (the per-expert tile prefix is built in shared memory).
+    pub fn workspace_bytes(&self) -> usize {
+        0
+    }
+
+    /// The tile a launch over `total_rows` rows uses.
+    pub fn tile_for(&self, total_rows: usize) -> GemmTile {
+        match self.tile {
+            GemmTile::Auto => GemmTile::choose(total_rows, self.weights.experts),
+            t => t,
+        }
+    }
+
+    /// Validates a launch (pure; no GPU): buffer lengths and alignment.
+    pub fn check(&self, total_rows: usize, x: (u64, usize), offsets_len: usize, out: (u64, usize)) -> Result<()> {
+        let w = self.weights;
+        if total_rows > i32::MAX as usize {
+            return Err(Error::InvalidShape(format!("total_rows {total_rows} exceeds i32")));
+        }
+        check_len("x", x.1, total_rows * w.k)?;
+        check_len("out", out.1, total_rows * E::out_cols(w.n))?;
+        if offsets_len != w.experts + 1 {
+            return Err(Error::InvalidShape(format!(
+                "expert_offsets has {offsets_len} entries, expected experts + 1 = {}",
+                w.experts + 1
+            )));
+        }
+        if total_rows > 0 {
+            check_align("x", x.0, 16)?;
+            check_align("out", out.0, 16)?;
+        }
+        Ok(())
+    }
+}
+
+impl GroupedGemm<'_, PlainBf16> {
+    /// Enqueues `out[r, :] = x[r, :] * W_e^T * g_e` for the rows `r` of every expert `e`:
+    /// `x` bf16 `[total_rows, k]`, `expert_offsets` i32 `[E+1]` (device; rows of expert e are
+    /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, n]`. Rows past
+    /// `off[E]` are not written. No host synchronization; valid inside CUDA-graph capture.
+    pub fn launch<X, O, F>(&self, stream: &CudaStream, x: &X, total_rows: usize, expert_offsets: &O, out: &mut F) -> Result<()>
+    where
+        X: DevicePtr<bf16>,
+        O: DevicePtr<i32>,
+        F: DevicePtrMut<bf16>,
+    {
+        let (x_len, o_len, out_len) = (x.len(), expert_offsets.len(), out.len());
+        let (x_ptr, _gx) = x.device_ptr(stream);
+        let (off_ptr, _go) = expert_offsets.device_ptr(stream);
+        let (out_ptr, _gout) = out.device_ptr_mut(stream);
+        self.check(total_rows, (x_ptr, x_len), o_len, (out_ptr, out_len))?;
+        if total_rows == 0 {
+            return Ok(());
+        }
+        let w = self.weights;
+        let (p_ptr, _gp) = w.prepared.device_ptr(stream);
+        let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
+        let p = raw::GroupedGemmParams {
+            prepared: p_ptr,
+            decode_scale: g_ptr,
+            experts: w.experts as i64,
+            n: w.n as i64,
+            k: w.k as i64,
+            x: x_ptr,
+            total_rows: total_rows as i64,
+            expert_offsets: off_ptr,
+            out: out_ptr,
+            tile: self.tile_for(total_rows) as i32,
+            stream: stream_handle(stream)?,
+        };
+        // SAFETY: lengths and alignment checked; the weights were prepared for (E, n, k).
+        unsafe { raw::grouped_gemm_nvfp4(&p)? };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gemm_shapes_are_checked() {
+        assert!(check_gemm_shape(8, 2880, 2880).is_ok());
+        assert!(check_gemm_shape(256, 4096, 7168).is_ok());
+        for (e, n, k) in [(0, 64, 64), (1025, 64, 64), (1, 100, 64), (1, 64, 32), (1, 0, 64), (1, 64, 2880 + 16)] {
+            assert!(matches!(check_gemm_shape(e, n, k), Err(Error::InvalidShape(_))), "{e} {n} {k}");
+        }
+    }
+
+    #[test]
+    fn tile_heuristic() {
+        assert_eq!(GemmTile::choose(8, 256), GemmTile::M128N16);
+        assert_eq!(GemmTile::choose(16 * 256, 256), GemmTile::M128N16);
+        assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
+        assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N16);
+        assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
+    }
+
+    #[test]
+    fn prepared_size_matches_the_chunk_layout() {
+        assert_eq!(raw::core_prepared_weight_bytes(2, 128, 256) as usize, 2 * 2 * 4 * 2304);
+        assert_eq!(raw::core_prepared_weight_bytes(1, 100, 256), 0);
+    }
+}
