@@ -28,7 +28,7 @@ cargo test --release --no-run --message-format=json 2>/dev/null | list_exes | wh
   cp "$exe" "$bundle/tests/$kind-$name"
 done
 cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
-  [ "$kind" = bench ] && cp "$exe" "$bundle/benches/$name"
+  if [ "$kind" = bench ]; then cp "$exe" "$bundle/benches/$name"; fi
 done
 cp scripts/gpu-run.sh "$bundle/run.sh"
 strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* 2>/dev/null || true
