@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# SASS check for the CUDA core (no GPU needed): every .cu compiles with ptxas reporting no C75xx
+# warning (wgmma serialization, register pressure), no kernel spills to local memory, and the GEMM
+# kernels use HGMMA (register-sourced wgmma), not the mma.sync path (HMMA).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+third_party/fetch.sh
+cuda=third_party/cuda/bin
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+fail=0
+check_one() {
+  local src=$1 obj=$out/$(basename "$1" .cu).o log=$out/$(basename "$1" .cu).log
+  "$cuda/nvcc" -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+    -Icpp/include -Icpp/src -Ithird_party/cutlass/include -Ithird_party/cutlass/tools/util/include \
+    -Xptxas -v -c "$src" -o "$obj" >"$log" 2>&1
+}
+export -f check_one; export out cuda
+ls cpp/src/*.cu | xargs -P 2 -I{} bash -c 'check_one {}'
+for log in "$out"/*.log; do
+  name=$(basename "$log" .log)
+  if grep -E "C75[0-9][0-9]" "$log"; then echo "sass-check: $name: ptxas C75xx warning"; fail=1; fi
+  if grep -E "[1-9][0-9]* bytes spill (stores|loads)" "$log"; then echo "sass-check: $name: spills"; fail=1; fi
+done
+for obj in "$out"/grouped_gemm_m128n*.o; do
+  sass=$("$cuda/cuobjdump" --dump-sass "$obj")
+  hg=$(grep -c "HGMMA" <<<"$sass" || true)
+  hm=$(grep -cE "\bHMMA\b" <<<"$sass" || true)
+  echo "sass-check: $(basename "$obj"): $hg HGMMA, $hm HMMA"
+  if [ "$hg" -eq 0 ] || [ "$hm" -ne 0 ]; then echo "sass-check: $(basename "$obj"): expected HGMMA only"; fail=1; fi
+done
+[ $fail -eq 0 ] && echo "sass-check: ok (no C75xx warnings, no spills, GEMMs on HGMMA)"
+exit $fail
