@@ -65,10 +65,18 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
   return make_int2(begin, end);
 }
 
-template <int kBlockN_, int kStages_>
+// kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
+// warpgroup keeps 40, consumers get 96) and so must the shared memory; small-N tiles need few
+// registers, and two CTAs double the warps that convert weights, which bounds decode throughput.
+template <int kBlockN_, int kStages_, int kMinBlocks_ = 1>
 struct Config {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = kMinBlocks == 1 ? 232 : 96;
+  static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 / kMinBlocks, "register budget");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
 
   using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
@@ -108,7 +116,7 @@ CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, i
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_x, Params p) {
   using SharedStorage = typename Cfg::SharedStorage;
   using Pipeline = typename Cfg::Pipeline;
@@ -165,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warp_group == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(&tma_x);
       auto state = cutlass::make_producer_start_state<Pipeline>();
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<Cfg::kConsumerRegs>();
   const int cw = warp_group - 1;  // which 64 features of the tile
   const int t = threadIdx.x % 128;
   const int w = t / 32, lane = t % 32, g = lane / 4;
@@ -282,7 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Host side: launches Cfg's kernel on `ctas` persistent CTAs. Instantiated once per configuration,
+// Host side: launches Cfg's kernel on `ctas` x kMinBlocks persistent CTAs (ctas = SM count). Instantiated once per configuration,
 // each in its own .cu file (grouped_gemm_m128n*.cu).
 template <class Cfg>
 Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, cudaStream_t stream) {
@@ -291,12 +299,12 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   }
-  kernel<<<ctas, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
+  kernel<<<ctas * Cfg::kMinBlocks, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
   return check_launch("grouped_gemm_nvfp4");
 }
 
 // The two configurations (declared here, defined in their own translation units).
-using ConfigN16 = Config<16, 16>;
+using ConfigN16 = Config<16, 12, 2>;
 using ConfigN128 = Config<128, 8>;
 extern template Status launch_grouped_gemm<ConfigN16>(const CUtensorMap&, const Params&, int, cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128>(const CUtensorMap&, const Params&, int, cudaStream_t);
