@@ -31,6 +31,14 @@ if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
       | grep -vE '^(Benchmarking|\s*$)|time:|thrpt:|change:|outlier|^Found|(high|low) (mild|severe)' || true
   done
 fi
+# PyTorch's BF16 grouped GEMM at the GEMM bench's shapes, as the reference line
+# (NVFP4MOE_TORCH=0 skips it; the filter is the first argument, as for the benches).
+torch_table=""
+if [ "${NVFP4MOE_BENCHES:-all}" != none ] && [ "${NVFP4MOE_TORCH:-1}" != 0 ] && python3 -c "import torch" 2>/dev/null; then
+  timeout "${NVFP4MOE_BENCH_TIMEOUT:-400}" python3 "$here/torch_grouped_gemm.py" --filter "${1:-}" \
+    --json "$out/torch_grouped_gemm.json" >"$out/torch.log" 2>&1 || true
+  torch_table=$(sed -n '/== torch._grouped_mm/,$p' "$out/torch.log")
+fi
 echo
 echo "================ GPU summary ($(date -u +%Y-%m-%d)) ================"
 for s in "${summary[@]}"; do echo "$s"; done
@@ -39,5 +47,6 @@ if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
     sed -n '/== .*: summary/,$p' "$out/bench-$(basename "$b").log"
   done
 fi
+[ -n "$torch_table" ] && echo "$torch_table"
 echo "test binaries failed: $fails"
 exit $fails

@@ -133,28 +133,7 @@ pub fn bf16_round(x: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// SplitMix64: tiny, seedable, good enough to draw test inputs.
-    struct SplitMix64(u64);
-
-    impl SplitMix64 {
-        fn from_time() -> Self {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0x1234_5678);
-            SplitMix64(nanos)
-        }
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn next_u32(&mut self) -> u32 {
-            (self.next_u64() >> 32) as u32
-        }
-    }
+    use crate::rng::Rng;
 
     /// E4M3 value from the format definition, in f64, written independently of `e4m3_decode`.
     fn e4m3_formula(byte: u8) -> f64 {
@@ -325,8 +304,8 @@ mod tests {
 
     #[test]
     fn e2m1_encode_matches_brute_force_on_random_inputs() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for _ in 0..1_000_000 {
             // Uniform in [-8, 8) plus a sprinkling of arbitrary bit patterns.
             let r = rng.next_u32();
@@ -464,8 +443,8 @@ mod tests {
     fn e4m3_table_agrees_with_linear_brute_force() {
         // The binary-search oracle below is itself checked against the plain linear search.
         let table = E4m3Table::new();
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for _ in 0..20_000 {
             let e = (rng.next_u32() % 30) as i32 - 16;
             let x = f32::from_bits(((e + 127) as u32) << 23 | (rng.next_u32() & 0x807F_FFFF));
@@ -476,8 +455,8 @@ mod tests {
     #[test]
     fn e4m3_encode_matches_brute_force_on_random_inputs() {
         let table = E4m3Table::new();
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for i in 0..4_000_000u32 {
             let x = match i % 4 {
                 // Arbitrary bit patterns (all exponents, NaN, Inf).

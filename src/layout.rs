@@ -184,27 +184,7 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
-    struct SplitMix64(u64);
-
-    impl SplitMix64 {
-        fn from_time() -> Self {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0x1234_5678);
-            SplitMix64(nanos)
-        }
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next_u64() % n
-        }
-    }
+    use crate::rng::Rng;
 
     const ODD_ROWS: [usize; 7] = [0, 1, 127, 128, 129, 300, 513];
     const ODD_COLS: [usize; 6] = [16, 48, 64, 80, 144, 7168];
@@ -327,8 +307,8 @@ mod tests {
 
     #[test]
     fn grouped_regions_never_overlap() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for trial in 0..200 {
             let num_experts = 1 + rng.below(9) as usize;
             let cols = 16 * (1 + rng.below(20) as usize);

@@ -310,35 +310,17 @@ mod tests {
     use crate::format::{bf16_round, E2M1_MAGNITUDES};
     use crate::layout::{grouped_region_start_row, swizzled_k_tiles};
 
-    struct SplitMix64(u64);
+    use crate::rng::Rng;
 
-    impl SplitMix64 {
-        fn from_time() -> Self {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0x1234_5678);
-            SplitMix64(nanos)
-        }
-        fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        }
-        fn below(&mut self, n: u64) -> u64 {
-            self.next_u64() % n
-        }
-        /// Uniform in [-1, 1).
-        fn unit(&mut self) -> f32 {
-            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-        /// Roughly normal-ish values with a spread of magnitudes.
-        fn value(&mut self) -> f32 {
-            let exponent = self.below(12) as i32 - 6;
-            self.unit() * 2f32.powi(exponent)
-        }
+    /// Uniform in [-1, 1).
+    fn unit(rng: &mut Rng) -> f32 {
+        ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// Values with a spread of magnitudes.
+    fn value(rng: &mut Rng) -> f32 {
+        let exponent = rng.below(12) as i32 - 6;
+        unit(rng) * 2f32.powi(exponent)
     }
 
     fn pow2(e: i32) -> f32 {
@@ -431,12 +413,12 @@ mod tests {
 
     #[test]
     fn nan_block_wins_over_inf() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let nan_block = BlockQuant { scale: 0x7F, codes: [0; 16] };
         let mut x = [0.0f32; 16];
         for v in x.iter_mut() {
-            *v = rng.value();
+            *v = value(&mut rng);
         }
         let nan_at = rng.below(16) as usize;
         x[nan_at] = if rng.below(2) == 0 { f32::NAN } else { -f32::NAN };
@@ -453,11 +435,11 @@ mod tests {
 
     #[test]
     fn inf_block_saturates() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let mut x = [0.0f32; 16];
         for v in x.iter_mut() {
-            *v = rng.value();
+            *v = value(&mut rng);
         }
         x[2] = f32::INFINITY;
         x[9] = f32::NEG_INFINITY;
@@ -564,17 +546,17 @@ mod tests {
 
     #[test]
     fn quantize_block_matches_oracle_across_the_e4m3_range() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let mut scales_seen = [false; 256];
         for trial in 0..40_000 {
             // Block magnitude from 2^-40 to 2^40 and g from 2^-30 to 2^10, so amax / (6g) covers
             // everything from "rounds to zero" through the subnormals to saturation.
             let block_exp = rng.below(81) as i32 - 40;
-            let g = pow2(rng.below(41) as i32 - 30) * (1.0 + rng.unit().abs());
+            let g = pow2(rng.below(41) as i32 - 30) * (1.0 + unit(&mut rng).abs());
             let mut x = [0.0f32; 16];
             for v in x.iter_mut() {
-                *v = bf16_round(rng.value() * pow2(block_exp));
+                *v = bf16_round(value(&mut rng) * pow2(block_exp));
             }
             if trial % 7 == 0 {
                 x[rng.below(16) as usize] = -0.0;
@@ -591,8 +573,8 @@ mod tests {
 
     #[test]
     fn round_trip_is_exact_for_representable_inputs() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for _ in 0..300 {
             let rows = 1 + rng.below(5) as usize;
             let cols = 16 * (1 + rng.below(6) as usize);
@@ -640,11 +622,11 @@ mod tests {
 
     #[test]
     fn quantize_then_dequantize_matches_independent_decode() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for (rows, cols) in [(1, 16), (127, 48), (129, 80), (300, 16), (3, 7168)] {
-            let g = pow2(rng.below(20) as i32 - 16) * (1.0 + rng.unit().abs());
-            let x: Vec<bf16> = (0..rows * cols).map(|_| bf16::from_f32(rng.value())).collect();
+            let g = pow2(rng.below(20) as i32 - 16) * (1.0 + unit(&mut rng).abs());
+            let x: Vec<bf16> = (0..rows * cols).map(|_| bf16::from_f32(value(&mut rng))).collect();
             for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
                 let t = quantize(&x, rows, cols, g, layout).unwrap();
                 assert_eq!(t.codes.len(), rows * cols / 2);
@@ -736,8 +718,8 @@ mod tests {
         // Aim (e2m1 * e4m3) * g at f32 values that sit exactly on a BF16 tie; the other order,
         // e2m1 * (e4m3 * g), then often rounds to the neighbouring BF16 value. Both the pinned
         // order and the existence of such cases (so the test can tell orders apart) are checked.
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let mut orders_differ = 0;
         for _ in 0..200_000 {
             let code = [3u8, 5, 11, 13][rng.below(4) as usize]; // ±1.5, ±3: inexact with g
@@ -776,8 +758,8 @@ mod tests {
         // d = e4m3(s) * g with g of 17 significant bits, so 6 * d and t * d (t a decision point,
         // at most 3 significant bits) are exact and x / d lands exactly on t. A reciprocal
         // multiply x * (1/d) is often an ulp off and rounds the other way.
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let ties = [(0.25f32, 0u8), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6)];
         let mut reciprocal_differs = 0;
         for _ in 0..20_000 {
@@ -813,8 +795,8 @@ mod tests {
     fn scale_uses_one_division_by_six_g() {
         // amax placed at E4M3 rounding midpoints (times 6g, nudged by a few ulps) with g of full
         // precision, so 6 * g rounds: amax / (6 * g) and amax / 6 / g then differ at some ties.
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         let mut forms_differ = 0;
         for _ in 0..50_000 {
             let g = f32::from_bits(
@@ -826,7 +808,7 @@ mod tests {
             let amax = f32::from_bits(((mid * 6.0 * g).to_bits() as i32 + nudge) as u32);
             let mut x = [0.0f32; 16];
             for v in x.iter_mut() {
-                *v = amax * rng.unit();
+                *v = amax * unit(&mut rng);
             }
             x[rng.below(16) as usize] = if rng.below(2) == 0 { amax } else { -amax };
             let q = quantize_block(&x, g);
@@ -840,9 +822,9 @@ mod tests {
 
     #[test]
     fn quantize_f32_rounds_to_bf16_first() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
-        let x: Vec<f32> = (0..64).map(|_| rng.value()).collect();
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let x: Vec<f32> = (0..64).map(|_| value(&mut rng)).collect();
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let a = quantize_f32(&x, 2, 32, 0.01, ScaleLayout::Swizzled128x4).unwrap();
         let b = quantize(&xb, 2, 32, 0.01, ScaleLayout::Swizzled128x4).unwrap();
@@ -859,9 +841,9 @@ mod tests {
 
     #[test]
     fn weight_decode_scale_uses_finite_amax() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
-        let mut x: Vec<bf16> = (0..100).map(|_| bf16::from_f32(rng.value())).collect();
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let mut x: Vec<bf16> = (0..100).map(|_| bf16::from_f32(value(&mut rng))).collect();
         x[7] = bf16::INFINITY;
         x[8] = bf16::NEG_INFINITY;
         x[9] = bf16::NAN;
@@ -923,8 +905,8 @@ mod tests {
 
     #[test]
     fn grouped_matches_per_expert_quantize() {
-        let mut rng = SplitMix64::from_time();
-        let seed = rng.0;
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
         for trial in 0..40 {
             let num_experts = 1 + rng.below(6) as usize;
             let cols = 16 * (1 + rng.below(9) as usize);
@@ -938,11 +920,11 @@ mod tests {
                 offsets.push(offsets.last().unwrap() + n as i32);
             }
             let total = *offsets.last().unwrap() as usize;
-            let x: Vec<bf16> = (0..total * cols).map(|_| bf16::from_f32(rng.value())).collect();
+            let x: Vec<bf16> = (0..total * cols).map(|_| bf16::from_f32(value(&mut rng))).collect();
             let per_expert = rng.below(2) == 0;
             let gs: Vec<f32> = if per_expert {
                 (0..num_experts)
-                    .map(|_| pow2(rng.below(8) as i32 - 6) * (1.0 + rng.unit().abs()))
+                    .map(|_| pow2(rng.below(8) as i32 - 6) * (1.0 + unit(&mut rng).abs()))
                     .collect()
             } else {
                 vec![0.01]
