@@ -34,7 +34,7 @@ pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     if experts == 0 || experts > 1024 {
         return Err(Error::InvalidShape(format!("experts must be in 1..=1024, got {experts}")));
     }
-    if n == 0 || k == 0 || n % 64 != 0 || k % 64 != 0 {
+    if n == 0 || k == 0 || !n.is_multiple_of(64) || !k.is_multiple_of(64) {
         return Err(Error::InvalidShape(format!("n and k must be positive multiples of 64, got n={n} k={k}")));
     }
     if (experts * n).checked_mul(k).is_none() {

@@ -1007,7 +1007,7 @@ impl ExpertWeightsHost {
     pub fn weight(&self, e: usize, f: usize, kk: usize) -> f32 {
         let row = e * self.n + f;
         let byte = self.codes[row * (self.k / 2) + kk / 2];
-        let code = if kk % 2 == 0 { byte & 0xF } else { byte >> 4 };
+        let code = if kk.is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
         e2m1_decode(code) * e4m3_decode(self.scales[row * (self.k / 16) + kk / 16])
     }
 }
