@@ -10,6 +10,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
 use crate::reference::ExpertWeightsHost;
@@ -43,24 +44,8 @@ pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
-fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
-    if actual < needed {
-        return Err(Error::BufferTooSmall { name, needed, actual });
-    }
-    Ok(())
-}
 
-fn check_align(name: &'static str, addr: u64, align: usize) -> Result<()> {
-    if !addr.is_multiple_of(align as u64) {
-        return Err(Error::Misaligned { name, align, addr });
-    }
-    Ok(())
-}
 
-fn stream_handle(stream: &CudaStream) -> Result<u64> {
-    stream.context().bind_to_thread()?;
-    Ok(stream.cu_stream() as u64)
-}
 
 impl Nvfp4Weights {
     /// Prepares checkpoint-layout weights already on the device: `codes` u8 `[E, n, k/2]`, `scales`

@@ -14,6 +14,7 @@ pub mod layout;
 pub mod reference;
 pub mod rng;
 
+mod checks;
 mod ffi;
 pub mod quantize;
 pub mod gemm;

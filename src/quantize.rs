@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
 use crate::layout::{scale_len, ScaleLayout};
@@ -65,19 +66,7 @@ impl Nvfp4Tensor {
     }
 }
 
-fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
-    if actual < needed {
-        return Err(Error::BufferTooSmall { name, needed, actual });
-    }
-    Ok(())
-}
 
-fn check_align(name: &'static str, addr: u64, align: usize) -> Result<()> {
-    if !addr.is_multiple_of(align as u64) {
-        return Err(Error::Misaligned { name, align, addr });
-    }
-    Ok(())
-}
 
 /// A device buffer as the checks see it: its address and its length in elements.
 #[derive(Clone, Copy, Debug)]
@@ -129,12 +118,6 @@ fn check_kernel_limits(rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
-fn stream_handle(stream: &CudaStream) -> Result<u64> {
-    // The core launches through the CUDA runtime, which uses the calling thread's current
-    // context: make it the stream's (cudarc uses the device's primary context, as cudart does).
-    stream.context().bind_to_thread()?;
-    Ok(stream.cu_stream() as u64)
-}
 
 #[allow(clippy::too_many_arguments)]
 /// Quantizes `x` (bf16 `[rows, cols]`) into caller-provided buffers: `codes` (`rows * cols / 2`
