@@ -113,7 +113,13 @@ fn benches(c: &mut Criterion) {
                 let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
                 let flops = 2.0 * rows as f64 * n as f64 * k as f64;
                 let floor = (wbytes / (HBM_TBPS * 1e12)).max(flops / (BF16_TFLOPS * 1e12)) * 1e6;
-                table.push(Row { name: format!("{name} ({:?})", plan.tile_for(rows)), us, bytes: wbytes, flops, floor_us: floor });
+                table.push(Row {
+                    name: format!("{name} ({:?})", plan.tile_for(rows)),
+                    us,
+                    bytes: wbytes,
+                    flops,
+                    floor_us: floor,
+                });
             }
         }
     }

@@ -44,7 +44,9 @@ fn benches(c: &mut Criterion) {
                 let mut run = || quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
                 let mut grp = c.benchmark_group("quantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
-                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| b.iter_custom(|it| time_events(&s, it, &mut run)));
+                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {
+                    b.iter_custom(|it| time_events(&s, it, &mut run))
+                });
                 grp.finish();
                 let us = median_us(&s, 5, 41, &mut run);
                 rows_out.push(Row { name: qname, us, bytes, flops: 0.0, floor_us: bytes / (HBM_TBPS * 1e12) * 1e6 });
@@ -56,7 +58,9 @@ fn benches(c: &mut Criterion) {
                 let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
                 let mut grp = c.benchmark_group("dequantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
-                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| b.iter_custom(|it| time_events(&s, it, &mut run)));
+                grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {
+                    b.iter_custom(|it| time_events(&s, it, &mut run))
+                });
                 grp.finish();
                 let us = median_us(&s, 5, 41, &mut run);
                 rows_out.push(Row { name: dname, us, bytes, flops: 0.0, floor_us: bytes / (HBM_TBPS * 1e12) * 1e6 });

@@ -250,10 +250,7 @@ mod tests {
 
     #[test]
     fn e2m1_decode_matches_format_table() {
-        let expected = [
-            0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
-            -6.0,
-        ];
+        let expected = [0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
         for code in 0..16u8 {
             let v = e2m1_decode(code);
             assert_eq!(v.to_bits(), expected[code as usize].to_bits(), "code {code}");
@@ -474,12 +471,7 @@ mod tests {
                     f32::from_bits((mid.to_bits() as i32 + nudge) as u32)
                 }
             };
-            assert_eq!(
-                e4m3_encode(x),
-                table.encode(x),
-                "x = {x:e} ({:#010x}) (seed {seed:#x})",
-                x.to_bits()
-            );
+            assert_eq!(e4m3_encode(x), table.encode(x), "x = {x:e} ({:#010x}) (seed {seed:#x})", x.to_bits());
         }
     }
 

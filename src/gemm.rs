@@ -44,9 +44,6 @@ pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
-
-
-
 impl Nvfp4Weights {
     /// Prepares checkpoint-layout weights already on the device: `codes` u8 `[E, n, k/2]`, `scales`
     /// E4M3 `[E, n, k/16]` (linear), and one decode scale per expert (host). Synchronizes `stream`
@@ -235,7 +232,14 @@ impl GroupedGemm<'_, PlainBf16> {
     /// `x` bf16 `[total_rows, k]`, `expert_offsets` i32 `[E+1]` (device; rows of expert e are
     /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, n]`. Rows past
     /// `off[E]` are not written. No host synchronization; valid inside CUDA-graph capture.
-    pub fn launch<X, O, F>(&self, stream: &CudaStream, x: &X, total_rows: usize, expert_offsets: &O, out: &mut F) -> Result<()>
+    pub fn launch<X, O, F>(
+        &self,
+        stream: &CudaStream,
+        x: &X,
+        total_rows: usize,
+        expert_offsets: &O,
+        out: &mut F,
+    ) -> Result<()>
     where
         X: DevicePtr<bf16>,
         O: DevicePtr<i32>,

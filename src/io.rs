@@ -52,19 +52,12 @@ pub struct ModelOptWeight {
 }
 
 fn tensor_err(name: &str, what: impl Into<String>) -> Error {
-    Error::Tensor {
-        name: name.to_string(),
-        what: what.into(),
-    }
+    Error::Tensor { name: name.to_string(), what: what.into() }
 }
 
 fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| {
-        Error::Io(std::io::Error::new(
-            e.kind(),
-            format!("cannot read `{}`: {e}", path.display()),
-        ))
-    })
+    std::fs::read(path)
+        .map_err(|e| Error::Io(std::io::Error::new(e.kind(), format!("cannot read `{}`: {e}", path.display()))))
 }
 
 fn shape_str(shape: &[usize]) -> String {
@@ -80,20 +73,13 @@ fn get<'a>(st: &SafeTensors<'a>, name: &str, path: &Path) -> Result<TensorView<'
             let mut names = st.names();
             names.sort_unstable();
             let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
-            let more = if names.len() > 8 {
-                format!(" and {} more", names.len() - 8)
-            } else {
-                String::new()
-            };
+            let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
             let present = if names.is_empty() {
                 "it holds no tensors".to_string()
             } else {
                 format!("it holds {}{more}", shown.join(", "))
             };
-            Err(tensor_err(
-                name,
-                format!("not found in `{}` ({present})", path.display()),
-            ))
+            Err(tensor_err(name, format!("not found in `{}` ({present})", path.display())))
         }
         Err(e) => Err(e.into()),
     }
@@ -104,47 +90,30 @@ fn check_dtype(t: &TensorView<'_>, name: &str, want: &[Dtype]) -> Result<()> {
         return Ok(());
     }
     let want: Vec<String> = want.iter().map(|d| d.to_string()).collect();
-    Err(tensor_err(
-        name,
-        format!("dtype is {}, expected {}", t.dtype(), want.join(" or ")),
-    ))
+    Err(tensor_err(name, format!("dtype is {}, expected {}", t.dtype(), want.join(" or "))))
 }
 
 /// Reads the 2-D tensor `name` as BF16 `(data, rows, cols, source dtype)`. BF16 is read as is; F32
 /// is rounded to BF16 (round-to-nearest-even, NaN kept) and reported as [`SourceDtype::F32`]. Any
 /// other dtype, or a tensor that is not 2-D, is an [`Error::Tensor`].
-pub fn read_matrix_bf16(
-    path: impl AsRef<Path>,
-    name: &str,
-) -> Result<(Vec<bf16>, usize, usize, SourceDtype)> {
+pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>, usize, usize, SourceDtype)> {
     let path = path.as_ref();
     let bytes = read_file(path)?;
     let st = SafeTensors::deserialize(&bytes)?;
     let t = get(&st, name, path)?;
     check_dtype(&t, name, &[Dtype::BF16, Dtype::F32])?;
     let &[rows, cols] = t.shape() else {
-        return Err(tensor_err(
-            name,
-            format!(
-                "shape is {}, expected a 2-D matrix [rows, cols]",
-                shape_str(t.shape())
-            ),
-        ));
+        return Err(tensor_err(name, format!("shape is {}, expected a 2-D matrix [rows, cols]", shape_str(t.shape()))));
     };
     let data = t.data();
     match t.dtype() {
         Dtype::BF16 => {
-            let v = data
-                .chunks_exact(2)
-                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                .collect();
+            let v = data.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
             Ok((v, rows, cols, SourceDtype::Bf16))
         }
         _ => {
-            let v = data
-                .chunks_exact(4)
-                .map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect();
+            let v =
+                data.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
             Ok((v, rows, cols, SourceDtype::F32))
         }
     }
@@ -161,35 +130,23 @@ fn file_metadata() -> Option<HashMap<String, String>> {
 /// permissions a newly created file gets here (the umask), not those of safetensors' own temporary
 /// file (0600).
 fn write_tensors(path: &Path, tensors: Vec<(String, TensorView<'_>)>) -> Result<()> {
-    let io_err = |e: std::io::Error| {
-        Error::Io(std::io::Error::new(
-            e.kind(),
-            format!("cannot write `{}`: {e}", path.display()),
-        ))
-    };
+    let io_err =
+        |e: std::io::Error| Error::Io(std::io::Error::new(e.kind(), format!("cannot write `{}`: {e}", path.display())));
     let Some(file_name) = path.file_name() else {
-        return Err(io_err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a file name",
-        )));
+        return Err(io_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name")));
     };
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(file_name);
     tmp_name.push(format!(".tmp{}", std::process::id()));
     let tmp = path.with_file_name(tmp_name);
-    let perms = std::fs::File::create(&tmp)
-        .and_then(|f| f.metadata())
-        .map(|m| m.permissions())
-        .map_err(io_err)?;
+    let perms = std::fs::File::create(&tmp).and_then(|f| f.metadata()).map(|m| m.permissions()).map_err(io_err)?;
     let written = safetensors::serialize_to_file(tensors, file_metadata(), &tmp)
         .map_err(|e| match e {
             safetensors::SafeTensorError::IoError(e) => io_err(e),
             e => Error::Safetensors(e),
         })
         .and_then(|()| {
-            std::fs::set_permissions(&tmp, perms)
-                .and_then(|()| std::fs::rename(&tmp, path))
-                .map_err(io_err)
+            std::fs::set_permissions(&tmp, perms).and_then(|()| std::fs::rename(&tmp, path)).map_err(io_err)
         });
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -198,8 +155,7 @@ fn write_tensors(path: &Path, tensors: Vec<(String, TensorView<'_>)>) -> Result<
 }
 
 fn view<'a>(name: &str, dtype: Dtype, shape: Vec<usize>, data: &'a [u8]) -> Result<TensorView<'a>> {
-    TensorView::new(dtype, shape, data)
-        .map_err(|e| tensor_err(name, format!("cannot be written: {e}")))
+    TensorView::new(dtype, shape, data).map_err(|e| tensor_err(name, format!("cannot be written: {e}")))
 }
 
 /// The little-endian bytes of `data`: borrowed on a little-endian machine (no copy of what may be
@@ -210,33 +166,17 @@ fn bf16_le_bytes(data: &[bf16]) -> Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
         // SAFETY: `bits` is a valid, initialized `[u16]`; viewing its memory as twice as many `u8`
         // (alignment 1, no padding, every bit pattern valid) for the same lifetime is sound.
-        Cow::Borrowed(unsafe {
-            std::slice::from_raw_parts(bits.as_ptr().cast::<u8>(), std::mem::size_of_val(bits))
-        })
+        Cow::Borrowed(unsafe { std::slice::from_raw_parts(bits.as_ptr().cast::<u8>(), std::mem::size_of_val(bits)) })
     } else {
         Cow::Owned(bits.iter().flat_map(|b| b.to_le_bytes()).collect())
     }
 }
 
 /// Writes one BF16 tensor `name` `[rows, cols]` to a new safetensors file at `path`.
-pub fn write_bf16(
-    path: impl AsRef<Path>,
-    name: &str,
-    data: &[bf16],
-    rows: usize,
-    cols: usize,
-) -> Result<()> {
-    let n = rows
-        .checked_mul(cols)
-        .ok_or_else(|| tensor_err(name, format!("shape [{rows}, {cols}] overflows")))?;
+pub fn write_bf16(path: impl AsRef<Path>, name: &str, data: &[bf16], rows: usize, cols: usize) -> Result<()> {
+    let n = rows.checked_mul(cols).ok_or_else(|| tensor_err(name, format!("shape [{rows}, {cols}] overflows")))?;
     if data.len() != n {
-        return Err(tensor_err(
-            name,
-            format!(
-                "has {} elements, shape [{rows}, {cols}] needs {n}",
-                data.len()
-            ),
-        ));
+        return Err(tensor_err(name, format!("has {} elements, shape [{rows}, {cols}] needs {n}", data.len())));
     }
     let bytes = bf16_le_bytes(data);
     let t = view(name, Dtype::BF16, vec![rows, cols], &bytes)?;
@@ -247,16 +187,10 @@ pub fn write_bf16(
 /// `{prefix}weight_scale` (F8_E4M3 `[N, K/16]`) and `{prefix}weight_scale_2` (F32, shape `[]`).
 /// The prefix is used verbatim (pass `"model.layers.0.mlp.gate_proj."` with its final dot).
 pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) -> Result<()> {
-    let (n_w, n_s, n_g) = (
-        format!("{prefix}weight"),
-        format!("{prefix}weight_scale"),
-        format!("{prefix}weight_scale_2"),
-    );
+    let (n_w, n_s, n_g) =
+        (format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2"));
     if !w.cols.is_multiple_of(16) {
-        return Err(tensor_err(
-            &n_w,
-            format!("K = {} is not a multiple of 16", w.cols),
-        ));
+        return Err(tensor_err(&n_w, format!("K = {} is not a multiple of 16", w.cols)));
     }
     let overflow = || tensor_err(&n_w, format!("shape [{}, {}] overflows", w.rows, w.cols));
     let want_codes = w.rows.checked_mul(w.cols / 2).ok_or_else(overflow)?;
@@ -264,35 +198,19 @@ pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) 
     if w.codes.len() != want_codes {
         return Err(tensor_err(
             &n_w,
-            format!(
-                "has {} bytes, [{}, {}] needs {want_codes}",
-                w.codes.len(),
-                w.rows,
-                w.cols / 2
-            ),
+            format!("has {} bytes, [{}, {}] needs {want_codes}", w.codes.len(), w.rows, w.cols / 2),
         ));
     }
     if w.scales.len() != want_scales {
         return Err(tensor_err(
             &n_s,
-            format!(
-                "has {} bytes, [{}, {}] needs {want_scales}",
-                w.scales.len(),
-                w.rows,
-                w.cols / 16
-            ),
+            format!("has {} bytes, [{}, {}] needs {want_scales}", w.scales.len(), w.rows, w.cols / 16),
         ));
     }
     let g = w.decode_scale.to_le_bytes();
     let tensors = vec![
-        (
-            n_w.clone(),
-            view(&n_w, Dtype::U8, vec![w.rows, w.cols / 2], &w.codes)?,
-        ),
-        (
-            n_s.clone(),
-            view(&n_s, Dtype::F8_E4M3, vec![w.rows, w.cols / 16], &w.scales)?,
-        ),
+        (n_w.clone(), view(&n_w, Dtype::U8, vec![w.rows, w.cols / 2], &w.codes)?),
+        (n_s.clone(), view(&n_s, Dtype::F8_E4M3, vec![w.rows, w.cols / 16], &w.scales)?),
         (n_g.clone(), view(&n_g, Dtype::F32, vec![], &g)?),
     ];
     write_tensors(path.as_ref(), tensors)
@@ -303,30 +221,21 @@ pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) 
 /// decode scale is finite and > 0.
 pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWeight> {
     let path = path.as_ref();
-    let (n_w, n_s, n_g) = (
-        format!("{prefix}weight"),
-        format!("{prefix}weight_scale"),
-        format!("{prefix}weight_scale_2"),
-    );
+    let (n_w, n_s, n_g) =
+        (format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2"));
     let bytes = read_file(path)?;
     let st = SafeTensors::deserialize(&bytes)?;
 
     let tw = get(&st, &n_w, path)?;
     check_dtype(&tw, &n_w, &[Dtype::U8])?;
     let &[rows, half_cols] = tw.shape() else {
-        return Err(tensor_err(
-            &n_w,
-            format!("shape is {}, expected 2-D [N, K/2]", shape_str(tw.shape())),
-        ));
+        return Err(tensor_err(&n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(tw.shape()))));
     };
     let cols = half_cols * 2;
     if cols % 16 != 0 {
         return Err(tensor_err(
             &n_w,
-            format!(
-                "shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16",
-                shape_str(tw.shape())
-            ),
+            format!("shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16", shape_str(tw.shape())),
         ));
     }
 
@@ -347,30 +256,15 @@ pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWei
     let tg = get(&st, &n_g, path)?;
     check_dtype(&tg, &n_g, &[Dtype::F32])?;
     if !(tg.shape().is_empty() || tg.shape() == [1]) {
-        return Err(tensor_err(
-            &n_g,
-            format!(
-                "shape is {}, expected a scalar ([] or [1])",
-                shape_str(tg.shape())
-            ),
-        ));
+        return Err(tensor_err(&n_g, format!("shape is {}, expected a scalar ([] or [1])", shape_str(tg.shape()))));
     }
     let gb = tg.data();
     let g = f32::from_le_bytes([gb[0], gb[1], gb[2], gb[3]]);
     if !(g.is_finite() && g > 0.0) {
-        return Err(tensor_err(
-            &n_g,
-            format!("decode scale must be finite and > 0, got {g}"),
-        ));
+        return Err(tensor_err(&n_g, format!("decode scale must be finite and > 0, got {g}")));
     }
 
-    Ok(ModelOptWeight {
-        codes: tw.data().to_vec(),
-        scales: ts.data().to_vec(),
-        decode_scale: g,
-        rows,
-        cols,
-    })
+    Ok(ModelOptWeight { codes: tw.data().to_vec(), scales: ts.data().to_vec(), decode_scale: g, rows, cols })
 }
 
 #[cfg(test)]
@@ -387,14 +281,9 @@ mod tests {
         fn new(tag: &str) -> Self {
             static N: AtomicUsize = AtomicUsize::new(0);
             let n = N.fetch_add(1, Ordering::Relaxed);
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            Tmp(std::env::temp_dir().join(format!(
-                "nvfp4moe-io-{}-{nanos}-{n}-{tag}.safetensors",
-                std::process::id()
-            )))
+            let nanos =
+                std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+            Tmp(std::env::temp_dir().join(format!("nvfp4moe-io-{}-{nanos}-{n}-{tag}.safetensors", std::process::id())))
         }
     }
 
@@ -415,25 +304,15 @@ mod tests {
 
     /// Writes raw tensors as they are.
     fn write_raw(path: &Path, tensors: &[Raw<'_>]) {
-        let views: Vec<(String, TensorView<'_>)> = tensors
-            .iter()
-            .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
-            .collect();
+        let views: Vec<(String, TensorView<'_>)> =
+            tensors.iter().map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
         safetensors::serialize_to_file(views, None, path).unwrap();
     }
 
     fn random_weight(r: &mut Rng, rows: usize, cols: usize) -> ModelOptWeight {
         // Scales: random E4M3 bytes without NaN (0x7F/0xFF) so the test data is a plausible weight.
-        let scales = (0..rows * cols / 16)
-            .map(|_| (r.below(0x7F) as u8) | 1)
-            .collect();
-        ModelOptWeight {
-            codes: r.bytes(rows * cols / 2),
-            scales,
-            decode_scale: r.uniform(1e-6, 1e-2),
-            rows,
-            cols,
-        }
+        let scales = (0..rows * cols / 16).map(|_| (r.below(0x7F) as u8) | 1).collect();
+        ModelOptWeight { codes: r.bytes(rows * cols / 2), scales, decode_scale: r.uniform(1e-6, 1e-2), rows, cols }
     }
 
     fn assert_tensor_err(e: Error, name: &str, contains: &str) {
@@ -507,11 +386,7 @@ mod tests {
         assert_tensor_err(read_matrix_bf16(&t.0, "half").unwrap_err(), "half", "F16");
         assert_tensor_err(read_matrix_bf16(&t.0, "ints").unwrap_err(), "ints", "I32");
         assert_tensor_err(read_matrix_bf16(&t.0, "vec").unwrap_err(), "vec", "[32]");
-        assert_tensor_err(
-            read_matrix_bf16(&t.0, "cube").unwrap_err(),
-            "cube",
-            "[2, 2, 4]",
-        );
+        assert_tensor_err(read_matrix_bf16(&t.0, "cube").unwrap_err(), "cube", "[2, 2, 4]");
         let e = read_matrix_bf16(&t.0, "missing").unwrap_err();
         assert!(e.to_string().contains("`good`"), "lists present names: {e}");
         assert_tensor_err(e, "missing", "not found");
@@ -525,21 +400,10 @@ mod tests {
             e => panic!("expected Error::Io, got {e:?}"),
         }
         std::fs::write(&t.0, b"this is not a safetensors file").unwrap();
-        assert!(matches!(
-            read_matrix_bf16(&t.0, "x").unwrap_err(),
-            Error::Safetensors(_)
-        ));
-        assert!(matches!(
-            read_modelopt(&t.0, "").unwrap_err(),
-            Error::Safetensors(_)
-        ));
-        let dir = std::env::temp_dir()
-            .join("nvfp4moe-io-no-such-dir")
-            .join("out.safetensors");
-        assert!(matches!(
-            write_bf16(&dir, "x", &[bf16::ONE], 1, 1).unwrap_err(),
-            Error::Io(_)
-        ));
+        assert!(matches!(read_matrix_bf16(&t.0, "x").unwrap_err(), Error::Safetensors(_)));
+        assert!(matches!(read_modelopt(&t.0, "").unwrap_err(), Error::Safetensors(_)));
+        let dir = std::env::temp_dir().join("nvfp4moe-io-no-such-dir").join("out.safetensors");
+        assert!(matches!(write_bf16(&dir, "x", &[bf16::ONE], 1, 1).unwrap_err(), Error::Io(_)));
     }
 
     #[test]
@@ -557,19 +421,13 @@ mod tests {
                 let st = SafeTensors::deserialize(&bytes).unwrap();
                 let mut names = st.names();
                 names.sort_unstable();
-                let want = [
-                    format!("{prefix}weight"),
-                    format!("{prefix}weight_scale"),
-                    format!("{prefix}weight_scale_2"),
-                ];
+                let want =
+                    [format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2")];
                 assert_eq!(names, want.iter().map(String::as_str).collect::<Vec<_>>());
                 let tw = st.tensor(&want[0]).unwrap();
                 assert_eq!((tw.dtype(), tw.shape()), (Dtype::U8, &[rows, cols / 2][..]));
                 let ts = st.tensor(&want[1]).unwrap();
-                assert_eq!(
-                    (ts.dtype(), ts.shape()),
-                    (Dtype::F8_E4M3, &[rows, cols / 16][..])
-                );
+                assert_eq!((ts.dtype(), ts.shape()), (Dtype::F8_E4M3, &[rows, cols / 16][..]));
                 let tg = st.tensor(&want[2]).unwrap();
                 assert_eq!((tg.dtype(), tg.shape()), (Dtype::F32, &[][..]));
                 assert_eq!(tg.data(), w.decode_scale.to_le_bytes());
@@ -591,24 +449,9 @@ mod tests {
             &t.0,
             &[
                 ("p.weight", Dtype::U8, vec![4, 16], w.codes.clone()),
-                (
-                    "p.weight_scale",
-                    Dtype::F8_E4M3,
-                    vec![4, 2],
-                    w.scales.clone(),
-                ),
-                (
-                    "p.weight_scale_2",
-                    Dtype::F32,
-                    vec![1],
-                    w.decode_scale.to_le_bytes().to_vec(),
-                ),
-                (
-                    "p.input_scale",
-                    Dtype::F32,
-                    vec![],
-                    1.0f32.to_le_bytes().to_vec(),
-                ),
+                ("p.weight_scale", Dtype::F8_E4M3, vec![4, 2], w.scales.clone()),
+                ("p.weight_scale_2", Dtype::F32, vec![1], w.decode_scale.to_le_bytes().to_vec()),
+                ("p.input_scale", Dtype::F32, vec![], 1.0f32.to_le_bytes().to_vec()),
             ],
         );
         assert_eq!(read_modelopt(&t.0, "p.").unwrap(), w);
@@ -623,12 +466,7 @@ mod tests {
         let good = || {
             vec![
                 ("m.weight", Dtype::U8, vec![rows, cols / 2], w.codes.clone()),
-                (
-                    "m.weight_scale",
-                    Dtype::F8_E4M3,
-                    vec![rows, cols / 16],
-                    w.scales.clone(),
-                ),
+                ("m.weight_scale", Dtype::F8_E4M3, vec![rows, cols / 16], w.scales.clone()),
                 ("m.weight_scale_2", Dtype::F32, vec![], g.clone()),
             ]
         };
@@ -643,28 +481,12 @@ mod tests {
         // Missing tensors.
         for i in 0..3 {
             let name = good()[i].0;
-            assert_tensor_err(
-                case(&|ts| drop(ts.remove(i))).unwrap_err(),
-                name,
-                "not found",
-            );
+            assert_tensor_err(case(&|ts| drop(ts.remove(i))).unwrap_err(), name, "not found");
         }
         // Wrong dtypes.
-        assert_tensor_err(
-            case(&|ts| ts[0].1 = Dtype::I8).unwrap_err(),
-            "m.weight",
-            "I8",
-        );
-        assert_tensor_err(
-            case(&|ts| ts[1].1 = Dtype::U8).unwrap_err(),
-            "m.weight_scale",
-            "F8_E4M3",
-        );
-        assert_tensor_err(
-            case(&|ts| ts[1].1 = Dtype::F8_E5M2).unwrap_err(),
-            "m.weight_scale",
-            "F8_E5M2",
-        );
+        assert_tensor_err(case(&|ts| ts[0].1 = Dtype::I8).unwrap_err(), "m.weight", "I8");
+        assert_tensor_err(case(&|ts| ts[1].1 = Dtype::U8).unwrap_err(), "m.weight_scale", "F8_E4M3");
+        assert_tensor_err(case(&|ts| ts[1].1 = Dtype::F8_E5M2).unwrap_err(), "m.weight_scale", "F8_E5M2");
         assert_tensor_err(
             case(&|ts| {
                 ts[2].1 = Dtype::BF16;
@@ -675,16 +497,8 @@ mod tests {
             "BF16",
         );
         // Wrong shapes.
-        assert_tensor_err(
-            case(&|ts| ts[0].2 = vec![rows * cols / 2]).unwrap_err(),
-            "m.weight",
-            "2-D",
-        );
-        assert_tensor_err(
-            case(&|ts| ts[0].2 = vec![rows * 4, cols / 8]).unwrap_err(),
-            "m.weight",
-            "multiple of 16",
-        );
+        assert_tensor_err(case(&|ts| ts[0].2 = vec![rows * cols / 2]).unwrap_err(), "m.weight", "2-D");
+        assert_tensor_err(case(&|ts| ts[0].2 = vec![rows * 4, cols / 8]).unwrap_err(), "m.weight", "multiple of 16");
         assert_tensor_err(
             case(&|ts| ts[1].2 = vec![rows * 2, cols / 32]).unwrap_err(),
             "m.weight_scale",
@@ -715,21 +529,13 @@ mod tests {
         // The prefix is part of the name looked up.
         let t = Tmp::new("mo-prefix");
         write_raw(&t.0, &good());
-        assert_tensor_err(
-            read_modelopt(&t.0, "other.").unwrap_err(),
-            "other.weight",
-            "not found",
-        );
+        assert_tensor_err(read_modelopt(&t.0, "other.").unwrap_err(), "other.weight", "not found");
     }
 
     #[test]
     fn write_replaces_atomically_with_usual_permissions() {
         let mut r = rng();
-        let dir = std::env::temp_dir().join(format!(
-            "nvfp4moe-io-dir-{}-{}",
-            std::process::id(),
-            r.next_u64()
-        ));
+        let dir = std::env::temp_dir().join(format!("nvfp4moe-io-dir-{}-{}", std::process::id(), r.next_u64()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("w.safetensors");
         let x = r.varied_bf16(64);
@@ -738,30 +544,16 @@ mod tests {
         write_bf16(&path, "b", &y, 2, 16).unwrap();
         let (z, ..) = read_matrix_bf16(&path, "b").unwrap();
         assert_eq!(z, y);
-        assert!(
-            matches!(read_matrix_bf16(&path, "a"), Err(Error::Tensor { .. })),
-            "the old file is replaced"
-        );
-        let files: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(
-            files,
-            vec![std::ffi::OsString::from("w.safetensors")],
-            "no temporary file left"
-        );
+        assert!(matches!(read_matrix_bf16(&path, "a"), Err(Error::Tensor { .. })), "the old file is replaced");
+        let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(files, vec![std::ffi::OsString::from("w.safetensors")], "no temporary file left");
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
             let probe = dir.join("probe");
             std::fs::File::create(&probe).unwrap();
             let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-            assert_eq!(
-                mode(&path),
-                mode(&probe),
-                "a written file gets the umask's permissions"
-            );
+            assert_eq!(mode(&path), mode(&probe), "a written file gets the umask's permissions");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -773,30 +565,14 @@ mod tests {
         let t = Tmp::new("mo-len");
         let mut bad = w.clone();
         bad.codes.pop();
-        assert_tensor_err(
-            write_modelopt(&t.0, "a.", &bad).unwrap_err(),
-            "a.weight",
-            "needs 48",
-        );
+        assert_tensor_err(write_modelopt(&t.0, "a.", &bad).unwrap_err(), "a.weight", "needs 48");
         let mut bad = w.clone();
         bad.scales.push(0);
-        assert_tensor_err(
-            write_modelopt(&t.0, "a.", &bad).unwrap_err(),
-            "a.weight_scale",
-            "needs 6",
-        );
+        assert_tensor_err(write_modelopt(&t.0, "a.", &bad).unwrap_err(), "a.weight_scale", "needs 6");
         let mut bad = w.clone();
         bad.cols = 24;
-        assert_tensor_err(
-            write_modelopt(&t.0, "a.", &bad).unwrap_err(),
-            "a.weight",
-            "multiple of 16",
-        );
-        assert_tensor_err(
-            write_bf16(&t.0, "y", &[bf16::ONE; 5], 2, 3).unwrap_err(),
-            "y",
-            "needs 6",
-        );
+        assert_tensor_err(write_modelopt(&t.0, "a.", &bad).unwrap_err(), "a.weight", "multiple of 16");
+        assert_tensor_err(write_bf16(&t.0, "y", &[bf16::ONE; 5], 2, 3).unwrap_err(), "y", "needs 6");
         assert!(!t.0.exists());
     }
 }

@@ -80,9 +80,7 @@ pub fn swizzled_k_tiles(cols: usize) -> usize {
 pub fn scale_len(layout: ScaleLayout, rows: usize, cols: usize) -> usize {
     match layout {
         ScaleLayout::Linear => rows * scale_cols(cols),
-        ScaleLayout::Swizzled128x4 => {
-            round_up(rows, SWIZZLE_TILE_ROWS) * round_up(scale_cols(cols), SWIZZLE_TILE_COLS)
-        }
+        ScaleLayout::Swizzled128x4 => round_up(rows, SWIZZLE_TILE_ROWS) * round_up(scale_cols(cols), SWIZZLE_TILE_COLS),
     }
 }
 
@@ -150,9 +148,7 @@ pub fn validate_expert_offsets(expert_offsets: &[i32], total_rows: usize) -> Res
         )));
     }
     if usize::try_from(last).ok() != Some(total_rows) {
-        return Err(Error::InvalidShape(format!(
-            "expert offsets end at {last}, but there are {total_rows} rows"
-        )));
+        return Err(Error::InvalidShape(format!("expert offsets end at {last}, but there are {total_rows} rows")));
     }
     Ok(())
 }
@@ -219,11 +215,7 @@ mod tests {
         ];
         for (rows, cols, linear, swizzled) in cases {
             assert_eq!(scale_len(ScaleLayout::Linear, rows, cols), linear, "{rows}x{cols}");
-            assert_eq!(
-                scale_len(ScaleLayout::Swizzled128x4, rows, cols),
-                swizzled,
-                "{rows}x{cols}"
-            );
+            assert_eq!(scale_len(ScaleLayout::Swizzled128x4, rows, cols), swizzled, "{rows}x{cols}");
         }
         assert_eq!(scale_cols(7168), 448);
         assert_eq!(swizzled_k_tiles(80), 2);
@@ -245,10 +237,7 @@ mod tests {
         assert_eq!(swizzled_offset(128, 0, k_tiles), 3 * 512);
         // m = 300 = 2*128 + 44: tile row 2, 44 % 32 = 12, 44 / 32 = 1; k = 9 = 2*4 + 1.
         assert_eq!(swizzled_offset(300, 9, k_tiles), 2 * 1536 + 2 * 512 + 12 * 16 + 4 + 1);
-        assert_eq!(
-            scale_offset(ScaleLayout::Swizzled128x4, 301, 144, 300, 8),
-            2 * 1536 + 1024 + 196
-        );
+        assert_eq!(scale_offset(ScaleLayout::Swizzled128x4, 301, 144, 300, 8), 2 * 1536 + 1024 + 196);
         assert_eq!(scale_offset(ScaleLayout::Linear, 301, 144, 300, 8), 300 * 9 + 8);
     }
 

@@ -16,12 +16,12 @@ pub mod rng;
 
 mod checks;
 mod ffi;
-pub mod quantize;
 pub mod gemm;
 pub mod info;
 pub mod io;
+pub mod quantize;
 
 pub use error::{Error, Result};
-pub use layout::ScaleLayout;
 pub use gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+pub use layout::ScaleLayout;
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

@@ -96,11 +96,7 @@ compute capability, memory, SMs, whether this build has kernels for it).";
 /// Why the command failed: a usage error (exit 2) or a failure while running (exit 1).
 #[derive(Debug)]
 enum Fail {
-    Usage {
-        msg: String,
-        usage: &'static str,
-        help_cmd: &'static str,
-    },
+    Usage { msg: String, usage: &'static str, help_cmd: &'static str },
     Run(String),
 }
 
@@ -113,19 +109,11 @@ impl From<Error> for Fail {
 type CliResult<T> = std::result::Result<T, Fail>;
 
 fn usage_err(cmd: &Command, msg: impl fmt::Display) -> Fail {
-    Fail::Usage {
-        msg: msg.to_string(),
-        usage: cmd.usage,
-        help_cmd: cmd.name,
-    }
+    Fail::Usage { msg: msg.to_string(), usage: cmd.usage, help_cmd: cmd.name }
 }
 
 fn top_usage_err(msg: impl fmt::Display) -> Fail {
-    Fail::Usage {
-        msg: msg.to_string(),
-        usage: USAGE,
-        help_cmd: "",
-    }
+    Fail::Usage { msg: msg.to_string(), usage: USAGE, help_cmd: "" }
 }
 
 /// One subcommand: its flags (name, value placeholder, required) and help.
@@ -142,13 +130,7 @@ const QUANTIZE: Command = Command {
     summary: "quantize one 2-D tensor to NVFP4 in ModelOpt's checkpoint layout",
     usage: QUANTIZE_USAGE,
     help: QUANTIZE_HELP,
-    flags: &[
-        ("input", true),
-        ("tensor", true),
-        ("output", true),
-        ("prefix", false),
-        ("backend", false),
-    ],
+    flags: &[("input", true), ("tensor", true), ("output", true), ("prefix", false), ("backend", false)],
 };
 
 const DEQUANTIZE: Command = Command {
@@ -156,37 +138,22 @@ const DEQUANTIZE: Command = Command {
     summary: "decode a ModelOpt NVFP4 weight to BF16",
     usage: DEQUANTIZE_USAGE,
     help: DEQUANTIZE_HELP,
-    flags: &[
-        ("input", true),
-        ("output", true),
-        ("prefix", false),
-        ("name", false),
-        ("backend", false),
-    ],
+    flags: &[("input", true), ("output", true), ("prefix", false), ("name", false), ("backend", false)],
 };
 
-const INFO: Command = Command {
-    name: "info",
-    summary: "version, build and GPUs",
-    usage: INFO_USAGE,
-    help: INFO_HELP,
-    flags: &[],
-};
+const INFO: Command =
+    Command { name: "info", summary: "version, build and GPUs", usage: INFO_USAGE, help: INFO_HELP, flags: &[] };
 
 const ALL: [&Command; 3] = [&QUANTIZE, &DEQUANTIZE, &INFO];
 
 fn print_command_help(cmd: &Command) {
-    out!(
-        "nvfp4-moe {}: {}\n\nUsage:\n  {}\n\n{}",
-        cmd.name,
-        cmd.summary,
-        cmd.usage,
-        cmd.help
-    );
+    out!("nvfp4-moe {}: {}\n\nUsage:\n  {}\n\n{}", cmd.name, cmd.summary, cmd.usage, cmd.help);
 }
 
 fn print_help() {
-    out!("nvfp4-moe {VERSION}: NVFP4 quantization of safetensors weights (CPU or CUDA, sm_90a)\n\n{USAGE}\n\n{COMMANDS}");
+    out!(
+        "nvfp4-moe {VERSION}: NVFP4 quantization of safetensors weights (CPU or CUDA, sm_90a)\n\n{USAGE}\n\n{COMMANDS}"
+    );
 }
 
 /// The parsed `--flag value` pairs of one command.
@@ -196,10 +163,7 @@ struct Flags {
 
 impl Flags {
     fn get(&self, name: &str) -> Option<&str> {
-        self.values
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.as_str())
+        self.values.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
     }
 
     /// A required flag (presence is checked by [`parse_flags`]).
@@ -219,10 +183,7 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
             return Ok(None);
         }
         let Some(body) = a.strip_prefix("--") else {
-            return Err(usage_err(
-                cmd,
-                format!("unexpected argument `{a}` (flags are `--name value`)"),
-            ));
+            return Err(usage_err(cmd, format!("unexpected argument `{a}` (flags are `--name value`)")));
         };
         let (key, inline) = match body.split_once('=') {
             Some((k, v)) => (k, Some(v.to_string())),
@@ -230,15 +191,9 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
         };
         let Some(&(name, _)) = cmd.flags.iter().find(|(n, _)| *n == key) else {
             let known: Vec<String> = cmd.flags.iter().map(|(n, _)| format!("--{n}")).collect();
-            let known = if known.is_empty() {
-                "it takes none".to_string()
-            } else {
-                format!("it takes {}", known.join(", "))
-            };
-            return Err(usage_err(
-                cmd,
-                format!("unknown flag `--{key}` for `{}` ({known})", cmd.name),
-            ));
+            let known =
+                if known.is_empty() { "it takes none".to_string() } else { format!("it takes {}", known.join(", ")) };
+            return Err(usage_err(cmd, format!("unknown flag `--{key}` for `{}` ({known})", cmd.name)));
         };
         let value = match inline {
             Some(v) => v,
@@ -251,10 +206,7 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
             },
         };
         if value.is_empty() && name != "prefix" {
-            return Err(usage_err(
-                cmd,
-                format!("flag `--{name}` needs a non-empty value"),
-            ));
+            return Err(usage_err(cmd, format!("flag `--{name}` needs a non-empty value")));
         }
         if values.iter().any(|(n, _)| *n == name) {
             return Err(usage_err(cmd, format!("flag `--{name}` given twice")));
@@ -269,10 +221,7 @@ fn parse_flags(cmd: &Command, args: &[String]) -> CliResult<Option<Flags>> {
         .collect();
     if !missing.is_empty() {
         let s = if missing.len() > 1 { "s" } else { "" };
-        return Err(usage_err(
-            cmd,
-            format!("missing required flag{s} {}", missing.join(", ")),
-        ));
+        return Err(usage_err(cmd, format!("missing required flag{s} {}", missing.join(", "))));
     }
     Ok(Some(Flags { values }))
 }
@@ -288,10 +237,7 @@ fn parse_backend(cmd: &Command, flags: &Flags) -> CliResult<Option<Backend>> {
         None => Ok(None),
         Some("cpu") => Ok(Some(Backend::Cpu)),
         Some("cuda") => Ok(Some(Backend::Cuda)),
-        Some(other) => Err(usage_err(
-            cmd,
-            format!("unknown backend `{other}` (expected cpu or cuda)"),
-        )),
+        Some(other) => Err(usage_err(cmd, format!("unknown backend `{other}` (expected cpu or cuda)"))),
     }
 }
 
@@ -333,13 +279,15 @@ fn arch_supported(cc: (i32, i32), archs: &str) -> bool {
         return true;
     }
     let dev = cc.0 * 10 + cc.1;
-    list.iter().any(|&(n, specific, sass, ptx)| {
-        if specific {
-            n == dev
-        } else {
-            (sass && n / 10 == dev / 10 && n <= dev) || (ptx && n <= dev)
-        }
-    })
+    list.iter().any(
+        |&(n, specific, sass, ptx)| {
+            if specific {
+                n == dev
+            } else {
+                (sass && n / 10 == dev / 10 && n <= dev) || (ptx && n <= dev)
+            }
+        },
+    )
 }
 
 /// Picks the backend: an explicit one (cuda checked to be usable) or the default (cuda when a
@@ -416,10 +364,7 @@ fn scan_amax(x: &[bf16]) -> (usize, bf16) {
         x.iter().fold((0usize, 0u16), |(n, m), v| {
             let mag = v.to_bits() & 0x7FFF;
             let finite = mag < 0x7F80;
-            (
-                n + usize::from(!finite),
-                if finite { m.max(mag) } else { m },
-            )
+            (n + usize::from(!finite), if finite { m.max(mag) } else { m })
         })
     }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -443,9 +388,7 @@ fn run_chunked<T: Send>(
     items: Vec<(usize, T)>,
     work: impl Fn(T) -> nvfp4_moe::Result<()> + Sync,
 ) -> nvfp4_moe::Result<()> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, items.len().max(1));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, items.len().max(1));
     let queue = Mutex::new(items.into_iter());
     let done = AtomicUsize::new(0);
     let failed = AtomicBool::new(false);
@@ -457,20 +400,14 @@ fn run_chunked<T: Send>(
             let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
             let Some((n, item)) = next else { break };
             if let Err(e) = work(item) {
-                first_err
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get_or_insert(e);
+                first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
                 failed.store(true, Ordering::Relaxed);
                 break;
             }
             let d = done.fetch_add(n, Ordering::Relaxed) + n;
             let mut p = progress.lock().unwrap_or_else(|p| p.into_inner());
             if d < total_rows && p.0.elapsed() >= Duration::from_millis(500) {
-                eprintln!(
-                    "  {what}: {d}/{total_rows} rows ({:.0}%)",
-                    100.0 * d as f64 / total_rows.max(1) as f64
-                );
+                eprintln!("  {what}: {d}/{total_rows} rows ({:.0}%)", 100.0 * d as f64 / total_rows.max(1) as f64);
                 *p = (Instant::now(), true);
             }
         }
@@ -492,12 +429,7 @@ fn run_chunked<T: Send>(
 
 /// The CPU reference quantizer over row chunks on all cores (valid for the linear layout: the
 /// codes and scales of consecutive row ranges are consecutive).
-fn quantize_cpu(
-    x: &[bf16],
-    rows: usize,
-    cols: usize,
-    g: f32,
-) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>)> {
+fn quantize_cpu(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>)> {
     let mut codes = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; rows * cols / 16];
     let ch = chunk_rows(cols);
@@ -564,20 +496,11 @@ fn dequantize_cpu(w: &ModelOptWeight) -> nvfp4_moe::Result<Vec<bf16>> {
 fn phase(name: &str, bytes: usize, t: Instant) {
     let d = t.elapsed();
     let rate = bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9;
-    eprintln!(
-        "  cuda {name:<8} {:>10} in {} ({rate:.1} GB/s)",
-        fmt_bytes(bytes),
-        fmt_dur(d)
-    );
+    eprintln!("  cuda {name:<8} {:>10} in {} ({rate:.1} GB/s)", fmt_bytes(bytes), fmt_dur(d));
 }
 
 /// The GPU quantizer on GPU 0, printing its phases. Returns (codes, scales, kernel time).
-fn quantize_cuda(
-    x: &[bf16],
-    rows: usize,
-    cols: usize,
-    g: f32,
-) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>, Duration)> {
+fn quantize_cuda(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>, Duration)> {
     if rows == 0 {
         return Ok((Vec::new(), Vec::new(), Duration::ZERO));
     }
@@ -633,9 +556,7 @@ fn dequantize_cuda(w: &ModelOptWeight) -> nvfp4_moe::Result<(Vec<bf16>, Duration
 /// Adds the file to a safetensors parse error, which does not name it.
 fn file_ctx(path: &str) -> impl Fn(Error) -> Fail + '_ {
     move |e| match e {
-        Error::Safetensors(s) => {
-            Fail::Run(format!("`{path}` is not a valid safetensors file: {s}"))
-        }
+        Error::Safetensors(s) => Fail::Run(format!("`{path}` is not a valid safetensors file: {s}")),
         e => Fail::from(e),
     }
 }
@@ -655,11 +576,7 @@ fn cmd_quantize(flags: &Flags) -> CliResult<()> {
 
     let (x, rows, cols, src) = nio::read_matrix_bf16(input, name).map_err(file_ctx(input))?;
     let tensor_err = |e: Error| Fail::Run(format!("tensor `{name}` [{rows}, {cols}]: {e}"));
-    out!(
-        "read `{name}` [{rows}, {cols}] {} from {input} ({})",
-        src.name(),
-        fmt_dur(t_all.elapsed())
-    );
+    out!("read `{name}` [{rows}, {cols}] {} from {input} ({})", src.name(), fmt_dur(t_all.elapsed()));
     if src == SourceDtype::F32 {
         out!("note: `{name}` is F32: rounded to BF16 (round-to-nearest-even) before quantizing");
     }
@@ -693,14 +610,8 @@ fn cmd_quantize(flags: &Flags) -> CliResult<()> {
     };
     let t_q = t.elapsed();
     drop(x);
-    let kernel = kernel
-        .map(|k| format!(", kernel {}", fmt_dur(k)))
-        .unwrap_or_default();
-    out!(
-        "quantized on {} in {}{kernel}",
-        backend_label(backend, &gpu),
-        fmt_dur(t_q)
-    );
+    let kernel = kernel.map(|k| format!(", kernel {}", fmt_dur(k))).unwrap_or_default();
+    out!("quantized on {} in {}{kernel}", backend_label(backend, &gpu), fmt_dur(t_q));
     out!(
         "decode scale g = {} (weight_scale_2; amax {} / (6 * 448)), linear block-16 scales",
         fmt_f32(g),
@@ -708,13 +619,7 @@ fn cmd_quantize(flags: &Flags) -> CliResult<()> {
     );
 
     let t = Instant::now();
-    let w = ModelOptWeight {
-        codes,
-        scales,
-        decode_scale: g,
-        rows,
-        cols,
-    };
+    let w = ModelOptWeight { codes, scales, decode_scale: g, rows, cols };
     nio::write_modelopt(output, &prefix, &w)?;
     out!(
         "wrote {output} ({}): {prefix}weight U8 [{rows}, {}], {prefix}weight_scale F8_E4M3 [{rows}, {}], {prefix}weight_scale_2 F32 [] in {}",
@@ -751,22 +656,12 @@ fn cmd_dequantize(flags: &Flags) -> CliResult<()> {
             (y, Some(k))
         }
     };
-    let kernel = kernel
-        .map(|k| format!(", kernel {}", fmt_dur(k)))
-        .unwrap_or_default();
-    out!(
-        "dequantized on {} in {}{kernel}",
-        backend_label(backend, &gpu),
-        fmt_dur(t.elapsed())
-    );
+    let kernel = kernel.map(|k| format!(", kernel {}", fmt_dur(k))).unwrap_or_default();
+    out!("dequantized on {} in {}{kernel}", backend_label(backend, &gpu), fmt_dur(t.elapsed()));
 
     let t = Instant::now();
     nio::write_bf16(output, out_name, &y, rows, cols)?;
-    out!(
-        "wrote {output} ({}): {out_name} BF16 [{rows}, {cols}] in {}",
-        fmt_bytes(y.len() * 2),
-        fmt_dur(t.elapsed())
-    );
+    out!("wrote {output} ({}): {out_name} BF16 [{rows}, {cols}] in {}", fmt_bytes(y.len() * 2), fmt_dur(t.elapsed()));
     out!("total {}", fmt_dur(t_all.elapsed()));
     Ok(())
 }
@@ -776,23 +671,10 @@ fn cmd_info() -> CliResult<()> {
     let (ma, mi, pa) = b.cutlass_version;
     out!("nvfp4-moe {VERSION}");
     out!("build:");
-    out!(
-        "  CUDA compiled against  {}",
-        info::cuda_version_string(b.cuda_version)
-    );
-    out!(
-        "  target archs           {}",
-        if b.cuda_archs.is_empty() {
-            "(none)"
-        } else {
-            &b.cuda_archs
-        }
-    );
+    out!("  CUDA compiled against  {}", info::cuda_version_string(b.cuda_version));
+    out!("  target archs           {}", if b.cuda_archs.is_empty() { "(none)" } else { &b.cuda_archs });
     out!("  CUTLASS                {ma}.{mi}.{pa}");
-    out!(
-        "  CUDA runtime           {}",
-        info::cuda_version_string(b.runtime_version)
-    );
+    out!("  CUDA runtime           {}", info::cuda_version_string(b.runtime_version));
     out!(
         "  CUDA driver            {}",
         if b.driver_version > 0 {
@@ -885,14 +767,8 @@ fn main() -> ExitCode {
     static PANICKED: AtomicBool = AtomicBool::new(false);
     std::panic::set_hook(Box::new(|p| {
         if !PANICKED.swap(true, Ordering::SeqCst) {
-            let at = p
-                .location()
-                .map(|l| format!(" (at {}:{})", l.file(), l.line()))
-                .unwrap_or_default();
-            eprintln!(
-                "error: internal error: {}{at}",
-                panic_message(p.payload()).replace('\n', " ")
-            );
+            let at = p.location().map(|l| format!(" (at {}:{})", l.file(), l.line())).unwrap_or_default();
+            eprintln!("error: internal error: {}{at}", panic_message(p.payload()).replace('\n', " "));
         }
     }));
 
@@ -913,11 +789,7 @@ fn main() -> ExitCode {
             eprintln!("error: {msg}");
             ExitCode::from(1)
         }
-        Ok(Err(Fail::Usage {
-            msg,
-            usage,
-            help_cmd,
-        })) => {
+        Ok(Err(Fail::Usage { msg, usage, help_cmd })) => {
             let more = if help_cmd.is_empty() {
                 "nvfp4-moe --help".to_string()
             } else {
@@ -961,36 +833,21 @@ mod tests {
             let mut x = r.varied_bf16(n);
             for _ in 0..r.range(0, 4) {
                 let i = r.range(0, n);
-                x[i] = [
-                    bf16::NAN,
-                    bf16::INFINITY,
-                    bf16::NEG_INFINITY,
-                    bf16::from_bits(0xFF81),
-                    bf16::from_bits(0x0001),
-                ][r.range(0, 5)];
+                x[i] =
+                    [bf16::NAN, bf16::INFINITY, bf16::NEG_INFINITY, bf16::from_bits(0xFF81), bf16::from_bits(0x0001)]
+                        [r.range(0, 5)];
             }
             let want_nf = x.iter().filter(|v| !v.is_finite()).count();
-            let want_amax = x
-                .iter()
-                .map(|v| v.to_f32())
-                .filter(|v| v.is_finite())
-                .fold(0f32, |m, v| m.max(v.abs()));
+            let want_amax = x.iter().map(|v| v.to_f32()).filter(|v| v.is_finite()).fold(0f32, |m, v| m.max(v.abs()));
             let (nf, amax) = scan_amax(&x);
             assert_eq!((nf, amax.to_f32()), (want_nf, want_amax), "n = {n}");
             if want_amax > 0.0 {
                 let g = reference::weight_decode_scale(&x).unwrap();
-                assert_eq!(
-                    reference::weight_decode_scale(&[amax]).unwrap().to_bits(),
-                    g.to_bits(),
-                    "n = {n}"
-                );
+                assert_eq!(reference::weight_decode_scale(&[amax]).unwrap().to_bits(), g.to_bits(), "n = {n}");
             }
         }
         assert_eq!(scan_amax(&[]), (0, bf16::ZERO));
-        assert_eq!(
-            scan_amax(&[bf16::NAN, bf16::from_f32(-0.0)]),
-            (1, bf16::ZERO)
-        );
+        assert_eq!(scan_amax(&[bf16::NAN, bf16::from_f32(-0.0)]), (1, bf16::ZERO));
     }
 
     #[test]

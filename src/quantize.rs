@@ -29,7 +29,13 @@ pub struct Nvfp4Tensor {
 
 impl Nvfp4Tensor {
     /// Allocates an uninitialized tensor of this shape.
-    pub fn alloc(stream: &Arc<CudaStream>, rows: usize, cols: usize, layout: ScaleLayout, decode_scale: f32) -> Result<Self> {
+    pub fn alloc(
+        stream: &Arc<CudaStream>,
+        rows: usize,
+        cols: usize,
+        layout: ScaleLayout,
+        decode_scale: f32,
+    ) -> Result<Self> {
         validate_quantize_shape(rows, cols)?;
         validate_decode_scale(decode_scale)?;
         // SAFETY: both buffers are fully written by the quantizer (or by from_host) before any read.
@@ -62,11 +68,16 @@ impl Nvfp4Tensor {
         let mut scales = stream.clone_dtoh(&self.scales)?;
         codes.truncate(n_codes);
         scales.truncate(n_scales);
-        Ok(Nvfp4Host { rows: self.rows, cols: self.cols, layout: self.layout, decode_scale: self.decode_scale, codes, scales })
+        Ok(Nvfp4Host {
+            rows: self.rows,
+            cols: self.cols,
+            layout: self.layout,
+            decode_scale: self.decode_scale,
+            codes,
+            scales,
+        })
     }
 }
-
-
 
 /// A device buffer as the checks see it: its address and its length in elements.
 #[derive(Clone, Copy, Debug)]
@@ -77,7 +88,15 @@ pub struct BufferInfo {
 
 /// Validates a quantize call: shape, decode scale, buffer lengths and alignment (x 16 bytes,
 /// codes 8 bytes). Pure: no GPU needed.
-pub fn check_quantize(rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout, x: BufferInfo, codes: BufferInfo, scales: BufferInfo) -> Result<()> {
+pub fn check_quantize(
+    rows: usize,
+    cols: usize,
+    decode_scale: f32,
+    layout: ScaleLayout,
+    x: BufferInfo,
+    codes: BufferInfo,
+    scales: BufferInfo,
+) -> Result<()> {
     validate_quantize_shape(rows, cols)?;
     validate_decode_scale(decode_scale)?;
     check_kernel_limits(rows, cols)?;
@@ -93,7 +112,15 @@ pub fn check_quantize(rows: usize, cols: usize, decode_scale: f32, layout: Scale
 
 /// Validates a dequantize call: shape, decode scale, buffer lengths and alignment (codes 8 bytes,
 /// out 16 bytes). Pure: no GPU needed.
-pub fn check_dequantize(rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout, codes: BufferInfo, scales: BufferInfo, out: BufferInfo) -> Result<()> {
+pub fn check_dequantize(
+    rows: usize,
+    cols: usize,
+    decode_scale: f32,
+    layout: ScaleLayout,
+    codes: BufferInfo,
+    scales: BufferInfo,
+    out: BufferInfo,
+) -> Result<()> {
     validate_quantize_shape(rows, cols)?;
     validate_decode_scale(decode_scale)?;
     check_kernel_limits(rows, cols)?;
@@ -117,7 +144,6 @@ fn check_kernel_limits(rows: usize, cols: usize) -> Result<()> {
     }
     Ok(())
 }
-
 
 #[allow(clippy::too_many_arguments)]
 /// Quantizes `x` (bf16 `[rows, cols]`) into caller-provided buffers: `codes` (`rows * cols / 2`
@@ -261,9 +287,11 @@ mod tests {
     fn rejects_bad_shapes_before_launch() {
         let ok = |n| buf(0x1000, n);
         for cols in [0usize, 8, 24, 100] {
-            let e = check_quantize(4, cols, 1.0, ScaleLayout::Linear, ok(1 << 20), ok(1 << 20), ok(1 << 20)).unwrap_err();
+            let e =
+                check_quantize(4, cols, 1.0, ScaleLayout::Linear, ok(1 << 20), ok(1 << 20), ok(1 << 20)).unwrap_err();
             assert!(matches!(e, Error::InvalidShape(_)), "cols={cols}: {e}");
-            let e = check_dequantize(4, cols, 1.0, ScaleLayout::Linear, ok(1 << 20), ok(1 << 20), ok(1 << 20)).unwrap_err();
+            let e =
+                check_dequantize(4, cols, 1.0, ScaleLayout::Linear, ok(1 << 20), ok(1 << 20), ok(1 << 20)).unwrap_err();
             assert!(matches!(e, Error::InvalidShape(_)), "cols={cols}: {e}");
         }
     }
@@ -341,7 +369,11 @@ mod tests {
         for rows in [0usize, 1, 127, 128, 129, 300, 4096] {
             for cols in [16usize, 48, 64, 80, 2880, 7168] {
                 for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
-                    assert_eq!(core_scale_bytes(layout, rows, cols), scale_len(layout, rows, cols), "{layout:?} {rows}x{cols}");
+                    assert_eq!(
+                        core_scale_bytes(layout, rows, cols),
+                        scale_len(layout, rows, cols),
+                        "{layout:?} {rows}x{cols}"
+                    );
                 }
             }
         }

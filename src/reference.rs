@@ -11,8 +11,8 @@ use half::bf16;
 use crate::error::{Error, Result};
 use crate::format::{e2m1_decode, e2m1_encode, e4m3_decode, e4m3_encode, E4M3_MAX, E4M3_NAN_BYTE};
 use crate::layout::{
-    grouped_scale_len, grouped_swizzled_offset, scale_cols, scale_len, scale_offset,
-    validate_expert_offsets, ScaleLayout, BLOCK_SIZE,
+    grouped_scale_len, grouped_swizzled_offset, scale_cols, scale_len, scale_offset, validate_expert_offsets,
+    ScaleLayout, BLOCK_SIZE,
 };
 
 /// Largest E2M1 magnitude; the block scale maps the block's amax onto it.
@@ -115,8 +115,7 @@ pub fn validate_decode_scale(decode_scale: f32) -> Result<()> {
 }
 
 fn checked_elements(rows: usize, cols: usize) -> Result<usize> {
-    rows.checked_mul(cols)
-        .ok_or_else(|| Error::InvalidShape(format!("shape [{rows}, {cols}] is too large")))
+    rows.checked_mul(cols).ok_or_else(|| Error::InvalidShape(format!("shape [{rows}, {cols}] is too large")))
 }
 
 /// Too short is `BufferTooSmall`; too long is a shape mismatch (the caller gave the wrong shape).
@@ -124,9 +123,7 @@ fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
     if actual < needed {
         Err(Error::BufferTooSmall { name, needed, actual })
     } else if actual > needed {
-        Err(Error::InvalidShape(format!(
-            "`{name}` holds {actual} elements, the shape needs {needed}"
-        )))
+        Err(Error::InvalidShape(format!("`{name}` holds {actual} elements, the shape needs {needed}")))
     } else {
         Ok(())
     }
@@ -134,12 +131,7 @@ fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
 
 /// Quantizes the 16-element blocks of one row into packed codes (`row_codes`, cols/2 bytes) and
 /// hands each block's scale to `store_scale(block index, byte)`.
-fn quantize_row(
-    row: &[bf16],
-    decode_scale: f32,
-    row_codes: &mut [u8],
-    mut store_scale: impl FnMut(usize, u8),
-) {
+fn quantize_row(row: &[bf16], decode_scale: f32, row_codes: &mut [u8], mut store_scale: impl FnMut(usize, u8)) {
     for (k, (block, block_codes)) in
         row.chunks_exact(BLOCK_SIZE).zip(row_codes.chunks_exact_mut(BLOCK_SIZE / 2)).enumerate()
     {
@@ -157,21 +149,13 @@ fn quantize_row(
 
 /// Quantizes a row-major BF16 `[rows, cols]` tensor with decode scale g, writing the scales in
 /// `layout` (padding bytes 0).
-pub fn quantize(
-    x: &[bf16],
-    rows: usize,
-    cols: usize,
-    decode_scale: f32,
-    layout: ScaleLayout,
-) -> Result<Nvfp4Host> {
+pub fn quantize(x: &[bf16], rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout) -> Result<Nvfp4Host> {
     validate_quantize_shape(rows, cols)?;
     validate_decode_scale(decode_scale)?;
     check_len("x", x.len(), checked_elements(rows, cols)?)?;
     let mut codes = vec![0u8; rows * cols / 2];
     let mut scales = vec![0u8; scale_len(layout, rows, cols)];
-    for (m, (row, row_codes)) in
-        x.chunks_exact(cols).zip(codes.chunks_exact_mut(cols / 2)).enumerate()
-    {
+    for (m, (row, row_codes)) in x.chunks_exact(cols).zip(codes.chunks_exact_mut(cols / 2)).enumerate() {
         quantize_row(row, decode_scale, row_codes, |k, s| {
             scales[scale_offset(layout, rows, cols, m, k)] = s;
         });
@@ -181,13 +165,7 @@ pub fn quantize(
 
 /// Quantizes an f32 tensor: the quantizer takes BF16, so each element is first rounded to BF16
 /// (round-to-nearest-even), then [`quantize`]d.
-pub fn quantize_f32(
-    x: &[f32],
-    rows: usize,
-    cols: usize,
-    decode_scale: f32,
-    layout: ScaleLayout,
-) -> Result<Nvfp4Host> {
+pub fn quantize_f32(x: &[f32], rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout) -> Result<Nvfp4Host> {
     let rounded: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     quantize(&rounded, rows, cols, decode_scale, layout)
 }
@@ -239,8 +217,7 @@ pub fn try_dequantize(q: &Nvfp4Host) -> Result<Vec<bf16>> {
 /// amax over the finite elements only (so one stray Inf/NaN does not flatten the whole tensor).
 /// Errors if no finite non-zero element exists, since no positive g follows from it.
 pub fn weight_decode_scale(x: &[bf16]) -> Result<f32> {
-    let amax =
-        x.iter().map(|v| v.to_f32()).filter(|v| v.is_finite()).fold(0.0f32, |m, v| m.max(v.abs()));
+    let amax = x.iter().map(|v| v.to_f32()).filter(|v| v.is_finite()).fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
         return Err(Error::Invalid(format!(
             "cannot derive a decode scale: the tensor of {} elements has no finite non-zero element",
@@ -283,9 +260,7 @@ pub fn quantize_grouped(
         .and_then(|r| r.checked_add(total_rows))
         .and_then(|r| r.checked_next_multiple_of(128))
         .and_then(|r| r.checked_mul(scale_cols(cols).next_multiple_of(4)))
-        .ok_or_else(|| {
-            Error::InvalidShape(format!("grouped shape [{total_rows}, {cols}] is too large"))
-        })?;
+        .ok_or_else(|| Error::InvalidShape(format!("grouped shape [{total_rows}, {cols}] is too large")))?;
     debug_assert_eq!(scales_len, grouped_scale_len(total_rows, num_experts, cols));
 
     let mut codes = vec![0u8; total_rows * cols / 2];
@@ -508,10 +483,7 @@ mod tests {
         //   1.421875 -> 1.75 exactly (tie) -> 2   code 4
         //  -0.0      -> -0              code 8
         //  -2.84375  -> -3.5 exactly (tie) -> -4  code 14
-        let x = [
-            5.0f32, -1.0, 0.2, -0.2, 2.0, 2.1, 0.6, 0.7, 1.4, 3.0, -4.5, 4.0, 1.015625, 1.421875,
-            -0.0, -2.84375,
-        ];
+        let x = [5.0f32, -1.0, 0.2, -0.2, 2.0, 2.1, 0.6, 0.7, 1.4, 3.0, -4.5, 4.0, 1.015625, 1.421875, -0.0, -2.84375];
         let q = quantize_block(&x, 0.5);
         assert_eq!(q.scale, 0x3D);
         assert_eq!(q.codes, [7, 0xA, 0, 8, 4, 5, 1, 2, 3, 6, 15, 6, 2, 4, 8, 14]);
@@ -641,11 +613,7 @@ mod tests {
                         let off = match layout {
                             ScaleLayout::Linear => m * (cols / 16) + k,
                             ScaleLayout::Swizzled128x4 => {
-                                (m / 128) * kt * 512
-                                    + (k / 4) * 512
-                                    + (m % 32) * 16
-                                    + ((m % 128) / 32) * 4
-                                    + k % 4
+                                (m / 128) * kt * 512 + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + k % 4
                             }
                         };
                         let byte = t.codes[(m * cols + c) / 2];
@@ -664,8 +632,7 @@ mod tests {
                         let d = e4m3_decode(t.scales[off]) * g;
                         assert!(
                             !(0x08..0x7E).contains(&t.scales[off])
-                                || (xv - back[m * cols + c].to_f32()).abs()
-                                    <= d * 1.0 + xv.abs() * 0.01,
+                                || (xv - back[m * cols + c].to_f32()).abs() <= d * 1.0 + xv.abs() * 0.01,
                             "{xv} vs {} scale {:#04x} g {g:e} {layout:?} ({m},{c}) seed {seed:#x}",
                             back[m * cols + c],
                             t.scales[off]
@@ -734,11 +701,7 @@ mod tests {
             }
             let want = bf16::from_f32(product * g);
             let got = dequantize_element(code, scale, g);
-            assert_eq!(
-                got.to_bits(),
-                want.to_bits(),
-                "code {code} scale {scale:#04x} g {g:e} (seed {seed:#x})"
-            );
+            assert_eq!(got.to_bits(), want.to_bits(), "code {code} scale {scale:#04x} g {g:e} (seed {seed:#x})");
             if bf16::from_f32(e2m1_decode(code) * (e4m3_decode(scale) * g)) != want {
                 orders_differ += 1;
             }
@@ -799,9 +762,7 @@ mod tests {
         let seed = rng.seed();
         let mut forms_differ = 0;
         for _ in 0..50_000 {
-            let g = f32::from_bits(
-                ((rng.below(30) as u32 + 112) << 23) | (rng.next_u64() as u32 & 0x7F_FFFF),
-            );
+            let g = f32::from_bits(((rng.below(30) as u32 + 112) << 23) | (rng.next_u64() as u32 & 0x7F_FFFF));
             let lo = 1 + rng.below(0x7C) as u8;
             let mid = (e4m3_decode(lo) + e4m3_decode(lo + 1)) / 2.0;
             let nudge = rng.below(5) as i32 - 2;
@@ -870,10 +831,7 @@ mod tests {
     #[test]
     fn validation_rejects_bad_input() {
         for cols in [0usize, 8, 24, 17] {
-            assert!(
-                matches!(validate_quantize_shape(4, cols), Err(Error::InvalidShape(_))),
-                "{cols}"
-            );
+            assert!(matches!(validate_quantize_shape(4, cols), Err(Error::InvalidShape(_))), "{cols}");
         }
         assert!(validate_quantize_shape(0, 16).is_ok());
         assert!(validate_quantize_shape(5, 7168).is_ok());
@@ -884,14 +842,8 @@ mod tests {
         assert!(validate_decode_scale(1e-45).is_ok(), "subnormal g > 0 is allowed");
         assert!(validate_decode_scale(f32::MAX).is_ok());
         let x = vec![bf16::ONE; 64];
-        assert!(matches!(
-            quantize(&x, 2, 48, 1.0, ScaleLayout::Linear),
-            Err(Error::BufferTooSmall { .. })
-        ));
-        assert!(matches!(
-            quantize(&x, 1, 48, 1.0, ScaleLayout::Linear),
-            Err(Error::InvalidShape(_))
-        ));
+        assert!(matches!(quantize(&x, 2, 48, 1.0, ScaleLayout::Linear), Err(Error::BufferTooSmall { .. })));
+        assert!(matches!(quantize(&x, 1, 48, 1.0, ScaleLayout::Linear), Err(Error::InvalidShape(_))));
         assert!(quantize(&x, 2, 24, 1.0, ScaleLayout::Linear).is_err());
         assert!(quantize(&x, 4, 16, f32::NAN, ScaleLayout::Linear).is_err());
         assert!(quantize(&x, usize::MAX, 16, 1.0, ScaleLayout::Linear).is_err());
@@ -923,9 +875,7 @@ mod tests {
             let x: Vec<bf16> = (0..total * cols).map(|_| bf16::from_f32(value(&mut rng))).collect();
             let per_expert = rng.below(2) == 0;
             let gs: Vec<f32> = if per_expert {
-                (0..num_experts)
-                    .map(|_| pow2(rng.below(8) as i32 - 6) * (1.0 + unit(&mut rng).abs()))
-                    .collect()
+                (0..num_experts).map(|_| pow2(rng.below(8) as i32 - 6) * (1.0 + unit(&mut rng).abs())).collect()
             } else {
                 vec![0.01]
             };
@@ -937,19 +887,8 @@ mod tests {
             for e in 0..num_experts {
                 let (b, end) = (offsets[e] as usize, offsets[e + 1] as usize);
                 let g = gs[if per_expert { e } else { 0 }];
-                let t = quantize(
-                    &x[b * cols..end * cols],
-                    end - b,
-                    cols,
-                    g,
-                    ScaleLayout::Swizzled128x4,
-                )
-                .unwrap();
-                assert_eq!(
-                    &codes[b * cols / 2..end * cols / 2],
-                    &t.codes[..],
-                    "seed {seed:#x} trial {trial}"
-                );
+                let t = quantize(&x[b * cols..end * cols], end - b, cols, g, ScaleLayout::Swizzled128x4).unwrap();
+                assert_eq!(&codes[b * cols / 2..end * cols / 2], &t.codes[..], "seed {seed:#x} trial {trial}");
                 // The expert's region is contiguous from its 128-aligned start row.
                 let start = grouped_region_start_row(b, e) / 128 * tile_bytes;
                 let region = &scales[start..start + t.scales.len()];

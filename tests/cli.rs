@@ -24,10 +24,8 @@ struct TmpDir(PathBuf);
 impl TmpDir {
     fn new(tag: &str) -> Self {
         static N: AtomicUsize = AtomicUsize::new(0);
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let p = std::env::temp_dir().join(format!(
             "nvfp4moe-cli-{}-{nanos}-{}-{tag}",
             std::process::id(),
@@ -61,26 +59,13 @@ struct Run {
 }
 
 fn cli(args: &[&str]) -> Run {
-    let Output {
-        status,
-        stdout,
-        stderr,
-    } = Command::new(bin())
-        .args(args)
-        .output()
-        .expect("run nvfp4-moe");
+    let Output { status, stdout, stderr } = Command::new(bin()).args(args).output().expect("run nvfp4-moe");
     let r = Run {
         code: status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&stdout).into_owned(),
         stderr: String::from_utf8_lossy(&stderr).into_owned(),
     };
-    eprintln!(
-        "$ nvfp4-moe {}\n-> exit {}\n{}{}",
-        args.join(" "),
-        r.code,
-        r.stdout,
-        r.stderr
-    );
+    eprintln!("$ nvfp4-moe {}\n-> exit {}\n{}{}", args.join(" "), r.code, r.stdout, r.stderr);
     r
 }
 
@@ -99,19 +84,13 @@ fn assert_fails(r: &Run, code: i32, parts: &[&str]) {
     for p in parts {
         assert!(line.contains(p), "`{line}` lacks `{p}`");
     }
-    assert!(
-        !r.stderr.contains("panicked") && !r.stderr.contains("RUST_BACKTRACE"),
-        "{}",
-        r.stderr
-    );
+    assert!(!r.stderr.contains("panicked") && !r.stderr.contains("RUST_BACKTRACE"), "{}", r.stderr);
     assert!(!r.stderr.contains("internal error"), "{}", r.stderr);
 }
 
 fn write_raw(path: &str, tensors: &[(&str, Dtype, Vec<usize>, Vec<u8>)]) {
-    let views: Vec<(String, TensorView<'_>)> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, d, s, b)| (n.to_string(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, None, Path::new(path)).unwrap();
 }
 
@@ -121,66 +100,32 @@ fn bits(v: &[bf16]) -> Vec<u16> {
 
 /// Quantizes `x` through the CLI on `backend` and checks the file against the reference; then
 /// dequantizes it through the CLI and checks that too. Returns both files' bytes.
-fn round_trip(
-    dir: &TmpDir,
-    x: &[bf16],
-    rows: usize,
-    cols: usize,
-    backend: &str,
-    prefix: &str,
-) -> (Vec<u8>, Vec<u8>) {
+fn round_trip(dir: &TmpDir, x: &[bf16], rows: usize, cols: usize, backend: &str, prefix: &str) -> (Vec<u8>, Vec<u8>) {
     let input = dir.path("in.safetensors");
     let q = dir.path(&format!("q-{backend}.safetensors"));
     let d = dir.path(&format!("d-{backend}.safetensors"));
     write_bf16(&input, "blk.w", x, rows, cols).unwrap();
 
-    let mut args = vec![
-        "quantize",
-        "--input",
-        &input,
-        "--tensor",
-        "blk.w",
-        "--output",
-        &q,
-        "--backend",
-        backend,
-    ];
+    let mut args = vec!["quantize", "--input", &input, "--tensor", "blk.w", "--output", &q, "--backend", backend];
     if !prefix.is_empty() {
         args.extend(["--prefix", prefix]);
     }
     let r = cli(&args);
     assert_ok(&r);
-    assert!(
-        r.stdout.contains(&format!("[{rows}, {cols}]")),
-        "{}",
-        r.stdout
-    );
+    assert!(r.stdout.contains(&format!("[{rows}, {cols}]")), "{}", r.stdout);
     assert!(r.stdout.contains(backend), "{}", r.stdout);
 
     let g = reference::weight_decode_scale(x).unwrap();
     let want = reference::quantize(x, rows, cols, g, ScaleLayout::Linear).unwrap();
-    let full_prefix = if prefix.is_empty() || prefix.ends_with('.') {
-        prefix.to_string()
-    } else {
-        format!("{prefix}.")
-    };
+    let full_prefix =
+        if prefix.is_empty() || prefix.ends_with('.') { prefix.to_string() } else { format!("{prefix}.") };
     let w = read_modelopt(&q, &full_prefix).unwrap();
     assert_eq!((w.rows, w.cols), (rows, cols));
     assert_eq!(w.decode_scale.to_bits(), g.to_bits());
     assert!(w.codes == want.codes, "codes differ from the reference");
     assert!(w.scales == want.scales, "scales differ from the reference");
 
-    let mut args = vec![
-        "dequantize",
-        "--input",
-        &q,
-        "--output",
-        &d,
-        "--backend",
-        backend,
-        "--name",
-        "deq",
-    ];
+    let mut args = vec!["dequantize", "--input", &q, "--output", &d, "--backend", backend, "--name", "deq"];
     if !prefix.is_empty() {
         args.extend(["--prefix", prefix]);
     }
@@ -188,10 +133,7 @@ fn round_trip(
     assert_ok(&r);
     let (y, r2, c2, _) = read_matrix_bf16(&d, "deq").unwrap();
     assert_eq!((r2, c2), (rows, cols));
-    assert!(
-        bits(&y) == bits(&reference::dequantize(&want)),
-        "dequantized values differ from the reference"
-    );
+    assert!(bits(&y) == bits(&reference::dequantize(&want)), "dequantized values differ from the reference");
     (std::fs::read(&q).unwrap(), std::fs::read(&d).unwrap())
 }
 
@@ -200,11 +142,7 @@ fn cpu_round_trip_matches_reference() {
     let mut r = rng();
     let dir = TmpDir::new("rt");
     // Small, odd row counts, and more rows than one CPU work chunk (1024 rows at K = 32).
-    for (rows, cols, prefix) in [
-        (1usize, 16usize, ""),
-        (37, 80, "model.layers.0.mlp.gate_proj"),
-        (2500, 32, "e.7."),
-    ] {
+    for (rows, cols, prefix) in [(1usize, 16usize, ""), (37, 80, "model.layers.0.mlp.gate_proj"), (2500, 32, "e.7.")] {
         let x = r.varied_bf16(rows * cols);
         round_trip(&dir, &x, rows, cols, "cpu", prefix);
     }
@@ -230,31 +168,10 @@ fn default_name_and_no_prefix() {
     let dir = TmpDir::new("defaults");
     let (rows, cols) = (5usize, 48usize);
     let x = r.varied_bf16(rows * cols);
-    let (input, q, d) = (
-        dir.path("in.safetensors"),
-        dir.path("q.safetensors"),
-        dir.path("d.safetensors"),
-    );
+    let (input, q, d) = (dir.path("in.safetensors"), dir.path("q.safetensors"), dir.path("d.safetensors"));
     write_bf16(&input, "w", &x, rows, cols).unwrap();
-    assert_ok(&cli(&[
-        "quantize",
-        "--input",
-        &input,
-        "--tensor",
-        "w",
-        "--output",
-        &q,
-        "--backend=cpu",
-    ]));
-    assert_ok(&cli(&[
-        "dequantize",
-        "--input",
-        &q,
-        "--output",
-        &d,
-        "--backend",
-        "cpu",
-    ]));
+    assert_ok(&cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &q, "--backend=cpu"]));
+    assert_ok(&cli(&["dequantize", "--input", &q, "--output", &d, "--backend", "cpu"]));
     let (y, ..) = read_matrix_bf16(&d, "weight").unwrap();
     assert_eq!(y.len(), rows * cols);
 }
@@ -278,32 +195,10 @@ fn f32_input_is_rounded_with_a_message() {
     let x: Vec<f32> = (0..rows * cols).map(|_| r.normal() * 0.02).collect();
     let input = dir.path("in.safetensors");
     let q = dir.path("q.safetensors");
-    write_raw(
-        &input,
-        &[(
-            "w32",
-            Dtype::F32,
-            vec![rows, cols],
-            x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        )],
-    );
-    let run = cli(&[
-        "quantize",
-        "--input",
-        &input,
-        "--tensor",
-        "w32",
-        "--output",
-        &q,
-        "--backend",
-        "cpu",
-    ]);
+    write_raw(&input, &[("w32", Dtype::F32, vec![rows, cols], x.iter().flat_map(|v| v.to_le_bytes()).collect())]);
+    let run = cli(&["quantize", "--input", &input, "--tensor", "w32", "--output", &q, "--backend", "cpu"]);
     assert_ok(&run);
-    assert!(
-        run.stdout.contains("F32") && run.stdout.contains("rounded to BF16"),
-        "{}",
-        run.stdout
-    );
+    assert!(run.stdout.contains("F32") && run.stdout.contains("rounded to BF16"), "{}", run.stdout);
 
     let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     let g = reference::weight_decode_scale(&xb).unwrap();
@@ -318,64 +213,15 @@ fn usage_errors_exit_2() {
     let cases: &[(&[&str], &str)] = &[
         (&[], "no command"),
         (&["frobnicate"], "unknown command `frobnicate`"),
-        (
-            &["quantize"],
-            "missing required flags --input, --tensor, --output",
-        ),
-        (
-            &["quantize", "--input", "a", "--output", "b"],
-            "missing required flag --tensor",
-        ),
-        (
-            &[
-                "quantize", "--input", "a", "--tensor", "t", "--output", "b", "--bogus", "1",
-            ],
-            "unknown flag `--bogus`",
-        ),
-        (
-            &["quantize", "--input", "a", "--tensor", "t", "--output"],
-            "`--output` needs a value",
-        ),
-        (
-            &[
-                "quantize", "--input", "a", "--input", "b", "--tensor", "t", "--output", "c",
-            ],
-            "`--input` given twice",
-        ),
-        (
-            &[
-                "quantize",
-                "--input",
-                "a",
-                "--tensor",
-                "t",
-                "--output",
-                "b",
-                "--backend",
-                "tpu",
-            ],
-            "unknown backend `tpu`",
-        ),
-        (
-            &["quantize", "stray", "--input", "a"],
-            "unexpected argument `stray`",
-        ),
-        (
-            &["dequantize", "--input", "a"],
-            "missing required flag --output",
-        ),
-        (
-            &[
-                "dequantize",
-                "--input",
-                "a",
-                "--output",
-                "b",
-                "--tensor",
-                "x",
-            ],
-            "unknown flag `--tensor`",
-        ),
+        (&["quantize"], "missing required flags --input, --tensor, --output"),
+        (&["quantize", "--input", "a", "--output", "b"], "missing required flag --tensor"),
+        (&["quantize", "--input", "a", "--tensor", "t", "--output", "b", "--bogus", "1"], "unknown flag `--bogus`"),
+        (&["quantize", "--input", "a", "--tensor", "t", "--output"], "`--output` needs a value"),
+        (&["quantize", "--input", "a", "--input", "b", "--tensor", "t", "--output", "c"], "`--input` given twice"),
+        (&["quantize", "--input", "a", "--tensor", "t", "--output", "b", "--backend", "tpu"], "unknown backend `tpu`"),
+        (&["quantize", "stray", "--input", "a"], "unexpected argument `stray`"),
+        (&["dequantize", "--input", "a"], "missing required flag --output"),
+        (&["dequantize", "--input", "a", "--output", "b", "--tensor", "x"], "unknown flag `--tensor`"),
         (&["info", "--verbose"], "unknown flag `--verbose`"),
         (&["help", "nope"], "unknown command `nope`"),
     ];
@@ -391,38 +237,21 @@ fn help_and_version() {
     for args in [&["--help"][..], &["-h"], &["help"]] {
         let r = cli(args);
         assert_ok(&r);
-        for w in [
-            "quantize",
-            "dequantize",
-            "info",
-            "--backend cpu|cuda",
-            "Exit status",
-        ] {
+        for w in ["quantize", "dequantize", "info", "--backend cpu|cuda", "Exit status"] {
             assert!(r.stdout.contains(w), "{w}: {}", r.stdout);
         }
     }
-    for args in [
-        &["quantize", "--help"][..],
-        &["help", "quantize"],
-        &["quantize", "--input", "x", "-h"],
-    ] {
+    for args in [&["quantize", "--help"][..], &["help", "quantize"], &["quantize", "--input", "x", "-h"]] {
         let r = cli(args);
         assert_ok(&r);
-        assert!(
-            r.stdout.contains("--tensor NAME") && r.stdout.contains("weight_scale_2"),
-            "{}",
-            r.stdout
-        );
+        assert!(r.stdout.contains("--tensor NAME") && r.stdout.contains("weight_scale_2"), "{}", r.stdout);
     }
     let r = cli(&["dequantize", "--help"]);
     assert_ok(&r);
     assert!(r.stdout.contains("--name NAME"), "{}", r.stdout);
     let r = cli(&["--version"]);
     assert_ok(&r);
-    assert_eq!(
-        r.stdout.trim(),
-        format!("nvfp4-moe {}", env!("CARGO_PKG_VERSION"))
-    );
+    assert_eq!(r.stdout.trim(), format!("nvfp4-moe {}", env!("CARGO_PKG_VERSION")));
 }
 
 #[test]
@@ -430,20 +259,10 @@ fn info_runs() {
     let r = cli(&["info"]);
     assert_ok(&r);
     assert!(r.stdout.contains(env!("CARGO_PKG_VERSION")), "{}", r.stdout);
-    for w in [
-        "CUDA compiled against",
-        "target archs",
-        "CUTLASS",
-        "CUDA runtime",
-        "CUDA driver",
-    ] {
+    for w in ["CUDA compiled against", "target archs", "CUTLASS", "CUDA runtime", "CUDA driver"] {
         assert!(r.stdout.contains(w), "{w}: {}", r.stdout);
     }
-    assert!(
-        r.stdout.contains("no CUDA GPU visible") || r.stdout.contains("compute capability"),
-        "{}",
-        r.stdout
-    );
+    assert!(r.stdout.contains("no CUDA GPU visible") || r.stdout.contains("compute capability"), "{}", r.stdout);
 }
 
 #[test]
@@ -453,59 +272,21 @@ fn missing_tensor_and_file_exit_1() {
     let input = dir.path("in.safetensors");
     let out = dir.path("q.safetensors");
     write_bf16(&input, "present", &r.varied_bf16(32), 2, 16).unwrap();
-    let run = cli(&[
-        "quantize",
-        "--input",
-        &input,
-        "--tensor",
-        "absent",
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-    ]);
+    let run = cli(&["quantize", "--input", &input, "--tensor", "absent", "--output", &out, "--backend", "cpu"]);
     assert_fails(&run, 1, &["`absent`", "not found", "`present`"]);
     assert!(!Path::new(&out).exists());
 
     let nofile = dir.path("nope.safetensors");
-    let run = cli(&[
-        "quantize",
-        "--input",
-        &nofile,
-        "--tensor",
-        "w",
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-    ]);
+    let run = cli(&["quantize", "--input", &nofile, "--tensor", "w", "--output", &out, "--backend", "cpu"]);
     assert_fails(&run, 1, &["nope.safetensors"]);
 
     let junk = dir.path("junk.safetensors");
     std::fs::write(&junk, b"not a safetensors file at all").unwrap();
-    let run = cli(&[
-        "quantize",
-        "--input",
-        &junk,
-        "--tensor",
-        "w",
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-    ]);
+    let run = cli(&["quantize", "--input", &junk, "--tensor", "w", "--output", &out, "--backend", "cpu"]);
     assert_fails(&run, 1, &["junk.safetensors", "safetensors"]);
 
     // dequantize: a file without the ModelOpt tensors (or with another prefix).
-    let run = cli(&[
-        "dequantize",
-        "--input",
-        &input,
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-    ]);
+    let run = cli(&["dequantize", "--input", &input, "--output", &out, "--backend", "cpu"]);
     assert_fails(&run, 1, &["`weight`", "not found"]);
     let q = dir.path("q2.safetensors");
     assert_ok(&cli(&[
@@ -521,17 +302,7 @@ fn missing_tensor_and_file_exit_1() {
         "--prefix",
         "a.b",
     ]));
-    let run = cli(&[
-        "dequantize",
-        "--input",
-        &q,
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-        "--prefix",
-        "c",
-    ]);
+    let run = cli(&["dequantize", "--input", &q, "--output", &out, "--backend", "cpu", "--prefix", "c"]);
     assert_fails(&run, 1, &["`c.weight`", "not found"]);
 }
 
@@ -555,19 +326,7 @@ fn bad_tensors_exit_1() {
             ("vec", Dtype::BF16, vec![64], r.bytes(128)),
         ],
     );
-    let q = |t: &str| {
-        cli(&[
-            "quantize",
-            "--input",
-            &input,
-            "--tensor",
-            t,
-            "--output",
-            &out,
-            "--backend",
-            "cpu",
-        ])
-    };
+    let q = |t: &str| cli(&["quantize", "--input", &input, "--tensor", t, "--output", &out, "--backend", "cpu"]);
     assert_fails(&q("zeros"), 1, &["`zeros`"]);
     assert_fails(&q("nan"), 1, &["`nan`"]);
     assert_fails(&q("odd_k"), 1, &["`odd_k`", "24"]);
@@ -582,23 +341,10 @@ fn bad_tensors_exit_1() {
         &[
             ("weight", Dtype::U8, vec![4, 16], r.bytes(64)),
             ("weight_scale", Dtype::F8_E4M3, vec![4, 4], vec![0x38; 16]),
-            (
-                "weight_scale_2",
-                Dtype::F32,
-                vec![],
-                0.5f32.to_le_bytes().to_vec(),
-            ),
+            ("weight_scale_2", Dtype::F32, vec![], 0.5f32.to_le_bytes().to_vec()),
         ],
     );
-    let run = cli(&[
-        "dequantize",
-        "--input",
-        &bad,
-        "--output",
-        &out,
-        "--backend",
-        "cpu",
-    ]);
+    let run = cli(&["dequantize", "--input", &bad, "--output", &out, "--backend", "cpu"]);
     assert_fails(&run, 1, &["`weight_scale`", "[4, 2]"]);
 }
 
@@ -613,22 +359,10 @@ fn cuda_without_gpu_is_a_clear_error() {
     let input = dir.path("in.safetensors");
     let out = dir.path("q.safetensors");
     write_bf16(&input, "w", &r.varied_bf16(64), 2, 32).unwrap();
-    let run = cli(&[
-        "quantize",
-        "--input",
-        &input,
-        "--tensor",
-        "w",
-        "--output",
-        &out,
-        "--backend",
-        "cuda",
-    ]);
+    let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &out, "--backend", "cuda"]);
     assert_fails(&run, 1, &["no CUDA GPU"]);
     // Without --backend, the CPU is used.
-    let run = cli(&[
-        "quantize", "--input", &input, "--tensor", "w", "--output", &out,
-    ]);
+    let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &out]);
     assert_ok(&run);
     assert!(run.stdout.contains("cpu"), "{}", run.stdout);
 }

@@ -88,7 +88,15 @@ fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, u8, u8)> {
 
 /// Quantizes on the GPU into poisoned buffers and compares every byte (padding included) with
 /// the CPU reference; then dequantizes on the GPU and compares every bf16 with the reference.
-fn check_case(s: &Arc<CudaStream>, rng: &mut Rng, rows: usize, cols: usize, kind: Data, layout: ScaleLayout, g_choice: Option<f32>) {
+fn check_case(
+    s: &Arc<CudaStream>,
+    rng: &mut Rng,
+    rows: usize,
+    cols: usize,
+    kind: Data,
+    layout: ScaleLayout,
+    g_choice: Option<f32>,
+) {
     let seed = rng.seed();
     let g0 = g_choice.unwrap_or(1.0);
     let x = make_data(rng, kind, rows, cols, g0);
@@ -105,8 +113,16 @@ fn check_case(s: &Arc<CudaStream>, rng: &mut Rng, rows: usize, cols: usize, kind
     quantize_nvfp4_into(s, &x_dev, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
     let got_codes = s.clone_dtoh(&codes).unwrap();
     let got_scales = s.clone_dtoh(&scales).unwrap();
-    assert!(first_diff(&got_scales, &want.scales).is_none(), "scales differ at {:?}: {ctx}", first_diff(&got_scales, &want.scales));
-    assert!(first_diff(&got_codes, &want.codes).is_none(), "codes differ at {:?}: {ctx}", first_diff(&got_codes, &want.codes));
+    assert!(
+        first_diff(&got_scales, &want.scales).is_none(),
+        "scales differ at {:?}: {ctx}",
+        first_diff(&got_scales, &want.scales)
+    );
+    assert!(
+        first_diff(&got_codes, &want.codes).is_none(),
+        "codes differ at {:?}: {ctx}",
+        first_diff(&got_codes, &want.codes)
+    );
 
     let want_deq = reference::dequantize(&want);
     let mut out = poisoned_bf16(s, rows * cols);
@@ -243,7 +259,11 @@ fn quantize_division_fast_path_is_exact() {
         let want = reference::quantize(&x, rows, cols, g, ScaleLayout::Linear).unwrap();
         let xd = s.clone_htod(&x).unwrap();
         let got = quantize_nvfp4(&s, &xd, rows, cols, g, ScaleLayout::Linear).unwrap().to_host(&s).unwrap();
-        assert!(got.scales == want.scales, "scales differ at {:?} g={g} seed={seed}", first_diff(&got.scales, &want.scales));
+        assert!(
+            got.scales == want.scales,
+            "scales differ at {:?} g={g} seed={seed}",
+            first_diff(&got.scales, &want.scales)
+        );
         assert!(got.codes == want.codes, "codes differ at {:?} g={g} seed={seed}", first_diff(&got.codes, &want.codes));
     }
 }
@@ -258,15 +278,28 @@ fn bad_input_is_rejected_before_launch() {
     let mut codes = poisoned_u8(&s, rows * cols / 2 + 8);
     let mut scales = poisoned_u8(&s, 512);
     // x shifted by one bf16: 2-byte aligned only.
-    let e = quantize_nvfp4_into(&s, &x.slice(1..), rows, cols, 1.0, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x.slice(1..), rows, cols, 1.0, ScaleLayout::Linear, &mut codes, &mut scales)
+        .unwrap_err();
     assert!(matches!(e, Error::Misaligned { name: "x", .. }), "{e}");
-    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Linear, &mut codes.slice_mut(4..), &mut scales).unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Linear, &mut codes.slice_mut(4..), &mut scales)
+        .unwrap_err();
     assert!(matches!(e, Error::Misaligned { name: "codes", .. }), "{e}");
     let e = quantize_nvfp4_into(&s, &x, rows, 40, 1.0, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
     assert!(matches!(e, Error::InvalidShape(_)), "{e}");
-    let e = quantize_nvfp4_into(&s, &x, rows, cols, f32::NAN, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    let e =
+        quantize_nvfp4_into(&s, &x, rows, cols, f32::NAN, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
     assert!(matches!(e, Error::InvalidDecodeScale(_)), "{e}");
-    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Swizzled128x4, &mut codes, &mut scales.slice_mut(..100)).unwrap_err();
+    let e = quantize_nvfp4_into(
+        &s,
+        &x,
+        rows,
+        cols,
+        1.0,
+        ScaleLayout::Swizzled128x4,
+        &mut codes,
+        &mut scales.slice_mut(..100),
+    )
+    .unwrap_err();
     assert!(matches!(e, Error::BufferTooSmall { name: "scales", .. }), "{e}");
     s.synchronize().unwrap();
     // Nothing was launched: the outputs still hold the poison.
@@ -332,7 +365,14 @@ mod gemm {
     }
 
     /// Runs the GEMM into a poisoned output with `extra` rows past offsets[E].
-    fn run(s: &Arc<CudaStream>, w: &Nvfp4Weights, x: &CudaSlice<bf16>, total_rows: usize, off: &[i32], tile: GemmTile) -> Vec<bf16> {
+    fn run(
+        s: &Arc<CudaStream>,
+        w: &Nvfp4Weights,
+        x: &CudaSlice<bf16>,
+        total_rows: usize,
+        off: &[i32],
+        tile: GemmTile,
+    ) -> Vec<bf16> {
         let off_dev = s.clone_htod(off).unwrap();
         let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
         let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile);
@@ -433,7 +473,11 @@ mod gemm {
                     if want.to_f32() == 0.0 {
                         assert_eq!(got.to_f32(), 0.0, "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}");
                     } else {
-                        assert_eq!(got.to_bits(), want.to_bits(), "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}");
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}"
+                        );
                     }
                 }
             }
