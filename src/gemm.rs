@@ -13,6 +13,7 @@ use half::bf16;
 use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
+use crate::quantize::BufferInfo;
 use crate::reference::ExpertWeightsHost;
 
 /// NVFP4 expert weights `[E, n, k]` prepared for the grouped GEMM: retiled once, at load, into
@@ -206,25 +207,40 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 
     /// Validates a launch (pure; no GPU): buffer lengths and alignment.
-    pub fn check(&self, total_rows: usize, x: (u64, usize), offsets_len: usize, out: (u64, usize)) -> Result<()> {
+    pub fn check(&self, total_rows: usize, x: BufferInfo, offsets_len: usize, out: BufferInfo) -> Result<()> {
         let w = self.weights;
-        if total_rows > i32::MAX as usize {
-            return Err(Error::InvalidShape(format!("total_rows {total_rows} exceeds i32")));
-        }
-        check_len("x", x.1, total_rows * w.k)?;
-        check_len("out", out.1, total_rows * E::out_cols(w.n))?;
-        if offsets_len != w.experts + 1 {
-            return Err(Error::InvalidShape(format!(
-                "expert_offsets has {offsets_len} entries, expected experts + 1 = {}",
-                w.experts + 1
-            )));
-        }
-        if total_rows > 0 {
-            check_align("x", x.0, 16)?;
-            check_align("out", out.0, 16)?;
-        }
-        Ok(())
+        check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
     }
+}
+
+/// Validates a grouped GEMM launch (pure; no GPU): `x` holds `total_rows x k` bf16, `out`
+/// `total_rows x out_cols`, `expert_offsets` `experts + 1` entries, and both `x` and `out` are
+/// 16-byte aligned (the kernel's TMA loads and vector stores need it).
+pub fn check_gemm_launch(
+    experts: usize,
+    k: usize,
+    out_cols: usize,
+    total_rows: usize,
+    x: BufferInfo,
+    offsets_len: usize,
+    out: BufferInfo,
+) -> Result<()> {
+    if total_rows > i32::MAX as usize {
+        return Err(Error::InvalidShape(format!("total_rows {total_rows} exceeds i32")));
+    }
+    check_len("x", x.len, total_rows * k)?;
+    check_len("out", out.len, total_rows * out_cols)?;
+    if offsets_len != experts + 1 {
+        return Err(Error::InvalidShape(format!(
+            "expert_offsets has {offsets_len} entries, expected experts + 1 = {}",
+            experts + 1
+        )));
+    }
+    if total_rows > 0 {
+        check_align("x", x.addr, 16)?;
+        check_align("out", out.addr, 16)?;
+    }
+    Ok(())
 }
 
 impl GroupedGemm<'_, PlainBf16> {
@@ -249,7 +265,12 @@ impl GroupedGemm<'_, PlainBf16> {
         let (x_ptr, _gx) = x.device_ptr(stream);
         let (off_ptr, _go) = expert_offsets.device_ptr(stream);
         let (out_ptr, _gout) = out.device_ptr_mut(stream);
-        self.check(total_rows, (x_ptr, x_len), o_len, (out_ptr, out_len))?;
+        self.check(
+            total_rows,
+            BufferInfo { addr: x_ptr, len: x_len },
+            o_len,
+            BufferInfo { addr: out_ptr, len: out_len },
+        )?;
         if total_rows == 0 {
             return Ok(());
         }
@@ -295,6 +316,35 @@ mod tests {
         assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
         assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N16);
         assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
+    }
+
+    #[test]
+    fn launches_are_checked_before_any_kernel() {
+        let b = |addr: u64, len: usize| BufferInfo { addr, len };
+        let (e, k, n, rows) = (8usize, 256usize, 128usize, 37usize);
+        let (x, out) = (b(0x1000, rows * k), b(0x9000, rows * n));
+        assert!(check_gemm_launch(e, k, n, rows, x, e + 1, out).is_ok());
+        assert!(check_gemm_launch(e, k, n, 0, b(0, 0), e + 1, b(0, 0)).is_ok());
+        let cases = [
+            (check_gemm_launch(e, k, n, rows, b(0x1000, rows * k - 1), e + 1, out), "x"),
+            (check_gemm_launch(e, k, n, rows, x, e + 1, b(0x9000, rows * n - 1)), "out"),
+        ];
+        for (r, name) in cases {
+            match r {
+                Err(Error::BufferTooSmall { name: got, .. }) => assert_eq!(got, name),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        assert!(matches!(check_gemm_launch(e, k, n, rows, x, e, out), Err(Error::InvalidShape(_))));
+        assert!(matches!(
+            check_gemm_launch(e, k, n, rows, b(0x1008, rows * k), e + 1, out),
+            Err(Error::Misaligned { name: "x", .. })
+        ));
+        assert!(matches!(
+            check_gemm_launch(e, k, n, rows, x, e + 1, b(0x9002, rows * n)),
+            Err(Error::Misaligned { name: "out", .. })
+        ));
+        assert!(matches!(check_gemm_launch(e, k, n, 1 << 31, x, e + 1, out), Err(Error::InvalidShape(_))));
     }
 
     #[test]
