@@ -7,6 +7,22 @@
 //!
 //! Naming: the **decode scale** g is the FP32 multiplier with `value = e2m1 x e4m3 x g`
 //! (ModelOpt's `weight_scale_2`). Other libraries' "global scale" is `1/g`.
+//!
+//! The CPU reference (the same bytes the GPU quantizer writes):
+//!
+//! ```
+//! use half::bf16;
+//! use nvfp4_moe::{reference, ScaleLayout};
+//!
+//! let mut x = vec![bf16::ZERO; 16];
+//! x[0] = bf16::from_f32(6.0);
+//! x[1] = bf16::from_f32(-3.0);
+//! x[2] = bf16::from_f32(0.5);
+//! let q = reference::quantize(&x, 1, 16, 1.0, ScaleLayout::Linear).unwrap();
+//! assert_eq!(q.scales, vec![0x38]); // E4M3 1.0 = amax / (6 g)
+//! assert_eq!(&q.codes[..2], &[0xD7, 0x01]); // codes 7 (6.0), 0xD (-3.0), 1 (0.5), 0
+//! assert_eq!(reference::dequantize(&q), x); // these values are exact in NVFP4
+//! ```
 
 pub mod error;
 pub mod format;
