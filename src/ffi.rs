@@ -47,6 +47,7 @@ pub(crate) mod raw {
         experts: i64,
         n: i64,
         k: i64,
+        row_order: i32,
         prepared: u64,
         error: u64,
         stream: u64,

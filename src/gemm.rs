@@ -24,11 +24,37 @@ use crate::reference::ExpertWeightsHost;
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,
+    /// [E, 2]: decode scale of output features f with f % 16 < 8, then of the others.
     decode_scales: CudaSlice<f32>,
     host_decode_scales: Vec<f32>,
+    row_order: RowOrder,
     experts: usize,
     n: usize,
     k: usize,
+}
+
+/// The order of the prepared rows, i.e. of the GEMM's output features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum RowOrder {
+    /// Output feature f is weight row f.
+    Identity = 0,
+    /// First-layer (W13) weights whose source rows are `[gate (n/2); up (n/2)]` per expert: output
+    /// feature `16b + i` is gate feature `8b + i` for `i < 8` and up feature `8b + i - 8`
+    /// otherwise, so one thread holds the gate and up values of a feature (SwiGLU needs no
+    /// exchange). See [`gate_up_source_row`].
+    GateUpBands8 = 1,
+}
+
+/// The source row (within an expert, `[gate; up]` order) of prepared row `p` for
+/// [`RowOrder::GateUpBands8`] weights of `n = 2I` rows (the kernel's mapping, mirrored).
+pub fn gate_up_source_row(p: usize, n: usize) -> usize {
+    let (band, i) = (p / 16, p % 16);
+    if i < 8 {
+        band * 8 + i
+    } else {
+        n / 2 + band * 8 + (i - 8)
+    }
 }
 
 /// Checks the shape rules of the grouped GEMM (pure; no GPU).
@@ -58,11 +84,53 @@ impl Nvfp4Weights {
         n: usize,
         k: usize,
     ) -> Result<Self> {
-        check_gemm_shape(experts, n, k)?;
         if decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!("{} decode scales for {experts} experts", decode_scales.len())));
         }
-        for &g in decode_scales {
+        let pairs: Vec<f32> = decode_scales.iter().flat_map(|&g| [g, g]).collect();
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, experts, n, k)
+    }
+
+    /// Prepares fused first-layer weights: per expert the gate rows then the up rows (`n = 2I`
+    /// rows: ModelOpt's fused `gate_up_proj`, or gate and up concatenated), with the gate and up
+    /// decode scales of each expert (ModelOpt checkpoints may give them different
+    /// `weight_scale_2`; both are applied exactly). Output features come in
+    /// [`RowOrder::GateUpBands8`] order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_gate_up<C: DevicePtr<u8>, S: DevicePtr<u8>>(
+        stream: &Arc<CudaStream>,
+        codes: &C,
+        scales: &S,
+        gate_decode_scales: &[f32],
+        up_decode_scales: &[f32],
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self> {
+        if gate_decode_scales.len() != experts || up_decode_scales.len() != experts {
+            return Err(Error::InvalidShape(format!(
+                "{} gate and {} up decode scales for {experts} experts",
+                gate_decode_scales.len(),
+                up_decode_scales.len()
+            )));
+        }
+        let pairs: Vec<f32> = gate_decode_scales.iter().zip(up_decode_scales).flat_map(|(&g, &u)| [g, u]).collect();
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, experts, n, k)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn prepare_ordered<C: DevicePtr<u8>, S: DevicePtr<u8>>(
+        stream: &Arc<CudaStream>,
+        codes: &C,
+        scales: &S,
+        scale_pairs: Vec<f32>,
+        row_order: RowOrder,
+        experts: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<Self> {
+        check_gemm_shape(experts, n, k)?;
+        for &g in &scale_pairs {
             crate::reference::validate_decode_scale(g)?;
         }
         check_len("codes", codes.len(), experts * n * k / 2)?;
@@ -82,6 +150,7 @@ impl Nvfp4Weights {
                 experts: experts as i64,
                 n: n as i64,
                 k: k as i64,
+                row_order: row_order as i32,
                 prepared: p_ptr,
                 error: e_ptr,
                 stream: stream_handle(stream)?,
@@ -102,15 +171,8 @@ impl Nvfp4Weights {
                 err[1]
             )));
         }
-        let decode_scales_dev = stream.clone_htod(decode_scales)?;
-        Ok(Nvfp4Weights {
-            prepared,
-            decode_scales: decode_scales_dev,
-            host_decode_scales: decode_scales.to_vec(),
-            experts,
-            n,
-            k,
-        })
+        let decode_scales = stream.clone_htod(&scale_pairs)?;
+        Ok(Nvfp4Weights { prepared, decode_scales, host_decode_scales: scale_pairs, row_order, experts, n, k })
     }
 
     /// Uploads host weights and prepares them.
@@ -132,9 +194,14 @@ impl Nvfp4Weights {
     pub fn k(&self) -> usize {
         self.k
     }
-    /// The per-expert decode scales (g).
-    pub fn decode_scales(&self) -> &[f32] {
+    /// The decode scales, `[E, 2]`: per expert, of output features f with f % 16 < 8 and of the
+    /// others (equal unless the weights are [`RowOrder::GateUpBands8`]: then gate, up).
+    pub fn decode_scale_pairs(&self) -> &[f32] {
         &self.host_decode_scales
+    }
+    /// The order of the output features.
+    pub fn row_order(&self) -> RowOrder {
+        self.row_order
     }
     /// Bytes of the prepared weights on the device.
     pub fn prepared_bytes(&self) -> usize {
@@ -345,6 +412,26 @@ mod tests {
             Err(Error::Misaligned { name: "out", .. })
         ));
         assert!(matches!(check_gemm_launch(e, k, n, 1 << 31, x, e + 1, out), Err(Error::InvalidShape(_))));
+    }
+
+    #[test]
+    fn gate_up_order_is_a_permutation_of_bands() {
+        let n = 2 * 2880;
+        let mut seen = vec![false; n];
+        for p in 0..n {
+            let src = gate_up_source_row(p, n);
+            assert!(!seen[src], "row {src} twice");
+            seen[src] = true;
+            // Within a band of 16, rows r and r + 8 are the gate and up rows of one feature.
+            if p % 16 < 8 {
+                assert_eq!(gate_up_source_row(p + 8, n), src + n / 2);
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+        assert_eq!(gate_up_source_row(0, 64), 0);
+        assert_eq!(gate_up_source_row(8, 64), 32);
+        assert_eq!(gate_up_source_row(17, 64), 9);
+        assert_eq!(gate_up_source_row(31, 64), 32 + 15);
     }
 
     #[test]

@@ -500,6 +500,52 @@ mod gemm {
         assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
     }
 
+    /// Fused gate/up weights prepared in GateUpBands8 order, gate and up decode scales 10x apart:
+    /// output column p is source row gate_up_source_row(p) with its own half's decode scale.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gate_up_weights_come_out_interleaved_with_their_scales() {
+        use nvfp4_moe::gemm::gate_up_source_row;
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (e, inter, k) = (4usize, 2880usize, 256usize);
+        let n = 2 * inter;
+        let w = random_weights(&mut rng, e, n, k);
+        let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+        let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+        let codes = s.clone_htod(&w.codes).unwrap();
+        let scales = s.clone_htod(&w.scales).unwrap();
+        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        let off = random_offsets(&mut rng, e, 90);
+        let rows = *off.last().unwrap() as usize;
+        let x = rng.normal_bf16(rows * k, 1.0);
+        let xd = s.clone_htod(&x).unwrap();
+        for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+            let out = run(&s, &wd, &xd, rows, &off, tile);
+            for ex in 0..e {
+                let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
+                if b == end {
+                    continue;
+                }
+                let (mut num, mut den) = (0f64, 0f64);
+                for _ in 0..300 {
+                    let row = rng.range(b, end);
+                    let p = rng.range(0, n);
+                    let src = gate_up_source_row(p, n);
+                    let g = if p % 16 < 8 { gate_g[ex] } else { up_g[ex] };
+                    let dot: f64 =
+                        (0..k).map(|kk| f64::from(x[row * k + kk].to_f32()) * f64::from(w.weight(ex, src, kk))).sum();
+                    let want = dot * f64::from(g);
+                    let got = f64::from(out[row * n + p].to_f32());
+                    num += (got - want) * (got - want);
+                    den += want * want;
+                }
+                let rel = (num / den.max(1e-300)).sqrt();
+                assert!(rel <= 1e-2, "expert {ex}: {rel:.3e} {tile:?}");
+            }
+        }
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn nan_scale_is_rejected_at_preparation() {

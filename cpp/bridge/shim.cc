@@ -55,6 +55,7 @@ void prepare_nvfp4_weights(const PrepareWeightsParams& p) {
   a.experts = p.experts;
   a.n = p.n;
   a.k = p.k;
+  a.row_order = static_cast<RowOrder>(p.row_order);
   a.prepared = dptr_mut(p.prepared);
   a.error = static_cast<int*>(dptr_mut(p.error));
   throw_on_error(nvfp4moe::prepare_nvfp4_weights(a, stream_ptr(p.stream)));

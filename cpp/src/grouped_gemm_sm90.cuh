@@ -48,7 +48,7 @@ constexpr int kTileK = 64;   // one prepared chunk per consumer warpgroup per st
 
 struct Params {
   const uint8_t* prepared;     // nvfp4_weights.cuh layout
-  const float* decode_scale;   // [E]
+  const float* decode_scale;   // [E, 2]: features f % 16 < 8, then the others
   const int* expert_offsets;   // [E+1]
   __nv_bfloat16* out;          // [total_rows, n]
   int experts;
@@ -228,7 +228,10 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     int row_begin = rr.x + tc.n_tile * kBlockN;
     int row_end = rr.y;
     int feature0 = tc.m_tile * kTileM + cw * 64;
-    float out_scale = p.decode_scale[tc.expert] * 256.0f;  // undo the 2^-8 of the weight encoding
+    // Undo the 2^-8 of the weight encoding. Rows 16w + g (f % 16 < 8) and 16w + g + 8 may carry
+    // different decode scales (gate and up rows of interleaved W13 weights).
+    float scale_lo = p.decode_scale[2 * tc.expert] * 256.0f;
+    float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     for (int kc = 0; kc < k_tiles; ++kc) {
@@ -274,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     for (int i = 0; i < size(accum); ++i) {
       int f = get<0>(tCcC(i));
       int r = get<1>(tCcC(i));
-      epi[r * 64 + f] = bfloat16_t(accum(i) * out_scale);
+      epi[r * 64 + f] = bfloat16_t(accum(i) * (f % 16 < 8 ? scale_lo : scale_hi));
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
     bool half_valid = feature0 < p.n;

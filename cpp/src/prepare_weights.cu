@@ -32,9 +32,18 @@ CUTLASS_DEVICE bool encode_scale(uint32_t s, uint32_t& out) {
   return true;
 }
 
+// Source row (within an expert) of prepared row `p`.
+CUTLASS_DEVICE int64_t source_row(int64_t p, int64_t n, RowOrder order) {
+  if (order == RowOrder::kGateUpBands8) {
+    int64_t band = p / 16, i = p % 16;
+    return i < 8 ? band * 8 + i : n / 2 + band * 8 + (i - 8);
+  }
+  return p;
+}
+
 __global__ void prepare_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales,
-                               int64_t experts, int64_t n, int64_t k, uint8_t* __restrict__ prepared,
-                               int* __restrict__ error) {
+                               int64_t experts, int64_t n, int64_t k, RowOrder order,
+                               uint8_t* __restrict__ prepared, int* __restrict__ error) {
   int64_t chunks_per_expert = (n / kChunkRows) * (k / kChunkK);
   int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   int64_t chunk = gid / 128;
@@ -47,8 +56,10 @@ __global__ void prepare_kernel(const uint8_t* __restrict__ codes, const uint8_t*
   int64_t mt = rem / (k / kChunkK);
   int64_t kc = rem % (k / kChunkK);
   int w = t / 32, lane = t % 32, g = lane / 4, c = lane % 4;
-  int64_t row0 = e * n + mt * kChunkRows + 16 * w + g;  // global row of value rows m0, m0 + 8
-  int64_t row8 = row0 + 8;
+  // Global source rows of the thread's two prepared rows m0 = 16w + g and m0 + 8.
+  int64_t prow = mt * kChunkRows + 16 * w + g;
+  int64_t row0 = e * n + source_row(prow, n, order);
+  int64_t row8 = e * n + source_row(prow + 8, n, order);
   int64_t kbs = k / 16;                                  // scale columns per row
 
   uint32_t words[4];
@@ -107,6 +118,9 @@ Status prepare_nvfp4_weights(const PrepareWeightsArgs& a, void* stream) noexcept
     return fail(Status::kInvalidShape, "prepare_nvfp4_weights: experts > 0 and n, k positive multiples of 64 "
                 "(experts=%lld n=%lld k=%lld)", (long long)a.experts, (long long)a.n, (long long)a.k);
   }
+  if (a.row_order != RowOrder::kIdentity && a.row_order != RowOrder::kGateUpBands8) {
+    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: unknown row order %d", int(a.row_order));
+  }
   if (!a.codes || !a.scales || !a.prepared || !a.error) {
     return fail(Status::kNullPointer, "prepare_nvfp4_weights: null pointer");
   }
@@ -117,7 +131,7 @@ Status prepare_nvfp4_weights(const PrepareWeightsArgs& a, void* stream) noexcept
   unsigned grid = unsigned((threads + 255) / 256);
   prepare_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(a.codes), static_cast<const uint8_t*>(a.scales), a.experts, a.n, a.k,
-      static_cast<uint8_t*>(a.prepared), a.error);
+      a.row_order, static_cast<uint8_t*>(a.prepared), a.error);
   return check_launch("prepare_nvfp4_weights");
 }
 

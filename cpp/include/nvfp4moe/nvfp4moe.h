@@ -107,12 +107,23 @@ constexpr int kWeightChunkBytes = 64 * 64 / 2 + 64 * 64 / 16;  // 2304
 // Bytes of the prepared weight buffer for E experts of [n, k] weights.
 size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept;
 
+// The order of the prepared rows (the GEMM's output features).
+enum class RowOrder : int32_t {
+  kIdentity = 0,
+  // For the first MoE GEMM (W13): the source holds, per expert, the gate rows [0, n/2) then the
+  // up rows [n/2, n); prepared row 16b + i is gate feature 8b + i for i < 8 and up feature
+  // 8b + i - 8 otherwise, so in every 16-row wgmma band a thread holds the gate and the up value of
+  // the same feature (rows r and r + 8) and SwiGLU needs no data exchange. Needs n % 64 == 0.
+  kGateUpBands8 = 1,
+};
+
 struct PrepareWeightsArgs {
   const void* codes = nullptr;   // u8 [E, n, k/2], ModelOpt packing (element 2j in the low nibble)
   const void* scales = nullptr;  // e4m3 [E, n, k/16], linear (checkpoint layout)
   int64_t experts = 0;
   int64_t n = 0;                 // output features, multiple of 64
   int64_t k = 0;                 // reduction size, multiple of 64
+  RowOrder row_order = RowOrder::kIdentity;
   void* prepared = nullptr;      // prepared_weight_bytes(E, n, k) bytes
   // Device int32 [2], set to {-1, 0} by the caller before the launch. After it, the first bad
   // scale found (NaN, or negative and non-zero) is reported as {flat scale index, byte}.
@@ -135,7 +146,9 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
 struct GroupedGemmArgs {
   const void* prepared = nullptr;        // prepare_nvfp4_weights output
-  const float* decode_scale = nullptr;   // device f32 [E]: each expert's decode scale g_e
+  // Device f32 [E, 2]: per expert, the decode scale of the output features f with f % 16 < 8 and
+  // of the others. Equal for plain weights; gate and up scales for kGateUpBands8 weights.
+  const float* decode_scale = nullptr;
   int64_t experts = 0;
   int64_t n = 0;                         // multiple of 64
   int64_t k = 0;                         // multiple of 64
