@@ -91,7 +91,7 @@ fn benches(c: &mut Criterion) {
                 }
                 let rows = t * p.top_k;
                 let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
-                let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&w, GemmTile::Auto);
+                let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&w, GemmTile::Auto).unwrap();
                 // One timed launch after an L2 flush.
                 let mut once = || -> f64 {
                     s.memset_zeros(&mut flush).unwrap();

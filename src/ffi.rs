@@ -65,6 +65,7 @@ pub(crate) mod raw {
         expert_offsets: u64,
         out: u64,
         tile: i32,
+        epilogue: i32,
         stream: u64,
     }
 

@@ -232,18 +232,51 @@ impl GemmTile {
     }
 }
 
-/// The epilogue of a grouped GEMM plan, as a type. `PlainBf16` writes `[rows, n]` BF16.
+/// The epilogue of a grouped GEMM plan, as a type.
 pub trait Epilogue {
+    /// The core's `GemmEpilogue` value.
+    const KIND: i32;
+    /// Whether the weights must be [`RowOrder::GateUpBands8`] (the SwiGLU epilogues).
+    const NEEDS_GATE_UP: bool;
     /// Output columns per row for a weight of `n` rows.
     fn out_cols(n: usize) -> usize;
 }
 
-/// The plain epilogue: `out = acc * g_e`, rounded once to BF16, `[rows, n]`.
+/// The plain epilogue: `out = acc * g`, rounded once to BF16, `[rows, n]` in the weights' row
+/// order.
 pub struct PlainBf16;
 
 impl Epilogue for PlainBf16 {
+    const KIND: i32 = 0;
+    const NEEDS_GATE_UP: bool = false;
     fn out_cols(n: usize) -> usize {
         n
+    }
+}
+
+/// The old MoE flow, kept as a measured baseline: SwiGLU in the epilogue, but the full width
+/// `[rows, 2I]` is written as `[gate 8b..8b+7, silu(gate)*up 8b..8b+7]` for b = 0..I/8 (gate
+/// columns: the decoded gate values rounded to BF16). Needs gate/up weights.
+pub struct Interleaved;
+
+impl Epilogue for Interleaved {
+    const KIND: i32 = 1;
+    const NEEDS_GATE_UP: bool = true;
+    fn out_cols(n: usize) -> usize {
+        n
+    }
+}
+
+/// The target MoE flow: `silu(gate * g_gate) * (up * g_up)` in FP32 from the accumulators,
+/// rounded once to BF16, written compact as `[rows, I]` (half the accumulator width). Needs
+/// gate/up weights.
+pub struct SwigluBf16;
+
+impl Epilogue for SwigluBf16 {
+    const KIND: i32 = 2;
+    const NEEDS_GATE_UP: bool = true;
+    fn out_cols(n: usize) -> usize {
+        n / 2
     }
 }
 
@@ -256,8 +289,14 @@ pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
 
 impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// A plan over `weights` with tile configuration `tile` (`GemmTile::Auto` decides per launch).
-    pub fn new(weights: &'w Nvfp4Weights, tile: GemmTile) -> Self {
-        GroupedGemm { weights, tile, _epilogue: PhantomData }
+    /// The SwiGLU epilogues need weights prepared with [`Nvfp4Weights::prepare_gate_up`].
+    pub fn new(weights: &'w Nvfp4Weights, tile: GemmTile) -> Result<Self> {
+        if E::NEEDS_GATE_UP && weights.row_order != RowOrder::GateUpBands8 {
+            return Err(Error::Invalid(
+                "this epilogue computes SwiGLU: it needs gate/up weights (Nvfp4Weights::prepare_gate_up)".into(),
+            ));
+        }
+        Ok(GroupedGemm { weights, tile, _epilogue: PhantomData })
     }
 
     /// Scratch memory a launch needs: none (the per-expert tile prefix is built in shared memory).
@@ -310,11 +349,12 @@ pub fn check_gemm_launch(
     Ok(())
 }
 
-impl GroupedGemm<'_, PlainBf16> {
-    /// Enqueues `out[r, :] = x[r, :] * W_e^T * g_e` for the rows `r` of every expert `e`:
+impl<E: Epilogue> GroupedGemm<'_, E> {
+    /// Enqueues `out[r, :] = epilogue(x[r, :] * W_e^T * g_e)` for the rows `r` of every expert `e`:
     /// `x` bf16 `[total_rows, k]`, `expert_offsets` i32 `[E+1]` (device; rows of expert e are
-    /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, n]`. Rows past
-    /// `off[E]` are not written. No host synchronization; valid inside CUDA-graph capture.
+    /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, out_cols]`
+    /// ([`Epilogue::out_cols`]). Rows past `off[E]` are not written. No host synchronization;
+    /// valid inside CUDA-graph capture.
     pub fn launch<X, O, F>(
         &self,
         stream: &CudaStream,
@@ -355,6 +395,7 @@ impl GroupedGemm<'_, PlainBf16> {
             expert_offsets: off_ptr,
             out: out_ptr,
             tile: self.tile_for(total_rows) as i32,
+            epilogue: E::KIND,
             stream: stream_handle(stream)?,
         };
         // SAFETY: lengths and alignment checked; the weights were prepared for (E, n, k).

@@ -38,6 +38,6 @@ pub mod io;
 pub mod quantize;
 
 pub use error::{Error, Result};
-pub use gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, RowOrder};
+pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16};
 pub use layout::ScaleLayout;
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

@@ -962,3 +962,28 @@ pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: us
     }
     acc * f64::from(w.decode_scales[e])
 }
+
+/// SwiGLU of one (row, feature) of the first MoE GEMM, in f64: `silu(gate) * up` with
+/// `gate = x[row] . W[e, f] * g_gate` and `up = x[row] . W[e, I + f] * g_up`, where `w` holds per
+/// expert the gate rows `[0, I)` then the up rows `[I, 2I)` (the CPU oracle of the SwiGLU
+/// epilogues). Returns (gate, swiglu).
+pub fn swiglu_element(
+    x: &[bf16],
+    w: &ExpertWeightsHost,
+    e: usize,
+    row: usize,
+    f: usize,
+    gate_scale: f32,
+    up_scale: f32,
+) -> (f64, f64) {
+    let (k, inter) = (w.k, w.n / 2);
+    let xr = &x[row * k..(row + 1) * k];
+    let (mut g, mut u) = (0.0f64, 0.0f64);
+    for (kk, xv) in xr.iter().enumerate() {
+        let xv = f64::from(xv.to_f32());
+        g += xv * f64::from(w.weight(e, f, kk));
+        u += xv * f64::from(w.weight(e, inter + f, kk));
+    }
+    let (g, u) = (g * f64::from(gate_scale), u * f64::from(up_scale));
+    (g, g / (1.0 + (-g).exp()) * u)
+}

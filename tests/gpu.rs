@@ -375,7 +375,7 @@ mod gemm {
     ) -> Vec<bf16> {
         let off_dev = s.clone_htod(off).unwrap();
         let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
-        let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile);
+        let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile).unwrap();
         plan.launch(s, x, total_rows, &off_dev, &mut out).unwrap();
         s.clone_dtoh(&out).unwrap()
     }
@@ -585,7 +585,7 @@ mod graph {
         let off_dev = s.clone_htod(&off).unwrap();
         let mut out = s.alloc_zeros::<bf16>(rows * n).unwrap();
         for tile in [GemmTile::M128N16, GemmTile::M128N128] {
-            let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile);
+            let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap();
             plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
             let eager = s.clone_dtoh(&out).unwrap();
             s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); rows * n], &mut out).unwrap();
@@ -598,5 +598,114 @@ mod graph {
             let replay = s.clone_dtoh(&out).unwrap();
             assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()), "{tile:?}");
         }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// SwiGLU epilogues (issue 4): the old Interleaved flow and the compact SwigluBf16.
+
+mod swiglu {
+    use super::gemm::{random_offsets, random_weights};
+    use super::*;
+    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
+    use nvfp4_moe::reference::swiglu_element;
+
+    const OUT_POISON: u16 = 0x7FBF;
+
+    /// For each I, random fused weights (gate and up decode scales 10x apart), uneven rows with
+    /// empty experts: SwigluBf16 within 1e-2 of the f64 reference per expert; Interleaved's swiglu
+    /// columns bit-identical to SwigluBf16 and its gate columns within 1e-2 of the reference;
+    /// every expert row written, rows past offsets[E] untouched.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn swiglu_epilogues_match_reference_and_each_other() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        for &(inter, k, e) in
+            &[(768usize, 2048usize, 16usize), (1536, 256, 8), (2048, 512, 32), (2880, 2880, 4), (14336, 256, 2)]
+        {
+            let seed = rng.seed();
+            let n = 2 * inter;
+            let w = random_weights(&mut rng, e, n, k);
+            let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+            let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+            let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+            let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+            let off = random_offsets(&mut rng, e, 150);
+            let rows = *off.last().unwrap() as usize;
+            let total = rows + 2;
+            let x = rng.normal_bf16(total * k, 1.0);
+            let xd = s.clone_htod(&x).unwrap();
+            let off_dev = s.clone_htod(&off).unwrap();
+            for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+                let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
+                let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
+                let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
+                GroupedGemm::<SwigluBf16>::new(&wd, tile)
+                    .unwrap()
+                    .launch(&s, &xd, total, &off_dev, &mut compact)
+                    .unwrap();
+                GroupedGemm::<Interleaved>::new(&wd, tile)
+                    .unwrap()
+                    .launch(&s, &xd, total, &off_dev, &mut inter_out)
+                    .unwrap();
+                let compact = s.clone_dtoh(&compact).unwrap();
+                let inter_out = s.clone_dtoh(&inter_out).unwrap();
+                for (i, v) in compact.iter().enumerate() {
+                    assert_eq!(v.to_bits() != OUT_POISON, i / inter < rows, "compact element {i}: {ctx}");
+                }
+                for r in 0..total {
+                    for b in 0..inter / 8 {
+                        for i in 0..8 {
+                            let (gate_col, sw_col) = (r * n + 16 * b + i, r * n + 16 * b + 8 + i);
+                            if r >= rows {
+                                assert_eq!(inter_out[gate_col].to_bits(), OUT_POISON, "{ctx}");
+                                assert_eq!(inter_out[sw_col].to_bits(), OUT_POISON, "{ctx}");
+                                continue;
+                            }
+                            // The swiglu columns of Interleaved are SwigluBf16, bit for bit.
+                            assert_eq!(
+                                inter_out[sw_col].to_bits(),
+                                compact[r * inter + 8 * b + i].to_bits(),
+                                "row {r} feature {}: {ctx}",
+                                8 * b + i
+                            );
+                        }
+                    }
+                }
+                for ex in 0..e {
+                    let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
+                    if b == end {
+                        continue;
+                    }
+                    let (mut num, mut den, mut gnum, mut gden) = (0f64, 0f64, 0f64, 0f64);
+                    for _ in 0..200 {
+                        let row = rng.range(b, end);
+                        let f = rng.range(0, inter);
+                        let (gate, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
+                        let got = f64::from(compact[row * inter + f].to_f32());
+                        num += (got - want) * (got - want);
+                        den += want * want;
+                        let got_gate = f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32());
+                        gnum += (got_gate - gate) * (got_gate - gate);
+                        gden += gate * gate;
+                    }
+                    let (rel, grel) = ((num / den.max(1e-300)).sqrt(), (gnum / gden.max(1e-300)).sqrt());
+                    assert!(rel <= 1e-2, "expert {ex}: swiglu relative error {rel:.3e}: {ctx}");
+                    assert!(grel <= 1e-2, "expert {ex}: gate relative error {grel:.3e}: {ctx}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn swiglu_needs_gate_up_weights() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let w = random_weights(&mut rng, 2, 128, 64);
+        let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+        assert!(GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).is_err());
+        assert!(GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto).is_err());
     }
 }

@@ -73,6 +73,7 @@ void grouped_gemm_nvfp4(const GroupedGemmParams& p) {
   a.expert_offsets = static_cast<const int*>(dptr(p.expert_offsets));
   a.out = dptr_mut(p.out);
   a.tile = static_cast<GemmTile>(p.tile);
+  a.epilogue = static_cast<GemmEpilogue>(p.epilogue);
   throw_on_error(nvfp4moe::grouped_gemm_nvfp4(a, stream_ptr(p.stream)));
 }
 

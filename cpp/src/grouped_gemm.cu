@@ -41,6 +41,10 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: experts must be in [1, %d] (got %lld)", gemm::kMaxExperts,
                 (long long)a.experts);
   }
+  if (a.epilogue != GemmEpilogue::kPlain && a.epilogue != GemmEpilogue::kInterleaved &&
+      a.epilogue != GemmEpilogue::kSwigluBf16) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
+  }
   if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
                 (long long)a.n, (long long)a.k);
@@ -84,8 +88,22 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   gemm::Params p{static_cast<const uint8_t*>(a.prepared), a.decode_scale, a.expert_offsets,
                  static_cast<__nv_bfloat16*>(a.out), int(a.experts), int(a.n), int(a.k), int(a.total_rows)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (tile == GemmTile::kM128N16) return gemm::launch_grouped_gemm<gemm::ConfigN16>(map, p, sms, st);
-  return gemm::launch_grouped_gemm<gemm::ConfigN128>(map, p, sms, st);
+  using gemm::ConfigN128;
+  using gemm::ConfigN16;
+  using gemm::launch_grouped_gemm;
+  const bool small = tile == GemmTile::kM128N16;
+  switch (a.epilogue) {
+    case GemmEpilogue::kPlain:
+      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kPlain>>(map, p, sms, st)
+                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kPlain>>(map, p, sms, st);
+    case GemmEpilogue::kInterleaved:
+      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kInterleaved>>(map, p, sms, st)
+                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kInterleaved>>(map, p, sms, st);
+    case GemmEpilogue::kSwigluBf16:
+      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>(map, p, sms, st)
+                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kSwigluBf16>>(map, p, sms, st);
+  }
+  return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
 }
 
 }  // namespace nvfp4moe

@@ -68,8 +68,9 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
 // warpgroup keeps 40, consumers get 96) and so must the shared memory; small-N tiles need few
 // registers, and two CTAs double the warps that convert weights, which bounds decode throughput.
-template <int kBlockN_, int kStages_, int kMinBlocks_ = 1>
+template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_>
 struct Config {
+  static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
@@ -97,6 +98,12 @@ struct Config {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kStageBytes = 2 * weights::kChunkBytes + kBlockN * kTileK * 2;
 };
+
+// silu(g) * u in FP32, shared by the Interleaved and SwigluBf16 epilogues so that their SwiGLU
+// values are bit-identical.
+CUTLASS_DEVICE float swiglu(float gate, float up) {
+  return gate / (1.0f + __expf(-gate)) * up;
+}
 
 // Which expert and tiles a linear tile index names. prefix[e] = first tile of expert e.
 struct TileCoord {
@@ -271,23 +278,42 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       ++state;
     }
 
-    // Epilogue: scale, round to BF16, stage as (rows, 64 features) and store 16-byte pieces.
+    // Epilogue: scale, round to BF16, stage through shared memory, store 16-byte pieces of rows
+    // that belong to the expert. Accumulator value i holds feature f = 16w + g + 8 v1 and row
+    // r = 8j + 2c + v0 with i = v0 + 2 v1 + 4j: for v1 = 0 (f % 16 < 8), value i + 2 is feature
+    // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
+    constexpr bool kSwiglu = Cfg::kEpilogue != GemmEpilogue::kPlain;
+    constexpr int kStageCols = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? 32 : 64;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       int f = get<0>(tCcC(i));
       int r = get<1>(tCcC(i));
-      epi[r * 64 + f] = bfloat16_t(accum(i) * (f % 16 < 8 ? scale_lo : scale_hi));
+      if constexpr (!kSwiglu) {
+        epi[r * 64 + f] = bfloat16_t(accum(i) * (f % 16 < 8 ? scale_lo : scale_hi));
+      } else if ((i % 4) < 2) {  // v1 == 0: a gate value; its up value is i + 2
+        float gate = accum(i) * scale_lo;
+        float sw = swiglu(gate, accum(i + 2) * scale_hi);
+        if constexpr (Cfg::kEpilogue == GemmEpilogue::kInterleaved) {
+          epi[r * 64 + f] = bfloat16_t(gate);
+          epi[r * 64 + f + 8] = bfloat16_t(sw);
+        } else {
+          epi[r * 32 + (f / 16) * 8 + f % 16] = bfloat16_t(sw);  // local logical feature 8w + g
+        }
+      }
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
     bool half_valid = feature0 < p.n;
+    constexpr int kPieces = kStageCols / 8;  // 16-byte pieces per staged row
+    const int out_cols = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? p.n / 2 : p.n;
+    const int out_col0 = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? feature0 / 2 : feature0;
     CUTLASS_PRAGMA_UNROLL
-    for (int piece = t; piece < kBlockN * 8; piece += 128) {
-      int r = piece / 8, f8 = (piece % 8) * 8;
+    for (int piece = t; piece < kBlockN * kPieces; piece += 128) {
+      int r = piece / kPieces, c8 = (piece % kPieces) * 8;
       int row = row_begin + r;
       if (half_valid && row < row_end) {
-        uint4 v = *reinterpret_cast<const uint4*>(epi + r * 64 + f8);
-        *reinterpret_cast<uint4*>(p.out + int64_t(row) * p.n + feature0 + f8) = v;
+        uint4 v = *reinterpret_cast<const uint4*>(epi + r * kStageCols + c8);
+        *reinterpret_cast<uint4*>(p.out + int64_t(row) * out_cols + out_col0 + c8) = v;
       }
     }
   }
@@ -306,10 +332,22 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   return check_launch("grouped_gemm_nvfp4");
 }
 
-// The two configurations (declared here, defined in their own translation units).
-using ConfigN16 = Config<16, 12, 2>;
-using ConfigN128 = Config<128, 8>;
-extern template Status launch_grouped_gemm<ConfigN16>(const CUtensorMap&, const Params&, int, cudaStream_t);
-extern template Status launch_grouped_gemm<ConfigN128>(const CUtensorMap&, const Params&, int, cudaStream_t);
+// The configurations (declared here, each defined in its own translation unit).
+template <GemmEpilogue E>
+using ConfigN16 = Config<16, 12, 2, E>;
+template <GemmEpilogue E>
+using ConfigN128 = Config<128, 8, 1, E>;
+extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
+                                                                                   cudaStream_t);
 
 }  // namespace nvfp4moe::gemm

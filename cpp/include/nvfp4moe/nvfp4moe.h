@@ -144,6 +144,14 @@ enum class GemmTile : int32_t {
 // rows each expert got. With <= 24 rows per expert on average, N16 wastes least; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
+// What the grouped GEMM's epilogue computes and writes (out is bf16 in every case).
+enum class GemmEpilogue : int32_t {
+  kPlain = 0,        // out [rows, n] = acc * g, in prepared feature order
+  // The first MoE GEMM on kGateUpBands8 weights (n = 2I), SwiGLU in the epilogue:
+  kInterleaved = 1,  // out [rows, 2I] as [gate 8b..8b+7, silu(gate)*up 8b..8b+7] for b = 0..I/8
+  kSwigluBf16 = 2,   // out [rows, I] = silu(gate) * up, compact (half the width)
+};
+
 struct GroupedGemmArgs {
   const void* prepared = nullptr;        // prepare_nvfp4_weights output
   // Device f32 [E, 2]: per expert, the decode scale of the output features f with f % 16 < 8 and
@@ -155,8 +163,9 @@ struct GroupedGemmArgs {
   const void* x = nullptr;               // bf16 [total_rows, k], 16-byte aligned
   int64_t total_rows = 0;                // rows of x and out (may exceed expert_offsets[E])
   const int* expert_offsets = nullptr;   // device i32 [E+1]: rows of expert e are [off[e], off[e+1])
-  void* out = nullptr;                   // bf16 [total_rows, n], 16-byte aligned
+  void* out = nullptr;                   // bf16 [total_rows, n] (n / 2 for kSwigluBf16), 16-byte aligned
   GemmTile tile = GemmTile::kAuto;
+  GemmEpilogue epilogue = GemmEpilogue::kPlain;  // the SwiGLU ones need kGateUpBands8 weights
 };
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
 // inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
