@@ -29,6 +29,21 @@ pub(crate) mod raw {
         stream: u64,
     }
 
+    /// Arguments of `quantize_nvfp4_grouped`.
+    struct QuantizeGroupedParams {
+        x: u64,
+        source: i32,
+        rows: i64,
+        cols: i64,
+        expert_offsets: u64,
+        experts: i64,
+        decode_scales: u64,
+        num_decode_scales: i64,
+        codes: u64,
+        scales: u64,
+        stream: u64,
+    }
+
     /// What the core was built with and what it finds at run time.
     struct CoreBuildInfo {
         cuda_version: i32,
@@ -90,6 +105,15 @@ pub(crate) mod raw {
         /// `prepared` must hold weights prepared for the same experts, n and k.
         unsafe fn grouped_gemm_nvfp4(p: &GroupedGemmParams) -> Result<()>;
 
+        /// # Safety
+        /// Every pointer must be a live device allocation of the size the arguments imply.
+        unsafe fn quantize_nvfp4_grouped(p: &QuantizeGroupedParams) -> Result<()>;
+
+        /// # Safety
+        /// `gate_up` holds rows x 2 inter bf16 and `out` rows x inter bf16, on the stream's device.
+        unsafe fn swiglu_bf16(gate_up: u64, rows: i64, inter: i64, out: u64, stream: u64) -> Result<()>;
+
+        fn core_grouped_scale_bytes(rows: i64, experts: i64, cols: i64) -> u64;
         fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
         fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;
 

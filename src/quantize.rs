@@ -379,3 +379,191 @@ mod tests {
         }
     }
 }
+
+/// Where [`quantize_nvfp4_grouped_into`] reads from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(i32)]
+pub enum GroupedSource {
+    /// bf16 `[rows, cols]`.
+    Contiguous = 0,
+    /// An [`crate::gemm::Interleaved`] GEMM output bf16 `[rows, 2 cols]`: its SwiGLU columns
+    /// (`16b + 8 .. 16b + 15`) are quantized (the old flow's `swiglu_quantize`).
+    InterleavedSwiglu = 1,
+}
+
+/// Validates a grouped quantize call (pure; no GPU).
+#[allow(clippy::too_many_arguments)]
+pub fn check_quantize_grouped(
+    source: GroupedSource,
+    rows: usize,
+    cols: usize,
+    offsets_len: usize,
+    decode_scales_len: usize,
+    x: BufferInfo,
+    codes: BufferInfo,
+    scales: BufferInfo,
+) -> Result<()> {
+    validate_quantize_shape(rows, cols)?;
+    if offsets_len < 2 {
+        return Err(Error::InvalidShape("expert_offsets needs at least 2 entries (E + 1, E >= 1)".into()));
+    }
+    let experts = offsets_len - 1;
+    if decode_scales_len != 1 && decode_scales_len != experts {
+        return Err(Error::InvalidShape(format!(
+            "need 1 shared decode scale or one per expert ({experts}), got {decode_scales_len}"
+        )));
+    }
+    if rows > i32::MAX as usize || cols > 1 << 26 {
+        return Err(Error::InvalidShape(format!("[{rows}, {cols}] is too large")));
+    }
+    let width = match source {
+        GroupedSource::Contiguous => cols,
+        GroupedSource::InterleavedSwiglu => 2 * cols,
+    };
+    check_len("x", x.len, rows * width)?;
+    check_len("codes", codes.len, rows * cols / 2)?;
+    check_len("scales", scales.len, crate::layout::grouped_scale_len(rows, experts, cols))?;
+    if rows > 0 {
+        check_align("x", x.addr, 16)?;
+        check_align("codes", codes.addr, 8)?;
+    }
+    Ok(())
+}
+
+/// Quantizes grouped activations (rows permuted by expert, `expert_offsets` i32 `[E+1]` on the
+/// device) into codes `[rows, cols/2]` and 128x4 scales with one region per expert
+/// ([`crate::layout::grouped_scale_len`] bytes, padding written 0), with the device decode scales
+/// `decode_scales` (one per expert, or one shared). Bit-exact with
+/// [`crate::reference::quantize_grouped`]. No host synchronization.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_nvfp4_grouped_into<X, O, G, C, S>(
+    stream: &CudaStream,
+    source: GroupedSource,
+    x: &X,
+    rows: usize,
+    cols: usize,
+    expert_offsets: &O,
+    decode_scales: &G,
+    codes: &mut C,
+    scales: &mut S,
+) -> Result<()>
+where
+    X: DevicePtr<bf16>,
+    O: DevicePtr<i32>,
+    G: DevicePtr<f32>,
+    C: DevicePtrMut<u8>,
+    S: DevicePtrMut<u8>,
+{
+    let (x_len, o_len, g_len, c_len, s_len) =
+        (x.len(), expert_offsets.len(), decode_scales.len(), codes.len(), scales.len());
+    let (x_ptr, _gx) = x.device_ptr(stream);
+    let (o_ptr, _go) = expert_offsets.device_ptr(stream);
+    let (g_ptr, _gg) = decode_scales.device_ptr(stream);
+    let (c_ptr, _gc) = codes.device_ptr_mut(stream);
+    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
+    check_quantize_grouped(
+        source,
+        rows,
+        cols,
+        o_len,
+        g_len,
+        BufferInfo { addr: x_ptr, len: x_len },
+        BufferInfo { addr: c_ptr, len: c_len },
+        BufferInfo { addr: s_ptr, len: s_len },
+    )?;
+    let p = raw::QuantizeGroupedParams {
+        x: x_ptr,
+        source: source as i32,
+        rows: rows as i64,
+        cols: cols as i64,
+        expert_offsets: o_ptr,
+        experts: (o_len - 1) as i64,
+        decode_scales: g_ptr,
+        num_decode_scales: g_len as i64,
+        codes: c_ptr,
+        scales: s_ptr,
+        stream: stream_handle(stream)?,
+    };
+    // SAFETY: check_quantize_grouped proved the lengths and alignment.
+    unsafe { raw::quantize_nvfp4_grouped(&p)? };
+    Ok(())
+}
+
+/// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
+/// output of gate/up weights, bf16 `[rows, 2 inter]` in `[gate x8, up x8]` bands; `out` bf16
+/// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.
+pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
+    stream: &CudaStream,
+    gate_up: &X,
+    rows: usize,
+    inter: usize,
+    out: &mut O,
+) -> Result<()> {
+    if inter == 0 || !inter.is_multiple_of(8) {
+        return Err(Error::InvalidShape(format!("inter must be a positive multiple of 8, got {inter}")));
+    }
+    let (i_len, o_len) = (gate_up.len(), out.len());
+    let (i_ptr, _gi) = gate_up.device_ptr(stream);
+    let (o_ptr, _go) = out.device_ptr_mut(stream);
+    check_len("gate_up", i_len, rows * 2 * inter)?;
+    check_len("out", o_len, rows * inter)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    check_align("gate_up", i_ptr, 16)?;
+    check_align("out", o_ptr, 16)?;
+    // SAFETY: lengths and alignment checked.
+    unsafe { raw::swiglu_bf16(i_ptr, rows as i64, inter as i64, o_ptr, stream_handle(stream)?)? };
+    Ok(())
+}
+
+/// Bytes of a grouped scale buffer as the C++ core computes it (checked equal to
+/// [`crate::layout::grouped_scale_len`] in tests).
+pub fn core_grouped_scale_bytes(rows: usize, experts: usize, cols: usize) -> usize {
+    raw::core_grouped_scale_bytes(rows as i64, experts as i64, cols as i64) as usize
+}
+
+#[cfg(test)]
+mod grouped_tests {
+    use super::*;
+
+    #[test]
+    fn grouped_checks() {
+        let b = |addr: u64, len: usize| BufferInfo { addr, len };
+        let (rows, cols, e) = (300usize, 2048usize, 8usize);
+        let sl = crate::layout::grouped_scale_len(rows, e, cols);
+        let (x, c, s) = (b(0x1000, rows * cols), b(0x2000, rows * cols / 2), b(0x3001, sl));
+        assert!(check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, s).is_ok());
+        assert!(check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, 1, x, c, s).is_ok());
+        // The interleaved source is twice as wide.
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::InterleavedSwiglu, rows, cols, e + 1, 1, x, c, s),
+            Err(Error::BufferTooSmall { name: "x", .. })
+        ));
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, 3, x, c, s),
+            Err(Error::InvalidShape(_))
+        ));
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, 1, 1, x, c, s),
+            Err(Error::InvalidShape(_))
+        ));
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, b(0x3000, sl - 1)),
+            Err(Error::BufferTooSmall { name: "scales", .. })
+        ));
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, b(0x1004, rows * cols), c, s),
+            Err(Error::Misaligned { name: "x", .. })
+        ));
+        assert!(matches!(
+            check_quantize_grouped(GroupedSource::Contiguous, rows, 40, e + 1, e, x, c, s),
+            Err(Error::InvalidShape(_))
+        ));
+        for rows in [0usize, 1, 127, 128, 5000] {
+            for (e, cols) in [(1usize, 16usize), (8, 2048), (256, 768)] {
+                assert_eq!(core_grouped_scale_bytes(rows, e, cols), crate::layout::grouped_scale_len(rows, e, cols));
+            }
+        }
+    }
+}

@@ -698,6 +698,149 @@ mod swiglu {
         }
     }
 
+    /// The grouped quantizer against the CPU oracle, every byte (codes, scales, padding), with
+    /// per-expert and shared decode scales, empty experts and rows past offsets[E].
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn grouped_quantize_matches_reference() {
+        use nvfp4_moe::layout::grouped_scale_len;
+        use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        for &(e, cols) in &[(1usize, 16usize), (4, 768), (16, 2048), (128, 1536), (8, 2880)] {
+            let seed = rng.seed();
+            let off = random_offsets(&mut rng, e, 200);
+            let rows = *off.last().unwrap() as usize;
+            let total = rows + 5;
+            let x = rng.varied_bf16(total * cols);
+            for shared in [false, true] {
+                let g: Vec<f32> = (0..if shared { 1 } else { e }).map(|_| rng.uniform(1e-3, 1.0)).collect();
+                let (want_codes, want_scales) = reference::quantize_grouped(&x[..rows * cols], &off, cols, &g).unwrap();
+                let xd = s.clone_htod(&x).unwrap();
+                let offd = s.clone_htod(&off).unwrap();
+                let gd = s.clone_htod(&g).unwrap();
+                let mut codes = poisoned_u8(&s, total * cols / 2);
+                let mut scales = poisoned_u8(&s, grouped_scale_len(total, e, cols));
+                quantize_nvfp4_grouped_into(
+                    &s,
+                    GroupedSource::Contiguous,
+                    &xd,
+                    total,
+                    cols,
+                    &offd,
+                    &gd,
+                    &mut codes,
+                    &mut scales,
+                )
+                .unwrap();
+                let (codes, scales) = (s.clone_dtoh(&codes).unwrap(), s.clone_dtoh(&scales).unwrap());
+                let ctx = format!("E={e} cols={cols} rows={rows} shared={shared} seed={seed}");
+                assert!(
+                    codes[..rows * cols / 2] == want_codes[..],
+                    "codes {:?}: {ctx}",
+                    first_diff(&codes, &want_codes)
+                );
+                assert!(codes[rows * cols / 2..].iter().all(|&b| b == POISON), "rows past offsets[E] written: {ctx}");
+                assert!(
+                    scales[..want_scales.len()] == want_scales[..],
+                    "scales {:?}: {ctx}",
+                    first_diff(&scales, &want_scales)
+                );
+                assert!(scales[want_scales.len()..].iter().all(|&b| b == 0), "padding: {ctx}");
+            }
+        }
+    }
+
+    /// The old flow's swiglu_quantize(Interleaved) equals quantize_grouped(SwigluBf16) in the same
+    /// per-expert layout, every byte; and the separate SwiGLU kernel is close to the reference.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn swiglu_quantize_equals_quantize_of_compact() {
+        use nvfp4_moe::gemm::PlainBf16;
+        use nvfp4_moe::layout::grouped_scale_len;
+        use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (inter, k, e) = (1536usize, 512usize, 16usize);
+        let n = 2 * inter;
+        let w = random_weights(&mut rng, e, n, k);
+        let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+        let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+        let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        let off = random_offsets(&mut rng, e, 100);
+        let rows = *off.last().unwrap() as usize;
+        let x = rng.normal_bf16(rows * k, 1.0);
+        let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
+        let act_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect();
+        let gd = s.clone_htod(&act_g).unwrap();
+        let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+        let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
+        let mut plain = s.alloc_zeros::<bf16>(rows * n).unwrap();
+        GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto)
+            .unwrap()
+            .launch(&s, &xd, rows, &offd, &mut compact)
+            .unwrap();
+        GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto)
+            .unwrap()
+            .launch(&s, &xd, rows, &offd, &mut interleaved)
+            .unwrap();
+        GroupedGemm::<PlainBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut plain).unwrap();
+        let sl = grouped_scale_len(rows, e, inter);
+        let mut q = [
+            (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl)),
+            (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl)),
+        ];
+        let (a, b) = q.split_at_mut(1);
+        quantize_nvfp4_grouped_into(
+            &s,
+            GroupedSource::Contiguous,
+            &compact,
+            rows,
+            inter,
+            &offd,
+            &gd,
+            &mut a[0].0,
+            &mut a[0].1,
+        )
+        .unwrap();
+        quantize_nvfp4_grouped_into(
+            &s,
+            GroupedSource::InterleavedSwiglu,
+            &interleaved,
+            rows,
+            inter,
+            &offd,
+            &gd,
+            &mut b[0].0,
+            &mut b[0].1,
+        )
+        .unwrap();
+        for (name, (x1, x2)) in [("codes", (&q[0].0, &q[1].0)), ("scales", (&q[0].1, &q[1].1))] {
+            let (h1, h2) = (s.clone_dtoh(x1).unwrap(), s.clone_dtoh(x2).unwrap());
+            assert!(h1 == h2, "{name} differ at {:?}", first_diff(&h1, &h2));
+        }
+        // The separate kernel (from BF16-rounded gate/up) against the f64 reference.
+        let mut sep = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+        swiglu_bf16_into(&s, &plain, rows, inter, &mut sep).unwrap();
+        let sep = s.clone_dtoh(&sep).unwrap();
+        let (mut num, mut den) = (0f64, 0f64);
+        for _ in 0..2000 {
+            let row = rng.range(0, rows.max(1));
+            if rows == 0 {
+                break;
+            }
+            let ex = off.partition_point(|&o| o as usize <= row) - 1;
+            let f = rng.range(0, inter);
+            let (_, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
+            let got = f64::from(sep[row * inter + f].to_f32());
+            num += (got - want) * (got - want);
+            den += want * want;
+        }
+        let rel = (num / den.max(1e-300)).sqrt();
+        assert!(rel <= 1e-2, "separate swiglu relative error {rel:.3e}");
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn swiglu_needs_gate_up_weights() {

@@ -77,6 +77,29 @@ void grouped_gemm_nvfp4(const GroupedGemmParams& p) {
   throw_on_error(nvfp4moe::grouped_gemm_nvfp4(a, stream_ptr(p.stream)));
 }
 
+void quantize_nvfp4_grouped(const QuantizeGroupedParams& p) {
+  QuantizeGroupedArgs a;
+  a.x = dptr(p.x);
+  a.source = static_cast<GroupedSource>(p.source);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.expert_offsets = static_cast<const int*>(dptr(p.expert_offsets));
+  a.experts = p.experts;
+  a.decode_scales = static_cast<const float*>(dptr(p.decode_scales));
+  a.num_decode_scales = p.num_decode_scales;
+  a.codes = dptr_mut(p.codes);
+  a.scales = dptr_mut(p.scales);
+  throw_on_error(nvfp4moe::quantize_nvfp4_grouped(a, stream_ptr(p.stream)));
+}
+
+void swiglu_bf16(uint64_t gate_up, int64_t rows, int64_t inter, uint64_t out, uint64_t stream) {
+  throw_on_error(nvfp4moe::swiglu_bf16(dptr(gate_up), rows, inter, dptr_mut(out), stream_ptr(stream)));
+}
+
+uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) {
+  return grouped_scale_bytes(rows, experts, cols);
+}
+
 uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) {
   return prepared_weight_bytes(experts, n, k);
 }

@@ -14,11 +14,15 @@ struct DequantizeParams;
 struct CoreBuildInfo;
 struct PrepareWeightsParams;
 struct GroupedGemmParams;
+struct QuantizeGroupedParams;
 
 void quantize_nvfp4(const QuantizeParams& p);
 void dequantize_nvfp4(const DequantizeParams& p);
 void prepare_nvfp4_weights(const PrepareWeightsParams& p);
 void grouped_gemm_nvfp4(const GroupedGemmParams& p);
+void quantize_nvfp4_grouped(const QuantizeGroupedParams& p);
+void swiglu_bf16(uint64_t gate_up, int64_t rows, int64_t inter, uint64_t out, uint64_t stream);
+uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols);
 uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k);
 int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts);
 CoreBuildInfo core_build_info();

@@ -75,6 +75,44 @@ struct DequantizeNvfp4Args {
 };
 Status dequantize_nvfp4(const DequantizeNvfp4Args& args, void* stream) noexcept;
 
+// ---------------------------------------------------------------------------------------------
+// Grouped activations (one region per expert, rows permuted by expert): NVFP4 with 128x4 scales
+// whose per-expert regions start at floor((offset(e) + 127 e) / 128) * 128 (TensorRT-LLM's
+// convention), and a decode scale per expert or one shared.
+
+// Bytes of a grouped 128x4 scale buffer for `rows` permuted rows (padding included):
+// round_up(rows + 127 E, 128) * round_up(cols / 16, 4).
+size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept;
+
+// Where quantize_nvfp4_grouped reads its input from.
+enum class GroupedSource : int32_t {
+  kContiguous = 0,         // x is bf16 [rows, cols]
+  kInterleavedSwiglu = 1,  // x is a GemmEpilogue::kInterleaved output [rows, 2 cols]; its swiglu
+                           // columns (16b + 8 .. 16b + 15) are quantized: swiglu_quantize
+};
+
+struct QuantizeGroupedArgs {
+  const void* x = nullptr;               // see source; 16-byte aligned
+  GroupedSource source = GroupedSource::kContiguous;
+  int64_t rows = 0;                      // rows of x (>= expert_offsets[E]; later rows are ignored)
+  int64_t cols = 0;                      // quantized columns, multiple of 16
+  const int* expert_offsets = nullptr;   // device i32 [E+1]
+  int64_t experts = 0;
+  const float* decode_scales = nullptr;  // device f32 [num_decode_scales]: g per expert, or one
+  int64_t num_decode_scales = 0;         // 1 or E
+  void* codes = nullptr;                 // u8 [rows, cols/2], 8-byte aligned
+  void* scales = nullptr;                // grouped_scale_bytes(rows, E, cols); padding written 0
+};
+// Bit-exact with the CPU reference (reference::quantize_grouped) for the rows of every expert.
+// No host synchronization; rows past expert_offsets[E] are not written.
+Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& args, void* stream) noexcept;
+
+// The "separate SwiGLU kernel" of other libraries (a measured baseline for the fused epilogue):
+// gate_up is a GemmEpilogue::kPlain output of kGateUpBands8 weights, bf16 [rows, 2 inter]
+// ([gate 8b..8b+7, up 8b..8b+7] per 16 columns); out bf16 [rows, inter] = silu(gate) * up
+// computed in FP32 from the BF16 inputs.
+Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept;
+
 // What this core was built with.
 struct BuildInfo {
   int cuda_version;          // CUDART_VERSION at build time, e.g. 13000

@@ -1,0 +1,153 @@
+// quantize_nvfp4_grouped (plain and swiglu_quantize) and the separate swiglu_bf16 kernel.
+//
+// quantize_nvfp4_grouped: one warp per row. Lane 0 finds the row's expert (binary search over the
+// device offsets) and the warp shares it; lanes then walk the row's 16-element blocks (coalesced:
+// consecutive lanes read consecutive 32-byte blocks) with the same per-block recipe as
+// quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
+// zeroed first (cudaMemsetAsync), which writes every padding byte.
+#include "nvfp4moe/nvfp4moe.h"
+#include "nvfp4_codec.cuh"
+#include "status.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace nvfp4moe {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <GroupedSource kSource>
+__global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
+    const __nv_bfloat16* __restrict__ x, int rows, int cols, const int* __restrict__ offsets, int experts,
+    const float* __restrict__ decode_scales, int num_decode_scales, uint8_t* __restrict__ codes,
+    uint8_t* __restrict__ scales) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kThreads / 32);
+  const int kb = cols / 16;
+  const int k_tiles = (kb + 3) / 4;
+  const int total = min(max(offsets[experts], 0), rows);
+  const int64_t scale_rows = (int64_t(rows) + int64_t(experts) * 127 + 127) / 128 * 128;
+  for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
+    int e = 0;
+    if (lane == 0) {
+      int lo = 0, hi = experts - 1;  // the last expert whose first row is <= row
+      while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
+      }
+      e = lo;
+    }
+    e = __shfl_sync(0xFFFFFFFFu, e, 0);
+    const int first = offsets[e];
+    const int64_t scale_row = (int64_t(first) + int64_t(e) * 127) / 128 * 128 + (row - first);
+    if (row < first || scale_row >= scale_rows) {
+      continue;  // malformed offsets: never write outside the buffers
+    }
+    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
+    const float six_g = __fmul_rn(6.0f, g);
+    for (int k = lane; k < kb; k += 32) {
+      uint4 lo, hi;
+      if constexpr (kSource == GroupedSource::kContiguous) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(row) * cols) + 2 * k;
+        lo = __ldg(src);
+        hi = __ldg(src + 1);
+      } else {
+        // Logical columns 16k .. 16k+15 are the swiglu slots of bands 2k and 2k+1: physical
+        // columns 32k + 8 .. 32k + 15 and 32k + 24 .. 32k + 31 of a [rows, 2 cols] row.
+        const __nv_bfloat16* r = x + int64_t(row) * 2 * cols + 32 * k;
+        lo = __ldg(reinterpret_cast<const uint4*>(r + 8));
+        hi = __ldg(reinterpret_cast<const uint4*>(r + 24));
+      }
+      const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      codec::Block16 q = codec::quantize_block16(w, g, six_g);
+      reinterpret_cast<uint2*>(codes + int64_t(row) * (cols / 2))[k] = make_uint2(q.codes_lo, q.codes_hi);
+      scales[codec::swizzled_offset(scale_row, k, k_tiles)] = uint8_t(q.scale);
+    }
+  }
+}
+
+// out[r, 8b + i] = silu(gate) * up with gate = in[r, 16b + i], up = in[r, 16b + 8 + i].
+// One thread per 8 output features: one 16-byte load of gates, one of ups, one 16-byte store.
+__global__ void __launch_bounds__(kThreads) swiglu_bf16_kernel(const __nv_bfloat16* __restrict__ in, int64_t groups,
+                                                               __nv_bfloat16* __restrict__ out) {
+  int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= groups) return;
+  uint4 gv = __ldg(reinterpret_cast<const uint4*>(in) + 2 * i);
+  uint4 uv = __ldg(reinterpret_cast<const uint4*>(in) + 2 * i + 1);
+  const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&gv);
+  const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&uv);
+  uint4 ov;
+  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&ov);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    float2 gf = __bfloat1622float2(gp[j]);
+    float2 uf = __bfloat1622float2(up[j]);
+    op[j] = __floats2bfloat162_rn(gf.x / (1.0f + __expf(-gf.x)) * uf.x, gf.y / (1.0f + __expf(-gf.y)) * uf.y);
+  }
+  reinterpret_cast<uint4*>(out)[i] = ov;
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept {
+  if (rows < 0 || experts <= 0 || cols <= 0 || cols % 16) return 0;
+  int64_t scale_rows = (rows + experts * 127 + 127) / 128 * 128;
+  return size_t(scale_rows) * size_t((cols / 16 + 3) / 4 * 4);
+}
+
+Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexcept {
+  if (a.rows < 0 || a.cols <= 0 || a.cols % 16 || a.experts <= 0 || a.rows > 0x7FFFFFFF || a.cols > (1 << 26)) {
+    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: rows >= 0, experts > 0, cols a positive multiple of 16 "
+                "(rows=%lld cols=%lld experts=%lld)", (long long)a.rows, (long long)a.cols, (long long)a.experts);
+  }
+  if (a.num_decode_scales != 1 && a.num_decode_scales != a.experts) {
+    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: 1 or E decode scales (got %lld)",
+                (long long)a.num_decode_scales);
+  }
+  if (a.source != GroupedSource::kContiguous && a.source != GroupedSource::kInterleavedSwiglu) {
+    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: unknown source %d", int(a.source));
+  }
+  if (!a.x || !a.expert_offsets || !a.decode_scales || !a.codes || !a.scales) {
+    return fail(Status::kNullPointer, "quantize_nvfp4_grouped: null pointer");
+  }
+  if (!aligned(a.x, 16) || !aligned(a.codes, 8)) {
+    return fail(Status::kMisaligned, "quantize_nvfp4_grouped: x must be 16-byte and codes 8-byte aligned");
+  }
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaError_t e = cudaMemsetAsync(a.scales, 0, grouped_scale_bytes(a.rows, a.experts, a.cols), st);
+  if (e != cudaSuccess) {
+    return fail(Status::kCudaError, "quantize_nvfp4_grouped: cudaMemsetAsync: %s", cudaGetErrorString(e));
+  }
+  if (a.rows == 0) return Status::kSuccess;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int64_t want = (a.rows + kThreads / 32 - 1) / (kThreads / 32);
+  unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  auto kernel = a.source == GroupedSource::kContiguous ? quantize_grouped_kernel<GroupedSource::kContiguous>
+                                                       : quantize_grouped_kernel<GroupedSource::kInterleavedSwiglu>;
+  kernel<<<grid, kThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(a.x), int(a.rows), int(a.cols), a.expert_offsets,
+                                    int(a.experts), a.decode_scales, int(a.num_decode_scales),
+                                    static_cast<uint8_t*>(a.codes), static_cast<uint8_t*>(a.scales));
+  return check_launch("quantize_nvfp4_grouped");
+}
+
+Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept {
+  if (rows < 0 || inter <= 0 || inter % 8) {
+    return fail(Status::kInvalidShape, "swiglu_bf16: rows >= 0 and inter a positive multiple of 8");
+  }
+  if (rows == 0) return Status::kSuccess;
+  if (!gate_up || !out) return fail(Status::kNullPointer, "swiglu_bf16: null pointer");
+  if (!aligned(gate_up, 16) || !aligned(out, 16)) return fail(Status::kMisaligned, "swiglu_bf16: 16-byte alignment");
+  int64_t groups = rows * (inter / 8);
+  swiglu_bf16_kernel<<<unsigned((groups + kThreads - 1) / kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(gate_up), groups, static_cast<__nv_bfloat16*>(out));
+  return check_launch("swiglu_bf16");
+}
+
+}  // namespace nvfp4moe
