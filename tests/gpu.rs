@@ -787,23 +787,10 @@ mod swiglu {
             .unwrap();
         GroupedGemm::<PlainBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut plain).unwrap();
         let sl = grouped_scale_len(rows, e, inter);
-        let mut q = [
-            (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl)),
-            (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl)),
-        ];
-        let (a, b) = q.split_at_mut(1);
-        quantize_nvfp4_grouped_into(
-            &s,
-            GroupedSource::Contiguous,
-            &compact,
-            rows,
-            inter,
-            &offd,
-            &gd,
-            &mut a[0].0,
-            &mut a[0].1,
-        )
-        .unwrap();
+        let (mut c1, mut s1) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
+        let (mut c2, mut s2) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
+        quantize_nvfp4_grouped_into(&s, GroupedSource::Contiguous, &compact, rows, inter, &offd, &gd, &mut c1, &mut s1)
+            .unwrap();
         quantize_nvfp4_grouped_into(
             &s,
             GroupedSource::InterleavedSwiglu,
@@ -812,11 +799,11 @@ mod swiglu {
             inter,
             &offd,
             &gd,
-            &mut b[0].0,
-            &mut b[0].1,
+            &mut c2,
+            &mut s2,
         )
         .unwrap();
-        for (name, (x1, x2)) in [("codes", (&q[0].0, &q[1].0)), ("scales", (&q[0].1, &q[1].1))] {
+        for (name, x1, x2) in [("codes", &c1, &c2), ("scales", &s1, &s2)] {
             let (h1, h2) = (s.clone_dtoh(x1).unwrap(), s.clone_dtoh(x2).unwrap());
             assert!(h1 == h2, "{name} differ at {:?}", first_diff(&h1, &h2));
         }
