@@ -7,66 +7,14 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{report, selected, Row, HBM_TBPS};
+use common::{balanced_offsets, device_weights, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS};
 use criterion::{criterion_group, Criterion};
-use cudarc::driver::{sys::CUevent_flags, CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{sys::CUevent_flags, CudaContext};
 use half::bf16;
-use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+use nvfp4_moe::gemm::{GemmTile, GroupedGemm, PlainBf16};
 use nvfp4_moe::rng::Rng;
-
-const BF16_TFLOPS: f64 = 795.0;
-
-struct Preset {
-    name: &'static str,
-    experts: usize,
-    hidden: usize,
-    inter: usize,
-    top_k: usize,
-}
-
-const PRESETS: [Preset; 3] = [
-    Preset { name: "deepseek-v3", experts: 256, hidden: 7168, inter: 2048, top_k: 8 },
-    Preset { name: "qwen3-30b-a3b", experts: 128, hidden: 2048, inter: 768, top_k: 8 },
-    Preset { name: "mixtral-8x7b", experts: 8, hidden: 4096, inter: 14336, top_k: 2 },
-];
-const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
-
-/// Device weights filled by replicating a 64 MiB random block (random enough for timing, and
-/// seconds faster than generating gigabytes on the host); scales are valid E4M3 bytes.
-fn device_weights(s: &Arc<CudaStream>, rng: &mut Rng, experts: usize, n: usize, k: usize) -> Nvfp4Weights {
-    let fill = |len: usize, gen: &mut dyn FnMut() -> u8| -> CudaSlice<u8> {
-        let block = 64 << 20;
-        let host: Vec<u8> = (0..block.min(len)).map(|_| gen()).collect();
-        let src = s.clone_htod(&host).unwrap();
-        let mut dst = unsafe { s.alloc::<u8>(len).unwrap() };
-        let mut off = 0;
-        while off < len {
-            let m = host.len().min(len - off);
-            s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m)).unwrap();
-            off += m;
-        }
-        dst
-    };
-    let mut r1 = Rng::new(rng.next_u64());
-    let mut r2 = Rng::new(rng.next_u64());
-    let codes = fill(experts * n * k / 2, &mut || r1.next_u64() as u8);
-    let scales = fill(experts * n * k / 16, &mut || r2.range(0x20, 0x48) as u8);
-    let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
-    Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k).unwrap()
-}
-
-/// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
-fn balanced_offsets(rows: usize, experts: usize) -> Vec<i32> {
-    let mut off = vec![0i32];
-    for e in 0..experts {
-        let c = rows / experts + usize::from(e < rows % experts);
-        off.push(off.last().unwrap() + c as i32);
-    }
-    off
-}
 
 fn benches(c: &mut Criterion) {
     let ctx = CudaContext::new(0).expect("a CUDA GPU");
@@ -80,7 +28,7 @@ fn benches(c: &mut Criterion) {
             if !TOKENS.iter().any(|t| selected(&format!("{prefix}/T{t}"))) {
                 continue;
             }
-            let w = device_weights(&s, &mut rng, p.experts, n, k);
+            let w = device_weights(&s, &mut rng, p.experts, n, k, false);
             let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
             let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
             let mut out = s.alloc_zeros::<bf16>(max_rows * n).unwrap();

@@ -1,0 +1,141 @@
+//! The first MoE GEMM's epilogue flows, at the L1 shapes (n = 2I, k = H) of deepseek-v3,
+//! qwen3-30b-a3b and mixtral-8x7b, T in {16, 1024, 8192} tokens x top-k rows, balanced routing,
+//! L2 flushed before each timed step:
+//!   a) Interleaved GEMM [rows, 2I] + swiglu_quantize (the old flow)
+//!   b) SwigluBf16 GEMM [rows, I] + quantize_nvfp4_grouped (the target flow, to FP4)
+//!   c) SwigluBf16 alone
+//!   d) plain GEMM [rows, 2I] + a separate SwiGLU kernel (what other libraries do)
+//!   e) plain GEMM alone (the full-width write the compact epilogue is compared with)
+//! The TB/s column counts the activation bytes each flow writes and reads after the GEMM's
+//! inputs (GEMM output written, post-kernel reads and writes); TFLOP/s the GEMM's.
+//!
+//! `cargo bench --bench swiglu [-- FILTER]`, e.g. `-- deepseek-v3/T8192`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{balanced_offsets, device_weights, report, selected, Row, BF16_TFLOPS, PRESETS};
+use criterion::{criterion_group, Criterion};
+use cudarc::driver::{sys::CUevent_flags, CudaContext};
+use half::bf16;
+use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16};
+use nvfp4_moe::layout::grouped_scale_len;
+use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
+use nvfp4_moe::rng::Rng;
+
+const TOKENS: [usize; 3] = [16, 1024, 8192];
+
+fn benches(c: &mut Criterion) {
+    let ctx = CudaContext::new(0).expect("a CUDA GPU");
+    let s = ctx.default_stream();
+    let mut rng = Rng::from_entropy();
+    let mut flush = s.alloc_zeros::<u8>(256 << 20).unwrap();
+    let mut table = Vec::new();
+    for p in &PRESETS {
+        if !TOKENS.iter().any(|t| selected(&format!("{}/T{t}", p.name))) {
+            continue;
+        }
+        let (inter, k, e) = (p.inter, p.hidden, p.experts);
+        let n = 2 * inter;
+        let w = device_weights(&s, &mut rng, e, n, k, true);
+        let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
+        let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
+        let mut wide = s.alloc_zeros::<bf16>(max_rows * n).unwrap();
+        let mut compact = s.alloc_zeros::<bf16>(max_rows * inter).unwrap();
+        let mut codes = s.alloc_zeros::<u8>(max_rows * inter / 2).unwrap();
+        let mut scales = s.alloc_zeros::<u8>(grouped_scale_len(max_rows, e, inter)).unwrap();
+        let act_g = s.clone_htod(&(0..e).map(|_| rng.uniform(1e-2, 1e-1)).collect::<Vec<f32>>()).unwrap();
+        let plain = GroupedGemm::<PlainBf16>::new(&w, GemmTile::Auto).unwrap();
+        let interleaved = GroupedGemm::<Interleaved>::new(&w, GemmTile::Auto).unwrap();
+        let swiglu = GroupedGemm::<SwigluBf16>::new(&w, GemmTile::Auto).unwrap();
+        for &t in &TOKENS {
+            let rows = t * p.top_k;
+            let base = format!("{}/T{t}", p.name);
+            if !selected(&base) {
+                continue;
+            }
+            let off = s.clone_htod(&balanced_offsets(rows, e)).unwrap();
+            let flops = 2.0 * rows as f64 * n as f64 * k as f64;
+            let (wide_b, compact_b, fp4_b) =
+                ((rows * n * 2) as f64, (rows * inter * 2) as f64, (rows * inter) as f64 * 0.5625);
+            // (name, activation bytes written + read after the GEMM inputs)
+            let flows: [(&str, f64); 5] = [
+                ("a_interleaved+swiglu_quantize", wide_b + compact_b + fp4_b),
+                ("b_swiglu_bf16+quantize", compact_b + compact_b + fp4_b),
+                ("c_swiglu_bf16", compact_b),
+                ("d_plain+swiglu_kernel", wide_b + wide_b + compact_b),
+                ("e_plain", wide_b),
+            ];
+            for (fi, (flow, bytes)) in flows.iter().enumerate() {
+                let name = format!("{base}/{flow}");
+                let mut step = || match fi {
+                    0 => {
+                        interleaved.launch(&s, &x, rows, &off, &mut wide).unwrap();
+                        quantize_nvfp4_grouped_into(
+                            &s,
+                            GroupedSource::InterleavedSwiglu,
+                            &wide,
+                            rows,
+                            inter,
+                            &off,
+                            &act_g,
+                            &mut codes,
+                            &mut scales,
+                        )
+                        .unwrap();
+                    }
+                    1 => {
+                        swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap();
+                        quantize_nvfp4_grouped_into(
+                            &s,
+                            GroupedSource::Contiguous,
+                            &compact,
+                            rows,
+                            inter,
+                            &off,
+                            &act_g,
+                            &mut codes,
+                            &mut scales,
+                        )
+                        .unwrap();
+                    }
+                    2 => swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap(),
+                    3 => {
+                        plain.launch(&s, &x, rows, &off, &mut wide).unwrap();
+                        swiglu_bf16_into(&s, &wide, rows, inter, &mut compact).unwrap();
+                    }
+                    _ => plain.launch(&s, &x, rows, &off, &mut wide).unwrap(),
+                };
+                let mut once = || -> f64 {
+                    s.memset_zeros(&mut flush).unwrap();
+                    let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    step();
+                    let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                    b.synchronize().unwrap();
+                    f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
+                };
+                let mut grp = c.benchmark_group("swiglu");
+                grp.bench_function(&name, |bch| {
+                    bch.iter_custom(|iters| Duration::from_secs_f64((0..iters).map(|_| once()).sum::<f64>() * 1e-6))
+                });
+                grp.finish();
+                let mut v: Vec<f64> = (0..21).map(|_| once()).collect();
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                table.push(Row { name, us: v[10], bytes: *bytes, flops, floor_us: flops / (BF16_TFLOPS * 1e12) * 1e6 });
+            }
+        }
+    }
+    report("swiglu", &table);
+}
+
+criterion_group! {
+    name = group;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_millis(800))
+        .sample_size(10)
+        .without_plots();
+    targets = benches
+}
+criterion::criterion_main!(group);
