@@ -82,6 +82,23 @@ fn make_data(rng: &mut Rng, kind: Data, rows: usize, cols: usize, g: f32) -> Vec
     }
 }
 
+/// Relative Frobenius error ||got - want|| / ||want|| accumulated over samples.
+#[derive(Default)]
+struct RelErr {
+    num: f64,
+    den: f64,
+}
+
+impl RelErr {
+    fn add(&mut self, got: f64, want: f64) {
+        self.num += (got - want) * (got - want);
+        self.den += want * want;
+    }
+    fn rel(&self) -> f64 {
+        (self.num / self.den.max(1e-300)).sqrt()
+    }
+}
+
 fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, u8, u8)> {
     a.iter().zip(b).enumerate().find(|(_, (x, y))| x != y).map(|(i, (x, y))| (i, *x, *y))
 }
@@ -410,23 +427,21 @@ mod gemm {
                             assert_eq!(written, i / n < rows, "element {i} (row {}) written={written}: {ctx}", i / n);
                         }
                         // Relative Frobenius error per expert on sampled elements.
-                        let mut num = vec![0f64; e];
-                        let mut den = vec![0f64; e];
                         let samples = (4000 / e.max(1)).clamp(24, 400);
                         for ex in 0..e {
                             let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
                             if b == end {
                                 continue;
                             }
+                            let mut err = RelErr::default();
                             for _ in 0..samples {
                                 let row = rng.range(b, end);
                                 let f = rng.range(0, n);
                                 let want = grouped_gemm_element(&x, &w, ex, row, f);
                                 let got = f64::from(out[row * n + f].to_f32());
-                                num[ex] += (got - want) * (got - want);
-                                den[ex] += want * want;
+                                err.add(got, want);
                             }
-                            let rel = (num[ex] / den[ex].max(1e-300)).sqrt();
+                            let rel = err.rel();
                             assert!(rel <= 1e-2, "expert {ex}: relative error {rel:.3e} > 1e-2: {ctx}");
                             assert_eq!(expert_of(&off, b), ex);
                         }
@@ -527,7 +542,7 @@ mod gemm {
                 if b == end {
                     continue;
                 }
-                let (mut num, mut den) = (0f64, 0f64);
+                let mut err = RelErr::default();
                 for _ in 0..300 {
                     let row = rng.range(b, end);
                     let p = rng.range(0, n);
@@ -536,11 +551,9 @@ mod gemm {
                     let dot: f64 =
                         (0..k).map(|kk| f64::from(x[row * k + kk].to_f32()) * f64::from(w.weight(ex, src, kk))).sum();
                     let want = dot * f64::from(g);
-                    let got = f64::from(out[row * n + p].to_f32());
-                    num += (got - want) * (got - want);
-                    den += want * want;
+                    err.add(f64::from(out[row * n + p].to_f32()), want);
                 }
-                let rel = (num / den.max(1e-300)).sqrt();
+                let rel = err.rel();
                 assert!(rel <= 1e-2, "expert {ex}: {rel:.3e} {tile:?}");
             }
         }
@@ -678,19 +691,16 @@ mod swiglu {
                     if b == end {
                         continue;
                     }
-                    let (mut num, mut den, mut gnum, mut gden) = (0f64, 0f64, 0f64, 0f64);
+                    let (mut sw_err, mut gate_err) = (RelErr::default(), RelErr::default());
                     for _ in 0..200 {
                         let row = rng.range(b, end);
                         let f = rng.range(0, inter);
                         let (gate, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
                         let got = f64::from(compact[row * inter + f].to_f32());
-                        num += (got - want) * (got - want);
-                        den += want * want;
-                        let got_gate = f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32());
-                        gnum += (got_gate - gate) * (got_gate - gate);
-                        gden += gate * gate;
+                        sw_err.add(got, want);
+                        gate_err.add(f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32()), gate);
                     }
-                    let (rel, grel) = ((num / den.max(1e-300)).sqrt(), (gnum / gden.max(1e-300)).sqrt());
+                    let (rel, grel) = (sw_err.rel(), gate_err.rel());
                     assert!(rel <= 1e-2, "expert {ex}: swiglu relative error {rel:.3e}: {ctx}");
                     assert!(grel <= 1e-2, "expert {ex}: gate relative error {grel:.3e}: {ctx}");
                 }
@@ -811,7 +821,7 @@ mod swiglu {
         let mut sep = s.alloc_zeros::<bf16>(rows * inter).unwrap();
         swiglu_bf16_into(&s, &plain, rows, inter, &mut sep).unwrap();
         let sep = s.clone_dtoh(&sep).unwrap();
-        let (mut num, mut den) = (0f64, 0f64);
+        let mut err = RelErr::default();
         for _ in 0..2000 {
             let row = rng.range(0, rows.max(1));
             if rows == 0 {
@@ -820,11 +830,9 @@ mod swiglu {
             let ex = off.partition_point(|&o| o as usize <= row) - 1;
             let f = rng.range(0, inter);
             let (_, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
-            let got = f64::from(sep[row * inter + f].to_f32());
-            num += (got - want) * (got - want);
-            den += want * want;
+            err.add(f64::from(sep[row * inter + f].to_f32()), want);
         }
-        let rel = (num / den.max(1e-300)).sqrt();
+        let rel = err.rel();
         assert!(rel <= 1e-2, "separate swiglu relative error {rel:.3e}");
     }
 
