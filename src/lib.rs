@@ -30,6 +30,7 @@ pub mod layout;
 pub mod reference;
 pub mod rng;
 
+pub mod checkpoint;
 mod checks;
 mod ffi;
 pub mod gemm;
