@@ -29,6 +29,7 @@ pub mod format;
 pub mod layout;
 pub mod reference;
 pub mod rng;
+pub mod routing;
 
 pub mod checkpoint;
 mod checks;
