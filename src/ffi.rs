@@ -44,6 +44,23 @@ pub(crate) mod raw {
         stream: u64,
     }
 
+    /// Arguments of `permute_and_gather`.
+    struct PermuteParams {
+        topk_ids: u64,
+        tokens: i64,
+        top_k: i64,
+        experts: i64,
+        hidden: u64,
+        hidden_size: i64,
+        expert_offsets: u64,
+        row_of_pair: u64,
+        pair_of_row: u64,
+        x_perm: u64,
+        error: u64,
+        workspace: u64,
+        stream: u64,
+    }
+
     /// What the core was built with and what it finds at run time.
     struct CoreBuildInfo {
         cuda_version: i32,
@@ -113,6 +130,40 @@ pub(crate) mod raw {
         /// `gate_up` holds rows x 2 inter bf16 and `out` rows x inter bf16, on the stream's device.
         unsafe fn swiglu_bf16(gate_up: u64, rows: i64, inter: i64, out: u64, stream: u64) -> Result<()>;
 
+        /// # Safety
+        /// `logits` holds tokens x experts f32, `ids` and `weights` tokens x top_k, on the device.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn softmax_topk(
+            logits: u64,
+            tokens: i64,
+            experts: i64,
+            top_k: i64,
+            renormalize: bool,
+            ids: u64,
+            weights: u64,
+            stream: u64,
+        ) -> Result<()>;
+
+        /// # Safety
+        /// Every pointer must be a live device allocation of the size the arguments imply.
+        unsafe fn permute_and_gather(p: &PermuteParams) -> Result<()>;
+
+        /// # Safety
+        /// `y` holds (tokens x top_k) x hidden bf16, `row_of_pair` and `weights` tokens x top_k,
+        /// `out` tokens x hidden bf16, on the device.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn combine(
+            y: u64,
+            row_of_pair: u64,
+            weights: u64,
+            tokens: i64,
+            top_k: i64,
+            hidden_size: i64,
+            out: u64,
+            stream: u64,
+        ) -> Result<()>;
+
+        fn core_permute_workspace_bytes(pairs: i64, experts: i64) -> u64;
         fn core_grouped_scale_bytes(rows: i64, experts: i64, cols: i64) -> u64;
         fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
         fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;

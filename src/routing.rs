@@ -7,14 +7,21 @@
 //!   `(t, j)` (flattened `t * k + j`) goes before every later pair of the same expert;
 //! - combine sums `topk_weights[t, j] * y[pos(t, j)]` over `j = 0..k` in that order.
 
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
+use crate::ffi::raw;
 use crate::reference::ExpertWeightsHost;
 
 /// Softmax over each token's `experts` router logits (FP32, max-subtracted), then the `top_k`
-/// largest probabilities (ties: lower expert id first). With `renormalize` the k weights are
-/// divided by their sum. Returns `(topk_ids [T, k], topk_weights [T, k])`.
+/// largest probabilities. The experts are chosen by comparing the logits themselves (softmax is
+/// monotonic), so the choice is exact and identical on every device; ties go to the lower expert
+/// id. With `renormalize` the k weights are divided by their sum. Returns
+/// `(topk_ids [T, k], topk_weights [T, k])`.
 pub fn softmax_topk(
     logits: &[f32],
     tokens: usize,
@@ -39,8 +46,8 @@ pub fn softmax_topk(
         let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
         let sum: f32 = exps.iter().sum();
         let mut order: Vec<usize> = (0..experts).collect();
-        // Stable sort by descending probability keeps the lower id first among ties.
-        order.sort_by(|&a, &b| exps[b].partial_cmp(&exps[a]).unwrap_or(std::cmp::Ordering::Equal));
+        // Stable sort by descending logit keeps the lower id first among ties.
+        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap_or(std::cmp::Ordering::Equal));
         let chosen = &order[..top_k];
         let probs: Vec<f32> = chosen.iter().map(|&e| exps[e] / sum).collect();
         let norm: f32 = if renormalize { probs.iter().sum() } else { 1.0 };
@@ -174,6 +181,206 @@ pub fn moe_layer(
         }
     }
     Ok(combine(&y, h, &perm, topk_weights, top_k))
+}
+
+// ------------------------------------------------------------------------------------------------
+// Device side
+
+/// Softmax top-k routing on the device: `logits` f32 `[tokens, experts]` -> `ids` i32 and
+/// `weights` f32 `[tokens, top_k]`, choosing as [`softmax_topk`] does (ids identical, weights to
+/// FP32 rounding). `1 <= top_k <= min(experts, 32)`, `experts <= 1024`.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMut<f32>>(
+    stream: &CudaStream,
+    logits: &L,
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+    ids: &mut I,
+    weights: &mut W,
+) -> Result<()> {
+    if experts == 0 || experts > 1024 || top_k == 0 || top_k > experts.min(32) {
+        return Err(Error::InvalidShape(format!(
+            "need 1 <= top_k ({top_k}) <= min(experts ({experts}), 32), experts <= 1024"
+        )));
+    }
+    let (l_len, i_len, w_len) = (logits.len(), ids.len(), weights.len());
+    let (l_ptr, _gl) = logits.device_ptr(stream);
+    let (i_ptr, _gi) = ids.device_ptr_mut(stream);
+    let (w_ptr, _gw) = weights.device_ptr_mut(stream);
+    check_len("router_logits", l_len, tokens * experts)?;
+    check_len("topk_ids", i_len, tokens * top_k)?;
+    check_len("topk_weights", w_len, tokens * top_k)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    // SAFETY: lengths checked above.
+    unsafe {
+        raw::softmax_topk(
+            l_ptr,
+            tokens as i64,
+            experts as i64,
+            top_k as i64,
+            renormalize,
+            i_ptr,
+            w_ptr,
+            stream_handle(stream)?,
+        )?
+    };
+    Ok(())
+}
+
+/// Device buffers of the permutation for up to `max_pairs` (token, slot) pairs: sized once, reused
+/// by every forward (no allocation inside a forward).
+pub struct PermuteBuffers {
+    /// i32 `[E + 1]`.
+    pub expert_offsets: CudaSlice<i32>,
+    /// i32 `[max_pairs]`: the permuted row of each pair (-1 for a pair with a bad id).
+    pub row_of_pair: CudaSlice<i32>,
+    /// i32 `[max_pairs]`: the pair at each permuted row.
+    pub pair_of_row: CudaSlice<i32>,
+    /// bf16 `[max_pairs, hidden]`: the hidden rows in permuted order.
+    pub x_perm: CudaSlice<bf16>,
+    error: CudaSlice<u64>,
+    workspace: CudaSlice<u8>,
+    max_pairs: usize,
+    experts: usize,
+    hidden: usize,
+}
+
+impl PermuteBuffers {
+    pub fn new(stream: &Arc<CudaStream>, max_pairs: usize, experts: usize, hidden: usize) -> Result<Self> {
+        if experts == 0 || experts > 1024 || hidden == 0 || !hidden.is_multiple_of(8) {
+            return Err(Error::InvalidShape(format!(
+                "need 0 < experts ({experts}) <= 1024 and hidden ({hidden}) a positive multiple of 8"
+            )));
+        }
+        let ws = raw::core_permute_workspace_bytes(max_pairs as i64, experts as i64) as usize;
+        Ok(PermuteBuffers {
+            expert_offsets: stream.alloc_zeros::<i32>(experts + 1)?,
+            row_of_pair: stream.alloc_zeros::<i32>(max_pairs.max(1))?,
+            pair_of_row: stream.alloc_zeros::<i32>(max_pairs.max(1))?,
+            x_perm: stream.alloc_zeros::<bf16>((max_pairs * hidden).max(1))?,
+            error: stream.clone_htod(&[u64::MAX])?,
+            workspace: stream.alloc_zeros::<u8>(ws.max(4))?,
+            max_pairs,
+            experts,
+            hidden,
+        })
+    }
+
+    /// Sorts the pairs of `topk_ids` (i32 `[tokens, top_k]`) by expert (stable) and gathers the
+    /// rows of `hidden` (bf16 `[tokens, hidden]`) into [`Self::x_perm`]. Ids outside `[0, E)` are
+    /// left out and the first one is recorded for [`Self::check`]. No host synchronization.
+    pub fn permute<I: DevicePtr<i32>, H: DevicePtr<bf16>>(
+        &mut self,
+        stream: &CudaStream,
+        topk_ids: &I,
+        tokens: usize,
+        top_k: usize,
+        hidden: &H,
+    ) -> Result<()> {
+        let pairs = tokens * top_k;
+        if top_k == 0 || pairs > self.max_pairs {
+            return Err(Error::InvalidShape(format!(
+                "{tokens} tokens x top_k {top_k} = {pairs} pairs exceeds the {} these buffers hold",
+                self.max_pairs
+            )));
+        }
+        let (i_len, h_len) = (topk_ids.len(), hidden.len());
+        check_len("topk_ids", i_len, pairs)?;
+        check_len("hidden", h_len, tokens * self.hidden)?;
+        let (i_ptr, _gi) = topk_ids.device_ptr(stream);
+        let (h_ptr, _gh) = hidden.device_ptr(stream);
+        if tokens > 0 {
+            check_align("hidden", h_ptr, 16)?;
+        }
+        let (o_ptr, _go) = self.expert_offsets.device_ptr_mut(stream);
+        let (r_ptr, _gr) = self.row_of_pair.device_ptr_mut(stream);
+        let (p_ptr, _gp) = self.pair_of_row.device_ptr_mut(stream);
+        let (x_ptr, _gx) = self.x_perm.device_ptr_mut(stream);
+        let (e_ptr, _ge) = self.error.device_ptr_mut(stream);
+        let (w_ptr, _gw) = self.workspace.device_ptr_mut(stream);
+        let p = raw::PermuteParams {
+            topk_ids: i_ptr,
+            tokens: tokens as i64,
+            top_k: top_k as i64,
+            experts: self.experts as i64,
+            hidden: h_ptr,
+            hidden_size: self.hidden as i64,
+            expert_offsets: o_ptr,
+            row_of_pair: r_ptr,
+            pair_of_row: p_ptr,
+            x_perm: x_ptr,
+            error: e_ptr,
+            workspace: w_ptr,
+            stream: stream_handle(stream)?,
+        };
+        // SAFETY: every buffer holds max_pairs >= pairs entries (checked); inputs checked above.
+        unsafe { raw::permute_and_gather(&p)? };
+        Ok(())
+    }
+
+    /// Synchronizes `stream` and reports the first bad expert id a [`Self::permute`] met since the
+    /// last check (then clears it): `Error::Invalid` naming the token, slot and id.
+    pub fn check(&mut self, stream: &Arc<CudaStream>, top_k: usize) -> Result<()> {
+        let word = stream.clone_dtoh(&self.error)?[0];
+        if word == u64::MAX {
+            return Ok(());
+        }
+        stream.memcpy_htod(&[u64::MAX], &mut self.error)?;
+        let (pair, id) = ((word >> 32) as usize, word as u32 as i32);
+        Err(Error::Invalid(format!(
+            "topk_ids[{}, {}] = {id} is not an expert id in [0, {}): that slot was routed nowhere",
+            pair / top_k.max(1),
+            pair % top_k.max(1),
+            self.experts
+        )))
+    }
+}
+
+/// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair[t, j]]` (j in order, FP32, bad slots
+/// skipped) rounded to bf16 `[tokens, hidden]`: bit-identical across runs.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_into<Y, R, W, O>(
+    stream: &CudaStream,
+    y: &Y,
+    row_of_pair: &R,
+    topk_weights: &W,
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+    out: &mut O,
+) -> Result<()>
+where
+    Y: DevicePtr<bf16>,
+    R: DevicePtr<i32>,
+    W: DevicePtr<f32>,
+    O: DevicePtrMut<bf16>,
+{
+    if top_k == 0 || hidden == 0 || !hidden.is_multiple_of(8) {
+        return Err(Error::InvalidShape(format!("need top_k > 0 and hidden ({hidden}) a positive multiple of 8")));
+    }
+    let (y_len, r_len, w_len, o_len) = (y.len(), row_of_pair.len(), topk_weights.len(), out.len());
+    check_len("y", y_len, tokens * top_k * hidden)?;
+    check_len("row_of_pair", r_len, tokens * top_k)?;
+    check_len("topk_weights", w_len, tokens * top_k)?;
+    check_len("out", o_len, tokens * hidden)?;
+    let (y_ptr, _gy) = y.device_ptr(stream);
+    let (r_ptr, _gr) = row_of_pair.device_ptr(stream);
+    let (w_ptr, _gw) = topk_weights.device_ptr(stream);
+    let (o_ptr, _go) = out.device_ptr_mut(stream);
+    if tokens == 0 {
+        return Ok(());
+    }
+    check_align("y", y_ptr, 16)?;
+    check_align("out", o_ptr, 16)?;
+    // SAFETY: lengths and alignment checked; the kernel skips rows outside [0, tokens * top_k).
+    unsafe {
+        raw::combine(y_ptr, r_ptr, w_ptr, tokens as i64, top_k as i64, hidden as i64, o_ptr, stream_handle(stream)?)?
+    };
+    Ok(())
 }
 
 #[cfg(test)]

@@ -847,3 +847,113 @@ mod swiglu {
         assert!(GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto).is_err());
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// Routing, permutation, combine (issue 5)
+
+mod routing {
+    use super::*;
+    use nvfp4_moe::routing::{self as r, combine_into, softmax_topk_into, PermuteBuffers};
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn softmax_topk_matches_reference() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        for &(t, e, k, renorm) in
+            &[(1usize, 8usize, 2usize, true), (300, 128, 8, false), (1000, 256, 8, true), (7, 1024, 32, true)]
+        {
+            let seed = rng.seed();
+            let logits: Vec<f32> = (0..t * e).map(|_| rng.normal() * 2.0).collect();
+            let (want_ids, want_w) = r::softmax_topk(&logits, t, e, k, renorm).unwrap();
+            let ld = s.clone_htod(&logits).unwrap();
+            let mut ids = s.alloc_zeros::<i32>(t * k).unwrap();
+            let mut w = s.alloc_zeros::<f32>(t * k).unwrap();
+            softmax_topk_into(&s, &ld, t, e, k, renorm, &mut ids, &mut w).unwrap();
+            assert_eq!(s.clone_dtoh(&ids).unwrap(), want_ids, "t={t} e={e} k={k} seed={seed}");
+            for (g, x) in s.clone_dtoh(&w).unwrap().iter().zip(&want_w) {
+                assert!((g - x).abs() <= 1e-5 * x.abs().max(1e-3), "{g} vs {x}: t={t} e={e} k={k} seed={seed}");
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn permutation_and_gather_match_reference() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        for &(t, k, e, h) in &[
+            (1usize, 1usize, 4usize, 64usize),
+            (3, 2, 16, 128),
+            (300, 8, 128, 256),
+            (3000, 8, 256, 64),
+            (500, 2, 8, 4096),
+        ] {
+            let seed = rng.seed();
+            // Skewed routing: a few hot experts, many empty ones.
+            let ids: Vec<i32> = (0..t * k)
+                .map(|_| if rng.below(3) == 0 { rng.below(e as u64) as i32 } else { rng.below(3) as i32 })
+                .collect();
+            let hidden = rng.normal_bf16(t * h, 1.0);
+            let want = r::permute(&ids, k, e).unwrap();
+            let want_x = r::gather_rows(&hidden, h, &want, k);
+            let mut buf = PermuteBuffers::new(&s, t * k + 5, e, h).unwrap();
+            let (idd, hd) = (s.clone_htod(&ids).unwrap(), s.clone_htod(&hidden).unwrap());
+            buf.permute(&s, &idd, t, k, &hd).unwrap();
+            buf.check(&s, k).unwrap();
+            let ctx = format!("t={t} k={k} e={e} seed={seed}");
+            assert_eq!(s.clone_dtoh(&buf.expert_offsets).unwrap(), want.expert_offsets, "{ctx}");
+            assert_eq!(&s.clone_dtoh(&buf.row_of_pair).unwrap()[..t * k], &want.row_of_pair[..], "{ctx}");
+            assert_eq!(&s.clone_dtoh(&buf.pair_of_row).unwrap()[..t * k], &want.pair_of_row[..], "{ctx}");
+            let x = s.clone_dtoh(&buf.x_perm).unwrap();
+            assert!(x[..t * k * h].iter().zip(&want_x).all(|(a, b)| a.to_bits() == b.to_bits()), "{ctx}");
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn bad_expert_ids_are_reported_not_used() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (t, k, e, h) = (50usize, 4usize, 8usize, 64usize);
+        let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
+        ids[37] = 9;
+        ids[120] = -3;
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        let mut buf = PermuteBuffers::new(&s, t * k, e, h).unwrap();
+        buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
+        let msg = buf.check(&s, k).unwrap_err().to_string();
+        assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}");
+        assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check");
+        let rows = s.clone_dtoh(&buf.row_of_pair).unwrap();
+        assert_eq!(rows[37], -1);
+        assert_eq!(rows[120], -1);
+        assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2);
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn combine_matches_reference_and_is_deterministic() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (t, k, e, h) = (333usize, 8usize, 64usize, 1024usize);
+        let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
+        let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.0, 1.0)).collect();
+        let perm = r::permute(&ids, k, e).unwrap();
+        let y = rng.normal_bf16(t * k * h, 1.0);
+        let want = r::combine(&y.iter().map(|v| f64::from(v.to_f32())).collect::<Vec<_>>(), h, &perm, &w, k);
+        let (yd, rd, wd) =
+            (s.clone_htod(&y).unwrap(), s.clone_htod(&perm.row_of_pair).unwrap(), s.clone_htod(&w).unwrap());
+        let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
+        combine_into(&s, &yd, &rd, &wd, t, k, h, &mut out).unwrap();
+        let a = s.clone_dtoh(&out).unwrap();
+        combine_into(&s, &yd, &rd, &wd, t, k, h, &mut out).unwrap();
+        let b = s.clone_dtoh(&out).unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        let mut err = RelErr::default();
+        for (g, x) in a.iter().zip(&want) {
+            err.add(f64::from(g.to_f32()), *x);
+        }
+        assert!(err.rel() <= 5e-3, "combine relative error {:.3e}", err.rel());
+    }
+}

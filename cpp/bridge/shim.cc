@@ -96,6 +96,39 @@ void swiglu_bf16(uint64_t gate_up, int64_t rows, int64_t inter, uint64_t out, ui
   throw_on_error(nvfp4moe::swiglu_bf16(dptr(gate_up), rows, inter, dptr_mut(out), stream_ptr(stream)));
 }
 
+void softmax_topk(uint64_t logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, uint64_t ids,
+                  uint64_t weights, uint64_t stream) {
+  throw_on_error(nvfp4moe::softmax_topk(static_cast<const float*>(dptr(logits)), tokens, experts, top_k, renormalize,
+                                        static_cast<int*>(dptr_mut(ids)), static_cast<float*>(dptr_mut(weights)),
+                                        stream_ptr(stream)));
+}
+
+void permute_and_gather(const PermuteParams& p) {
+  PermuteArgs a;
+  a.topk_ids = static_cast<const int*>(dptr(p.topk_ids));
+  a.tokens = p.tokens;
+  a.top_k = p.top_k;
+  a.experts = p.experts;
+  a.hidden = dptr(p.hidden);
+  a.hidden_size = p.hidden_size;
+  a.expert_offsets = static_cast<int*>(dptr_mut(p.expert_offsets));
+  a.row_of_pair = static_cast<int*>(dptr_mut(p.row_of_pair));
+  a.pair_of_row = static_cast<int*>(dptr_mut(p.pair_of_row));
+  a.x_perm = dptr_mut(p.x_perm);
+  a.error = static_cast<unsigned long long*>(dptr_mut(p.error));
+  a.workspace = dptr_mut(p.workspace);
+  throw_on_error(nvfp4moe::permute_and_gather(a, stream_ptr(p.stream)));
+}
+
+void combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t tokens, int64_t top_k, int64_t hidden_size,
+             uint64_t out, uint64_t stream) {
+  throw_on_error(nvfp4moe::combine(dptr(y), static_cast<const int*>(dptr(row_of_pair)),
+                                   static_cast<const float*>(dptr(weights)), tokens, top_k, hidden_size, dptr_mut(out),
+                                   stream_ptr(stream)));
+}
+
+uint64_t core_permute_workspace_bytes(int64_t pairs, int64_t experts) { return permute_workspace_bytes(pairs, experts); }
+
 uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) {
   return grouped_scale_bytes(rows, experts, cols);
 }

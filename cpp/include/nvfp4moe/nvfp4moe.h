@@ -113,6 +113,41 @@ Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& args, void* stream) noe
 // computed in FP32 from the BF16 inputs.
 Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept;
 
+// ---------------------------------------------------------------------------------------------
+// MoE routing, permutation and combine (device-side; no host synchronization).
+
+// Softmax top-k over router logits f32 [tokens, experts]: experts chosen by comparing the logits
+// (ties: the lower id), weights = their softmax probabilities, divided by their sum when
+// `renormalize`. 1 <= top_k <= min(experts, 32), experts <= 1024.
+Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                    int* topk_ids, float* topk_weights, void* stream) noexcept;
+
+// Scratch bytes of permute_and_gather for `pairs` = tokens x top_k pairs.
+size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept;
+
+struct PermuteArgs {
+  const int* topk_ids = nullptr;      // device i32 [tokens, top_k]
+  int64_t tokens = 0, top_k = 0, experts = 0;
+  const void* hidden = nullptr;       // bf16 [tokens, hidden_size], 16-byte aligned
+  int64_t hidden_size = 0;            // multiple of 8
+  int* expert_offsets = nullptr;      // out: i32 [E+1]
+  int* row_of_pair = nullptr;         // out: i32 [pairs]: permuted row of each pair, -1 if its id is bad
+  int* pair_of_row = nullptr;         // out: i32 [pairs]: the pair at each permuted row
+  void* x_perm = nullptr;             // out: bf16 [pairs, hidden_size]: hidden rows in permuted order
+  // Device u64, initialised by the caller to ~0: a pair whose id is outside [0, E) is left out of
+  // the permutation and the smallest (pair index << 32 | id) of them is recorded here.
+  unsigned long long* error = nullptr;
+  void* workspace = nullptr;          // permute_workspace_bytes(pairs, experts)
+};
+// The stable counting sort of the (token, slot) pairs by expert (deterministic: pair t*k + j goes
+// before every later pair of its expert), and the gather of the hidden rows.
+Status permute_and_gather(const PermuteArgs& args, void* stream) noexcept;
+
+// out[t] = sum over j = 0..k-1 (in order, FP32) of topk_weights[t, j] * y[row_of_pair[t, j]]
+// (pairs with row -1 skipped), rounded to bf16: bit-identical across runs.
+Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+               int64_t hidden_size, void* out, void* stream) noexcept;
+
 // What this core was built with.
 struct BuildInfo {
   int cuda_version;          // CUDART_VERSION at build time, e.g. 13000

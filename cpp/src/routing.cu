@@ -1,0 +1,270 @@
+// MoE routing (softmax top-k), the stable permutation of (token, slot) pairs by expert, the
+// gather of hidden rows, and the deterministic combine. Everything runs on the device with no
+// host synchronization; the permutation is deterministic (no atomics decide any order).
+//
+// Permutation in three launches over chunks of 1024 pairs:
+//   count:   per chunk, a shared-memory histogram of expert ids -> counts (chunks, E)
+//   scan:    one CTA: per expert, an exclusive scan over chunks, then over experts -> offsets
+//   scatter: per chunk, each warp ranks its lanes within equal ids (match_any), and the 32 warps
+//            claim their ids' slots in warp order, so pair i precedes every later pair of its id.
+#include "nvfp4moe/nvfp4moe.h"
+#include "status.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <cutlass/cutlass.h>
+
+#include <cfloat>
+
+namespace nvfp4moe {
+namespace {
+
+constexpr int kChunk = 1024;
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxTopK = 32;
+
+CUTLASS_DEVICE bool better(float v, int id, float v2, int id2) { return v > v2 || (v == v2 && id < id2); }
+
+// One warp per token.
+__global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
+                                    bool renormalize, int* __restrict__ ids, float* __restrict__ weights) {
+  __shared__ unsigned char chosen[8][kMaxExperts];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * 8 + warp;
+  if (t >= tokens) return;
+  const float* row = logits + int64_t(t) * experts;
+  float mx = -FLT_MAX;
+  for (int e = lane; e < experts; e += 32) {
+    chosen[warp][e] = 0;
+    float v = row[e];
+    mx = fmaxf(mx, v != v ? -FLT_MAX : v);
+  }
+  for (int d = 16; d > 0; d /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, d));
+  float sum = 0.0f;
+  for (int e = lane; e < experts; e += 32) {
+    float v = row[e];
+    sum += v != v ? 0.0f : __expf(v - mx);
+  }
+  for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
+  __syncwarp();
+  float picked = 0.0f, total = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    float bv = -FLT_MAX;
+    int bid = 0x7FFFFFFF;
+    for (int e = lane; e < experts; e += 32) {
+      float v = row[e];
+      v = v != v ? -FLT_MAX : v;  // NaN logits rank last
+      if (!chosen[warp][e] && better(v, e, bv, bid)) {
+        bv = v;
+        bid = e;
+      }
+    }
+    for (int d = 16; d > 0; d /= 2) {
+      float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, d);
+      int oid = __shfl_xor_sync(0xFFFFFFFFu, bid, d);
+      if (better(ov, oid, bv, bid)) {
+        bv = ov;
+        bid = oid;
+      }
+    }
+    if (lane == 0) chosen[warp][bid] = 1;
+    __syncwarp();
+    float p = __expf(bv - mx) / sum;
+    if (lane == j) picked = p;
+    if (lane == 0) ids[int64_t(t) * top_k + j] = bid;
+    total += p;
+  }
+  if (lane < top_k) weights[int64_t(t) * top_k + lane] = renormalize ? picked / total : picked;
+}
+
+__global__ void count_kernel(const int* __restrict__ ids, int pairs, int experts, int* __restrict__ counts,
+                             unsigned long long* __restrict__ error) {
+  __shared__ int hist[kMaxExperts];
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int i = blockIdx.x * kChunk + threadIdx.x; i < min(pairs, (blockIdx.x + 1) * kChunk); i += blockDim.x) {
+    int id = ids[i];
+    if (id >= 0 && id < experts) {
+      atomicAdd(&hist[id], 1);
+    } else {
+      atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(id));
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[int64_t(blockIdx.x) * experts + e] = hist[e];
+}
+
+// One CTA of 1024 threads: counts (chunks, E) -> per-chunk bases (in place) and offsets [E+1].
+__global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, int chunks, int experts,
+                                                    int* __restrict__ offsets) {
+  __shared__ int total[kMaxExperts];
+  const int e = threadIdx.x;
+  int run = 0;
+  if (e < experts) {
+    for (int c = 0; c < chunks; ++c) {
+      int v = counts[int64_t(c) * experts + e];
+      counts[int64_t(c) * experts + e] = run;
+      run += v;
+    }
+  }
+  total[e] = e < experts ? run : 0;
+  __syncthreads();
+  // Inclusive Hillis-Steele scan over the 1024 slots.
+  for (int d = 1; d < kMaxExperts; d *= 2) {
+    int v = e >= d ? total[e - d] : 0;
+    __syncthreads();
+    total[e] += v;
+    __syncthreads();
+  }
+  int base = total[e] - run;  // exclusive
+  if (e < experts) {
+    offsets[e] = base;
+    for (int c = 0; c < chunks; ++c) counts[int64_t(c) * experts + e] += base;
+  }
+  if (e == experts - 1) offsets[experts] = total[e];
+}
+
+// One CTA of 1024 threads per chunk.
+__global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, int experts,
+                                                       const int* __restrict__ bases, int* __restrict__ row_of_pair,
+                                                       int* __restrict__ pair_of_row) {
+  __shared__ int next[kMaxExperts];
+  __shared__ int claimed[1024];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int e = threadIdx.x; e < experts; e += 1024) next[e] = bases[int64_t(blockIdx.x) * experts + e];
+  const int i = blockIdx.x * kChunk + threadIdx.x;
+  int id = i < pairs ? ids[i] : -1;
+  if (id >= experts) id = -1;
+  const unsigned peers = __match_any_sync(0xFFFFFFFFu, id);
+  const int leader = __ffs(peers) - 1;
+  const int rank = __popc(peers & ((1u << lane) - 1));
+  __syncthreads();
+  for (int w = 0; w < 32; ++w) {
+    if (warp == w && id >= 0 && lane == leader) {
+      claimed[threadIdx.x] = next[id];
+      next[id] += __popc(peers);
+    }
+    __syncthreads();
+  }
+  if (i < pairs) {
+    if (id >= 0) {
+      int row = claimed[warp * 32 + leader] + rank;
+      row_of_pair[i] = row;
+      pair_of_row[row] = i;
+    } else {
+      row_of_pair[i] = -1;
+    }
+  }
+}
+
+// One CTA per permuted row: copy the token's hidden row.
+__global__ void gather_kernel(const __nv_bfloat16* __restrict__ hidden, int64_t vecs_per_row, int top_k,
+                              const int* __restrict__ offsets, int experts, const int* __restrict__ pair_of_row,
+                              __nv_bfloat16* __restrict__ x_perm) {
+  const int r = blockIdx.x;
+  if (r >= offsets[experts]) return;
+  const int64_t t = pair_of_row[r] / top_k;
+  const uint4* src = reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row;
+  uint4* dst = reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row;
+  for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) dst[v] = __ldg(src + v);
+}
+
+// One CTA per token, 8 bf16 per thread-step, FP32 accumulation in slot order.
+__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, int64_t y_rows, const int* __restrict__ row_of_pair,
+                               const float* __restrict__ w, int top_k, int64_t vecs_per_row,
+                               __nv_bfloat16* __restrict__ out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < top_k; ++j) {
+      int row = row_of_pair[t * top_k + j];
+      if (row < 0 || int64_t(row) >= y_rows) continue;  // bad slots (and any foreign index) skipped
+      float wj = w[t * top_k + j];
+      uint4 q = __ldg(reinterpret_cast<const uint4*>(y) + int64_t(row) * vecs_per_row + v);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
+      CUTLASS_PRAGMA_UNROLL
+      for (int p = 0; p < 4; ++p) {
+        float2 f = __bfloat1622float2(h[p]);
+        acc[2 * p] = __fmaf_rn(wj, f.x, acc[2 * p]);
+        acc[2 * p + 1] = __fmaf_rn(wj, f.y, acc[2 * p + 1]);
+      }
+    }
+    uint4 o;
+    __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int p = 0; p < 4; ++p) op[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
+    reinterpret_cast<uint4*>(out)[t * vecs_per_row + v] = o;
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+                    int* topk_ids, float* topk_weights, void* stream) noexcept {
+  if (tokens < 0 || experts <= 0 || experts > kMaxExperts || top_k <= 0 || top_k > experts || top_k > kMaxTopK ||
+      tokens > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "softmax_topk: need 1 <= top_k <= min(experts, %d), experts <= %d", kMaxTopK,
+                kMaxExperts);
+  }
+  if (tokens == 0) return Status::kSuccess;
+  if (!logits || !topk_ids || !topk_weights) return fail(Status::kNullPointer, "softmax_topk: null pointer");
+  softmax_topk_kernel<<<unsigned((tokens + 7) / 8), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      logits, int(tokens), int(experts), int(top_k), renormalize, topk_ids, topk_weights);
+  return check_launch("softmax_topk");
+}
+
+size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
+  if (pairs < 0 || experts <= 0) return 0;
+  return size_t((pairs + kChunk - 1) / kChunk) * size_t(experts) * sizeof(int);
+}
+
+Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
+  const int64_t pairs = a.tokens * a.top_k;
+  if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kMaxExperts || a.hidden_size <= 0 ||
+      a.hidden_size % 8 || pairs > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %d, "
+                "hidden_size a positive multiple of 8", kMaxExperts);
+  }
+  if (!a.topk_ids || !a.hidden || !a.expert_offsets || !a.row_of_pair || !a.pair_of_row || !a.x_perm || !a.error ||
+      (pairs > 0 && !a.workspace)) {
+    return fail(Status::kNullPointer, "permute_and_gather: null pointer");
+  }
+  if (!aligned16(a.hidden) || !aligned16(a.x_perm)) {
+    return fail(Status::kMisaligned, "permute_and_gather: hidden and x_perm must be 16-byte aligned");
+  }
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int chunks = int((pairs + kChunk - 1) / kChunk);
+  int* counts = static_cast<int*>(a.workspace);
+  if (pairs > 0) {
+    count_kernel<<<chunks, 256, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.error);
+    if (Status s = check_launch("permute_and_gather (count)"); s != Status::kSuccess) return s;
+  }
+  scan_kernel<<<1, 1024, 0, st>>>(counts, chunks, int(a.experts), a.expert_offsets);
+  if (Status s = check_launch("permute_and_gather (scan)"); s != Status::kSuccess) return s;
+  if (pairs == 0) return Status::kSuccess;
+  scatter_kernel<<<chunks, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.row_of_pair,
+                                          a.pair_of_row);
+  if (Status s = check_launch("permute_and_gather (scatter)"); s != Status::kSuccess) return s;
+  gather_kernel<<<unsigned(pairs), 128, 0, st>>>(static_cast<const __nv_bfloat16*>(a.hidden), a.hidden_size / 8,
+                                                 int(a.top_k), a.expert_offsets, int(a.experts), a.pair_of_row,
+                                                 static_cast<__nv_bfloat16*>(a.x_perm));
+  return check_launch("permute_and_gather (gather)");
+}
+
+Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+               int64_t hidden_size, void* out, void* stream) noexcept {
+  if (tokens < 0 || top_k <= 0 || hidden_size <= 0 || hidden_size % 8 || tokens > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "combine: need tokens >= 0, top_k > 0, hidden_size a positive multiple of 8");
+  }
+  if (tokens == 0) return Status::kSuccess;
+  if (!y || !row_of_pair || !topk_weights || !out) return fail(Status::kNullPointer, "combine: null pointer");
+  if (!aligned16(y) || !aligned16(out)) return fail(Status::kMisaligned, "combine: y and out must be 16-byte aligned");
+  combine_kernel<<<unsigned(tokens), 128, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const __nv_bfloat16*>(y), tokens * top_k, row_of_pair, topk_weights, int(top_k), hidden_size / 8,
+      static_cast<__nv_bfloat16*>(out));
+  return check_launch("combine");
+}
+
+}  // namespace nvfp4moe
