@@ -83,7 +83,9 @@ pub fn e4m3_decode(byte: u8) -> f32 {
 /// NaN gives 0x7F. Rounds correctly into the subnormals (2^-9 steps) and to zero: 2^-10 is a
 /// tie and goes to 0, anything above it to 2^-9. The sign is kept (-0.0 gives 0x80).
 ///
-/// Integer bit manipulation on the f32 bits, mirrored by the CUDA device function.
+/// Integer bit manipulation on the f32 bits. The CUDA side uses the hardware conversion
+/// (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+) and this same algorithm on older targets; the GPU tests
+/// compare their bytes.
 #[inline]
 pub fn e4m3_encode(x: f32) -> u8 {
     let bits = x.to_bits();
