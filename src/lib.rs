@@ -37,9 +37,11 @@ mod ffi;
 pub mod gemm;
 pub mod info;
 pub mod io;
+pub mod moe;
 pub mod quantize;
 
 pub use error::{Error, Result};
 pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16};
 pub use layout::ScaleLayout;
+pub use moe::{MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

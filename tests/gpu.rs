@@ -957,3 +957,114 @@ mod routing {
         assert!(err.rel() <= 5e-3, "combine relative error {:.3e}", err.rel());
     }
 }
+
+// ------------------------------------------------------------------------------------------------
+// The MoE layer (issue 5)
+
+mod layer {
+    use super::gemm::random_weights;
+    use super::*;
+    use nvfp4_moe::checkpoint::{ExpertNaming, MoeCheckpoint};
+    use nvfp4_moe::routing;
+    use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights};
+
+    fn random_checkpoint(rng: &mut Rng, e: usize, h: usize, i: usize) -> MoeCheckpoint {
+        let w13 = random_weights(rng, e, 2 * i, h);
+        let up = w13.decode_scales.iter().map(|g| g * 10.0).collect();
+        MoeCheckpoint {
+            experts: e,
+            hidden: h,
+            intermediate: i,
+            w13,
+            up_decode_scales: up,
+            w2: random_weights(rng, e, h, i),
+            l1_input_scales: None,
+            up_input_scales: None,
+            l2_input_scales: None,
+            naming: ExpertNaming::GateUpDown,
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn layer_matches_reference() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        for &(e, t, k) in &[(4usize, 1usize, 1usize), (16, 3, 2), (16, 64, 8), (128, 300, 8), (4, 300, 2)] {
+            let seed = rng.seed();
+            let (h, i) = (256usize, 128usize);
+            let ck = random_checkpoint(&mut rng, e, h, i);
+            let layer = MoeLayer::new(
+                MoeWeights::from_checkpoint(&s, &ck).unwrap(),
+                MoeOptions { max_tokens: 320, max_top_k: k, tile: GemmTile::Auto },
+            )
+            .unwrap();
+            let mut ws = layer.workspace(&s).unwrap();
+            // Skewed routing: half of the slots go to expert 0 or 1; some experts stay empty.
+            let ids: Vec<i32> = (0..t * k)
+                .map(|x| if rng.below(2) == 0 { (x % 2) as i32 } else { rng.below(e as u64) as i32 })
+                .collect();
+            let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+            let hidden = rng.normal_bf16(t * h, 1.0);
+            let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+            let (hd, idd, wd) =
+                (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+            let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
+            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            layer.check(&s, &mut ws, k).unwrap();
+            let got = s.clone_dtoh(&out).unwrap();
+            let mut all = RelErr::default();
+            for tok in 0..t {
+                let mut err = RelErr::default();
+                for o in 0..h {
+                    err.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
+                    all.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
+                }
+                assert!(err.rel() <= 1e-2, "token {tok}: {:.3e} (E={e} T={t} k={k} seed={seed})", err.rel());
+            }
+            assert!(all.rel() <= 1e-2, "overall {:.3e} (E={e} T={t} k={k} seed={seed})", all.rel());
+            // Deterministic: the same bits again.
+            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            assert!(s.clone_dtoh(&out).unwrap().iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn router_path_and_bad_ids() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (e, h, i, t, k) = (16usize, 128usize, 64usize, 40usize, 4usize);
+        let ck = random_checkpoint(&mut rng, e, h, i);
+        let layer = MoeLayer::new(
+            MoeWeights::from_checkpoint(&s, &ck).unwrap(),
+            MoeOptions { max_tokens: 64, max_top_k: 8, tile: GemmTile::Auto },
+        )
+        .unwrap();
+        let mut ws = layer.workspace(&s).unwrap();
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        let logits: Vec<f32> = (0..t * e).map(|_| rng.normal()).collect();
+        let (ids, w) = routing::softmax_topk(&logits, t, e, k, true).unwrap();
+        let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let hd = s.clone_htod(&hidden).unwrap();
+        let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
+        layer.forward_with_router(&s, &hd, t, &s.clone_htod(&logits).unwrap(), k, true, &mut out, &mut ws).unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        let mut err = RelErr::default();
+        for (g, x) in got.iter().zip(&want) {
+            err.add(f64::from(g.to_f32()), *x);
+        }
+        assert!(err.rel() <= 1e-2, "router path {:.3e}", err.rel());
+        // Too many tokens and a bad id.
+        assert!(matches!(
+            layer.forward_with_router(&s, &hd, 65, &s.clone_htod(&logits).unwrap(), k, true, &mut out, &mut ws),
+            Err(Error::InvalidShape(_))
+        ));
+        let mut bad = ids.clone();
+        bad[6] = e as i32;
+        let (bd, wd) = (s.clone_htod(&bad).unwrap(), s.clone_htod(&w).unwrap());
+        layer.forward(&s, &hd, t, &bd, &wd, k, &mut out, &mut ws).unwrap();
+        let msg = layer.check(&s, &mut ws, k).unwrap_err().to_string();
+        assert!(msg.contains("topk_ids[1, 2] = 16"), "{msg}");
+    }
+}

@@ -1,0 +1,222 @@
+//! The MoE feed-forward layer: routing -> permutation -> first GEMM with SwiGLU in the epilogue
+//! (compact BF16) -> second GEMM -> combine, all on one stream with no host synchronization and
+//! no allocation inside a forward (every buffer lives in a [`MoeWorkspace`] sized once).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use crate::checkpoint::{load_modelopt, MoeCheckpoint};
+use crate::checks::check_len;
+use crate::error::{Error, Result};
+use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
+use crate::routing::{combine_into, softmax_topk_into, PermuteBuffers};
+
+/// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
+/// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
+pub struct MoeWeights {
+    pub w13: Nvfp4Weights,
+    pub w2: Nvfp4Weights,
+    pub experts: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+}
+
+impl MoeWeights {
+    /// Uploads and prepares a checkpoint's experts (gate and up keep their own decode scales).
+    pub fn from_checkpoint(stream: &Arc<CudaStream>, ckpt: &MoeCheckpoint) -> Result<Self> {
+        let (e, h, i) = (ckpt.experts, ckpt.hidden, ckpt.intermediate);
+        if !h.is_multiple_of(64) || !i.is_multiple_of(32) {
+            return Err(Error::InvalidShape(format!(
+                "the grouped GEMM needs hidden % 64 == 0 and intermediate % 32 == 0 (hidden {h}, intermediate {i})"
+            )));
+        }
+        let codes = stream.clone_htod(&ckpt.w13.codes)?;
+        let scales = stream.clone_htod(&ckpt.w13.scales)?;
+        let w13 = Nvfp4Weights::prepare_gate_up(
+            stream,
+            &codes,
+            &scales,
+            &ckpt.w13.decode_scales,
+            &ckpt.up_decode_scales,
+            e,
+            2 * i,
+            h,
+        )?;
+        let w2 = Nvfp4Weights::from_host(stream, &ckpt.w2)?;
+        Ok(MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i })
+    }
+
+    /// Loads `prefix` (e.g. `model.layers.3.mlp.experts`) from a ModelOpt NVFP4 checkpoint (a
+    /// `.safetensors` file, a sharded index `.json`, or a directory holding one) and prepares it.
+    pub fn from_modelopt(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
+        Self::from_checkpoint(stream, &load_modelopt(path, prefix)?)
+    }
+}
+
+/// Options of a [`MoeLayer`].
+#[derive(Clone, Copy, Debug)]
+pub struct MoeOptions {
+    /// The largest token count a forward may take (the workspace is sized for it).
+    pub max_tokens: usize,
+    /// The largest top-k a forward may take.
+    pub max_top_k: usize,
+    /// Tile configuration of both GEMMs (`Auto`: chosen per forward from tokens x top-k).
+    pub tile: GemmTile,
+}
+
+/// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
+pub struct MoeWorkspace {
+    perm: PermuteBuffers,
+    act: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    max_pairs: usize,
+}
+
+/// One MoE feed-forward layer over prepared NVFP4 weights.
+pub struct MoeLayer {
+    weights: MoeWeights,
+    opts: MoeOptions,
+}
+
+impl MoeLayer {
+    pub fn new(weights: MoeWeights, opts: MoeOptions) -> Result<Self> {
+        if opts.max_top_k == 0 || opts.max_top_k > weights.experts.min(32) {
+            return Err(Error::InvalidShape(format!(
+                "max_top_k ({}) must be in 1..=min(experts ({}), 32)",
+                opts.max_top_k, weights.experts
+            )));
+        }
+        if opts.max_tokens.checked_mul(opts.max_top_k).is_none_or(|p| p > i32::MAX as usize) {
+            return Err(Error::InvalidShape(format!("max_tokens x max_top_k is too large ({})", opts.max_tokens)));
+        }
+        Ok(MoeLayer { weights, opts })
+    }
+
+    pub fn weights(&self) -> &MoeWeights {
+        &self.weights
+    }
+
+    /// Allocates the workspace for `max_tokens` x `max_top_k` rows.
+    pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
+        let pairs = self.opts.max_tokens * self.opts.max_top_k;
+        let (h, i) = (self.weights.hidden, self.weights.intermediate);
+        Ok(MoeWorkspace {
+            perm: PermuteBuffers::new(stream, pairs, self.weights.experts, h)?,
+            act: stream.alloc_zeros::<bf16>((pairs * i).max(1))?,
+            y: stream.alloc_zeros::<bf16>((pairs * h).max(1))?,
+            ids: stream.alloc_zeros::<i32>(pairs.max(1))?,
+            weights: stream.alloc_zeros::<f32>(pairs.max(1))?,
+            max_pairs: pairs,
+        })
+    }
+
+    fn check_tokens(&self, tokens: usize, top_k: usize, ws: &MoeWorkspace) -> Result<()> {
+        if tokens > self.opts.max_tokens {
+            return Err(Error::InvalidShape(format!("{tokens} tokens exceed max_tokens {}", self.opts.max_tokens)));
+        }
+        if top_k == 0 || top_k > self.opts.max_top_k {
+            return Err(Error::InvalidShape(format!("top_k {top_k} must be in 1..={}", self.opts.max_top_k)));
+        }
+        if tokens * top_k > ws.max_pairs {
+            return Err(Error::InvalidShape("the workspace is smaller than this forward needs".into()));
+        }
+        Ok(())
+    }
+
+    /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` with
+    /// `hidden` bf16 `[T, H]`, `topk_ids` i32 `[T, k]`, `topk_weights` f32 `[T, k]` (device).
+    /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
+    /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<H, I, W, O>(
+        &self,
+        stream: &CudaStream,
+        hidden: &H,
+        tokens: usize,
+        topk_ids: &I,
+        topk_weights: &W,
+        top_k: usize,
+        out: &mut O,
+        ws: &mut MoeWorkspace,
+    ) -> Result<()>
+    where
+        H: DevicePtr<bf16>,
+        I: DevicePtr<i32>,
+        W: DevicePtr<f32>,
+        O: DevicePtrMut<bf16>,
+    {
+        self.check_tokens(tokens, top_k, ws)?;
+        let MoeWorkspace { perm, act, y, .. } = ws;
+        self.run(stream, hidden, tokens, topk_ids, topk_weights, top_k, out, perm, act, y)
+    }
+
+    /// The forward's launches over the workspace's parts (split so that the router path can
+    /// read its own workspace buffers while the rest are written).
+    #[allow(clippy::too_many_arguments)]
+    fn run<H, I, W, O>(
+        &self,
+        stream: &CudaStream,
+        hidden: &H,
+        tokens: usize,
+        topk_ids: &I,
+        topk_weights: &W,
+        top_k: usize,
+        out: &mut O,
+        perm: &mut PermuteBuffers,
+        act: &mut CudaSlice<bf16>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()>
+    where
+        H: DevicePtr<bf16>,
+        I: DevicePtr<i32>,
+        W: DevicePtr<f32>,
+        O: DevicePtrMut<bf16>,
+    {
+        let (h, pairs) = (self.weights.hidden, tokens * top_k);
+        check_len("hidden", hidden.len(), tokens * h)?;
+        check_len("topk_ids", topk_ids.len(), pairs)?;
+        check_len("topk_weights", topk_weights.len(), pairs)?;
+        check_len("out", out.len(), tokens * h)?;
+        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?;
+        let l2 = GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?;
+        perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
+        l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
+        l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
+        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, tokens, top_k, h, out)
+    }
+
+    /// Routes with softmax top-k over `router_logits` f32 `[T, E]` (renormalized if asked), then
+    /// [`MoeLayer::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with_router<H, L, O>(
+        &self,
+        stream: &CudaStream,
+        hidden: &H,
+        tokens: usize,
+        router_logits: &L,
+        top_k: usize,
+        renormalize: bool,
+        out: &mut O,
+        ws: &mut MoeWorkspace,
+    ) -> Result<()>
+    where
+        H: DevicePtr<bf16>,
+        L: DevicePtr<f32>,
+        O: DevicePtrMut<bf16>,
+    {
+        self.check_tokens(tokens, top_k, ws)?;
+        let MoeWorkspace { perm, act, y, ids, weights, .. } = ws;
+        softmax_topk_into(stream, router_logits, tokens, self.weights.experts, top_k, renormalize, ids, weights)?;
+        self.run(stream, hidden, tokens, &*ids, &*weights, top_k, out, perm, act, y)
+    }
+
+    /// Synchronizes `stream` and reports the first bad expert id seen since the last check.
+    pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
+        ws.perm.check(stream, top_k)
+    }
+}
