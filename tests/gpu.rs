@@ -1067,4 +1067,39 @@ mod layer {
         let msg = layer.check(&s, &mut ws, k).unwrap_err().to_string();
         assert!(msg.contains("topk_ids[1, 2] = 16"), "{msg}");
     }
+
+    /// A whole forward captured into a CUDA graph and replayed: the eager output, bit for bit.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn forward_is_graph_capturable() {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let ctx = CudaContext::new(0).unwrap();
+        unsafe { ctx.disable_event_tracking() };
+        let s = ctx.new_stream().unwrap();
+        let mut rng = Rng::from_entropy();
+        let (e, h, i, t, k) = (16usize, 128usize, 64usize, 50usize, 4usize);
+        let ck = random_checkpoint(&mut rng, e, h, i);
+        let layer = MoeLayer::new(
+            MoeWeights::from_checkpoint(&s, &ck).unwrap(),
+            MoeOptions { max_tokens: 64, max_top_k: k, tile: GemmTile::Auto },
+        )
+        .unwrap();
+        let mut ws = layer.workspace(&s).unwrap();
+        let hd = s.clone_htod(&rng.normal_bf16(t * h, 1.0)).unwrap();
+        let logits = s.clone_htod(&(0..t * e).map(|_| rng.normal()).collect::<Vec<f32>>()).unwrap();
+        let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
+        layer.forward_with_router(&s, &hd, t, &logits, k, true, &mut out, &mut ws).unwrap();
+        let eager = s.clone_dtoh(&out).unwrap();
+        s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); t * h], &mut out).unwrap();
+        s.synchronize().unwrap();
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        layer.forward_with_router(&s, &hd, t, &logits, k, true, &mut out, &mut ws).unwrap();
+        let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+        for _ in 0..3 {
+            graph.launch().unwrap();
+        }
+        s.synchronize().unwrap();
+        let replay = s.clone_dtoh(&out).unwrap();
+        assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
 }
