@@ -38,6 +38,7 @@ pub mod gemm;
 pub mod info;
 pub mod io;
 pub mod moe;
+pub mod presets;
 pub mod quantize;
 
 pub use error::{Error, Result};

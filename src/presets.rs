@@ -1,0 +1,165 @@
+//! MoE feed-forward shapes of public models (`shared/presets/moe-shapes.toml`) built into the
+//! crate, and random host checkpoints of any shape (for the CLI's `check`, tests and examples).
+
+use crate::checkpoint::{ExpertNaming, MoeCheckpoint};
+use crate::error::{Error, Result};
+use crate::reference::ExpertWeightsHost;
+use crate::rng::Rng;
+
+/// One MoE layer shape: E experts, hidden size H, expert intermediate size I, top-k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub experts: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub top_k: usize,
+}
+
+impl Preset {
+    /// Bytes of one expert's NVFP4 weights (gate, up and down: `3 x H x I` elements at 4.5 bits,
+    /// codes plus block-16 E4M3 scales).
+    pub fn expert_bytes(&self) -> usize {
+        3 * self.hidden * self.intermediate * 9 / 16
+    }
+
+    /// Bytes of all the layer's NVFP4 weights.
+    pub fn layer_bytes(&self) -> usize {
+        self.experts * self.expert_bytes()
+    }
+}
+
+const fn p(name: &'static str, experts: usize, hidden: usize, intermediate: usize, top_k: usize) -> Preset {
+    Preset { name, experts, hidden, intermediate, top_k }
+}
+
+/// The built-in presets (facts from the models' published configs).
+pub const PRESETS: [Preset; 6] = [
+    p("deepseek-v3", 256, 7168, 2048, 8),
+    p("kimi-k2", 384, 7168, 2048, 8),
+    p("qwen3-235b-a22b", 128, 4096, 1536, 8),
+    p("qwen3-30b-a3b", 128, 2048, 768, 8),
+    p("mixtral-8x7b", 8, 4096, 14336, 2),
+    p("gpt-oss-120b", 128, 2880, 2880, 4),
+];
+
+/// The names of the built-in presets, comma-separated.
+pub fn preset_names() -> String {
+    PRESETS.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
+}
+
+/// The built-in preset `name` (exact, case-sensitive); an error lists the valid names.
+pub fn preset(name: &str) -> Result<Preset> {
+    PRESETS
+        .iter()
+        .find(|p| p.name == name)
+        .copied()
+        .ok_or_else(|| Error::Invalid(format!("unknown preset `{name}` (valid: {})", preset_names())))
+}
+
+/// Random NVFP4 weights of `experts` experts `[n, k]`: random codes, scale bytes in
+/// `0x20..0x48` (E4M3 0.125 .. 3.75: valid, positive), decode scales in `[1e-3, 1e-2)`.
+fn random_expert_weights(rng: &mut Rng, experts: usize, n: usize, k: usize) -> ExpertWeightsHost {
+    let code_len = experts * n * k / 2;
+    let mut codes = vec![0u8; code_len];
+    let mut chunks = codes.chunks_exact_mut(8);
+    for c in &mut chunks {
+        c.copy_from_slice(&rng.next_u64().to_le_bytes());
+    }
+    for b in chunks.into_remainder() {
+        *b = rng.next_u64() as u8;
+    }
+    let scales = (0..experts * n * k / 16).map(|_| rng.range(0x20, 0x48) as u8).collect();
+    let decode_scales = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
+    ExpertWeightsHost { experts, n, k, codes, scales, decode_scales }
+}
+
+/// A random MoE checkpoint on the host (`GateUpDown` naming, no input scales): W13 `[E, 2I, H]`
+/// with gate decode scales in `[1e-3, 1e-2)` and up decode scales twice the gate's, W2
+/// `[E, H, I]`. `hidden` and `intermediate` must be multiples of 16 (the block size). Takes
+/// `E x 3 x H x I x 9/16` bytes of host memory.
+pub fn random_moe_checkpoint(rng: &mut Rng, experts: usize, hidden: usize, intermediate: usize) -> MoeCheckpoint {
+    let w13 = random_expert_weights(rng, experts, 2 * intermediate, hidden);
+    let up_decode_scales = w13.decode_scales.iter().map(|g| g * 2.0).collect();
+    let w2 = random_expert_weights(rng, experts, hidden, intermediate);
+    MoeCheckpoint {
+        experts,
+        hidden,
+        intermediate,
+        w13,
+        up_decode_scales,
+        w2,
+        l1_input_scales: None,
+        up_input_scales: None,
+        l2_input_scales: None,
+        naming: ExpertNaming::GateUpDown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_match_the_shapes_file() {
+        // shared/presets/moe-shapes.toml: (name, experts, hidden, intermediate, top_k).
+        let want = [
+            ("deepseek-v3", 256, 7168, 2048, 8),
+            ("kimi-k2", 384, 7168, 2048, 8),
+            ("qwen3-235b-a22b", 128, 4096, 1536, 8),
+            ("qwen3-30b-a3b", 128, 2048, 768, 8),
+            ("mixtral-8x7b", 8, 4096, 14336, 2),
+            ("gpt-oss-120b", 128, 2880, 2880, 4),
+        ];
+        assert_eq!(PRESETS.len(), want.len());
+        for (name, e, h, i, k) in want {
+            assert_eq!(preset(name).unwrap(), Preset { name, experts: e, hidden: h, intermediate: i, top_k: k });
+        }
+        // Every preset fits the layer's shape rules.
+        for p in PRESETS {
+            assert!(crate::gemm::check_gemm_shape(p.experts, 2 * p.intermediate, p.hidden).is_ok(), "{}", p.name);
+            assert!(crate::gemm::check_gemm_shape(p.experts, p.hidden, p.intermediate).is_ok(), "{}", p.name);
+            assert!(p.top_k <= p.experts.min(32), "{}", p.name);
+        }
+        assert_eq!(preset("qwen3-30b-a3b").unwrap().layer_bytes(), 128 * 3 * 2048 * 768 * 9 / 16);
+    }
+
+    #[test]
+    fn unknown_preset_lists_the_valid_names() {
+        for bad in ["", "deepseek", "Qwen3-30B-A3B", "mixtral-8x7b "] {
+            let msg = preset(bad).unwrap_err().to_string();
+            assert!(msg.contains(&format!("unknown preset `{bad}`")), "{msg}");
+            for p in PRESETS {
+                assert!(msg.contains(p.name), "{msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn random_checkpoint_is_valid() {
+        let mut rng = Rng::from_entropy();
+        eprintln!("seed = {:#x}", rng.seed());
+        let (e, h, i) = (3usize, 64usize, 48usize);
+        let ck = random_moe_checkpoint(&mut rng, e, h, i);
+        assert_eq!((ck.experts, ck.hidden, ck.intermediate), (e, h, i));
+        assert_eq!((ck.w13.experts, ck.w13.n, ck.w13.k), (e, 2 * i, h));
+        assert_eq!((ck.w2.experts, ck.w2.n, ck.w2.k), (e, h, i));
+        assert_eq!(ck.w13.codes.len(), e * 2 * i * h / 2);
+        assert_eq!(ck.w13.scales.len(), e * 2 * i * h / 16);
+        assert_eq!(ck.w2.codes.len(), e * h * i / 2);
+        assert_eq!(ck.w2.scales.len(), e * h * i / 16);
+        for w in [&ck.w13, &ck.w2] {
+            assert!(w.scales.iter().all(|&s| (0x20..0x48).contains(&s)));
+            assert!(w.decode_scales.iter().all(|&g| (1e-3..=1e-2).contains(&g)));
+            assert_eq!(w.decode_scales.len(), e);
+            // Codes are random: not all one value.
+            assert!(w.codes.iter().any(|&c| c != w.codes[0]));
+        }
+        for (u, g) in ck.up_decode_scales.iter().zip(&ck.w13.decode_scales) {
+            assert_eq!(*u, g * 2.0);
+        }
+        assert!(ck.l1_input_scales.is_none() && ck.up_input_scales.is_none() && ck.l2_input_scales.is_none());
+        assert_eq!(ck.naming, ExpertNaming::GateUpDown);
+        ck.validate().unwrap();
+    }
+}
