@@ -22,7 +22,7 @@ use nvfp4_moe::reference::{self, Nvfp4Host};
 use nvfp4_moe::rng::Rng;
 use nvfp4_moe::routing;
 use nvfp4_moe::{info, Error};
-use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace, Nvfp4Weights};
+use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
 
 /// Prints a line on stdout; a closed pipe (`| head`) is not an error worth a panic.
 macro_rules! out {
@@ -1168,46 +1168,6 @@ fn cmd_run(flags: &Flags) -> CliResult<()> {
     Ok(())
 }
 
-/// Device bytes of `len`, filled by replicating a 64 MiB block of `gen`'s bytes (fast: nothing
-/// large on the host).
-fn device_fill(s: &Arc<CudaStream>, len: usize, gen: &mut dyn FnMut() -> u8) -> nvfp4_moe::Result<CudaSlice<u8>> {
-    let block = 64usize << 20;
-    let host: Vec<u8> = (0..block.min(len).max(1)).map(|_| gen()).collect();
-    let src = s.clone_htod(&host)?;
-    // SAFETY: every byte is written by the copies below before any read.
-    let mut dst = unsafe { s.alloc::<u8>(len.max(1))? };
-    let mut off = 0;
-    while off < len {
-        let m = host.len().min(len - off);
-        s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m))?;
-        off += m;
-    }
-    Ok(dst)
-}
-
-/// Random prepared NVFP4 weights `[experts, n, k]` made on the device (scales valid E4M3 bytes
-/// in 0x20..0x48, decode scales in [1e-3, 1e-2), up's twice gate's for `gate_up`).
-fn device_weights(
-    s: &Arc<CudaStream>,
-    rng: &mut Rng,
-    experts: usize,
-    n: usize,
-    k: usize,
-    gate_up: bool,
-) -> nvfp4_moe::Result<Nvfp4Weights> {
-    let mut r1 = Rng::new(rng.next_u64());
-    let mut r2 = Rng::new(rng.next_u64());
-    let codes = device_fill(s, experts * n * k / 2, &mut || r1.next_u64() as u8)?;
-    let scales = device_fill(s, experts * n * k / 16, &mut || r2.range(0x20, 0x48) as u8)?;
-    let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
-    if gate_up {
-        let u: Vec<f32> = g.iter().map(|v| v * 2.0).collect();
-        Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &g, &u, experts, n, k)
-    } else {
-        Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k)
-    }
-}
-
 /// One timed (preset, T) of `bench`.
 struct BenchRow {
     preset: &'static str,
@@ -1338,8 +1298,8 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
             fmt_bytes(p.layer_bytes())
         );
         let t = Instant::now();
-        let w13 = device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
-        let w2 = device_weights(&stream, &mut rng, e, h, i, false)?;
+        let w13 = presets::random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
+        let w2 = presets::random_device_weights(&stream, &mut rng, e, h, i, false)?;
         let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
         let layer = MoeLayer::new(weights, MoeOptions { max_tokens: max_t, max_top_k: k, tile: GemmTile::Auto })?;
         let mut ws = layer.workspace(&stream)?;

@@ -1,8 +1,13 @@
 //! MoE feed-forward shapes of public models (`shared/presets/moe-shapes.toml`) built into the
 //! crate, and random host checkpoints of any shape (for the CLI's `check`, tests and examples).
 
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+
 use crate::checkpoint::{ExpertNaming, MoeCheckpoint};
 use crate::error::{Error, Result};
+use crate::gemm::Nvfp4Weights;
 use crate::reference::ExpertWeightsHost;
 use crate::rng::Rng;
 
@@ -93,6 +98,47 @@ pub fn random_moe_checkpoint(rng: &mut Rng, experts: usize, hidden: usize, inter
         up_input_scales: None,
         l2_input_scales: None,
         naming: ExpertNaming::GateUpDown,
+    }
+}
+
+/// Device bytes of `len`, filled by replicating a 64 MiB block of `gen`'s bytes (fast: nothing
+/// large on the host).
+fn device_fill(s: &Arc<CudaStream>, len: usize, gen: &mut dyn FnMut() -> u8) -> Result<CudaSlice<u8>> {
+    let block = 64usize << 20;
+    let host: Vec<u8> = (0..block.min(len).max(1)).map(|_| gen()).collect();
+    let src = s.clone_htod(&host)?;
+    // SAFETY: every byte is written by the copies below before any read.
+    let mut dst = unsafe { s.alloc::<u8>(len.max(1))? };
+    let mut off = 0;
+    while off < len {
+        let m = host.len().min(len - off);
+        s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m))?;
+        off += m;
+    }
+    Ok(dst)
+}
+
+/// Random prepared NVFP4 weights `[experts, n, k]` made on the device, for benchmarks (scales
+/// valid E4M3 bytes in 0x20..0x48, decode scales in [1e-3, 1e-2), up's twice gate's for
+/// `gate_up`, which prepares first-layer gate/up weights with `n = 2I`).
+pub fn random_device_weights(
+    s: &Arc<CudaStream>,
+    rng: &mut Rng,
+    experts: usize,
+    n: usize,
+    k: usize,
+    gate_up: bool,
+) -> Result<Nvfp4Weights> {
+    let mut r1 = Rng::new(rng.next_u64());
+    let mut r2 = Rng::new(rng.next_u64());
+    let codes = device_fill(s, experts * n * k / 2, &mut || r1.next_u64() as u8)?;
+    let scales = device_fill(s, experts * n * k / 16, &mut || r2.range(0x20, 0x48) as u8)?;
+    let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
+    if gate_up {
+        let u: Vec<f32> = g.iter().map(|v| v * 2.0).collect();
+        Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &g, &u, experts, n, k)
+    } else {
+        Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k)
     }
 }
 

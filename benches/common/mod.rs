@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
+use cudarc::driver::{sys::CUevent_flags, CudaStream};
 use nvfp4_moe::gemm::Nvfp4Weights;
 use nvfp4_moe::rng::Rng;
 
@@ -31,9 +31,7 @@ pub const PRESETS: [Preset; 3] = [
 ];
 pub const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
 
-/// Device weights filled by replicating a 64 MiB random block (random enough for timing, and
-/// seconds faster than generating gigabytes on the host); scales are valid E4M3 bytes.
-/// `gate_up`: prepared as first-layer gate/up weights (n = 2I).
+/// Random prepared device weights (see `nvfp4_moe::presets::random_device_weights`).
 pub fn device_weights(
     s: &Arc<CudaStream>,
     rng: &mut Rng,
@@ -42,31 +40,7 @@ pub fn device_weights(
     k: usize,
     gate_up: bool,
 ) -> Nvfp4Weights {
-    let fill = |len: usize, gen: &mut dyn FnMut() -> u8| -> CudaSlice<u8> {
-        let block = 64 << 20;
-        let host: Vec<u8> = (0..block.min(len)).map(|_| gen()).collect();
-        let src = s.clone_htod(&host).unwrap();
-        // SAFETY: every byte is written by the copies below before any read.
-        let mut dst = unsafe { s.alloc::<u8>(len).unwrap() };
-        let mut off = 0;
-        while off < len {
-            let m = host.len().min(len - off);
-            s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m)).unwrap();
-            off += m;
-        }
-        dst
-    };
-    let mut r1 = Rng::new(rng.next_u64());
-    let mut r2 = Rng::new(rng.next_u64());
-    let codes = fill(experts * n * k / 2, &mut || r1.next_u64() as u8);
-    let scales = fill(experts * n * k / 16, &mut || r2.range(0x20, 0x48) as u8);
-    let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
-    if gate_up {
-        let u: Vec<f32> = g.iter().map(|v| v * 2.0).collect();
-        Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &g, &u, experts, n, k).unwrap()
-    } else {
-        Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k).unwrap()
-    }
+    nvfp4_moe::presets::random_device_weights(s, rng, experts, n, k, gate_up).unwrap()
 }
 
 /// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
