@@ -219,14 +219,17 @@ pub enum GemmTile {
     M128N16 = 1,
     /// 128 x 128: prefill, many rows per expert.
     M128N128 = 2,
+    /// 128 x 64: tens of rows per expert (large decode batches, mid-size prefill).
+    M128N64 = 3,
 }
 
 impl GemmTile {
-    /// The documented heuristic (the core's `choose_gemm_tile`): with at most 24 rows per expert on
-    /// average N16, else N128. Uses only what the host knows without synchronizing.
+    /// The documented heuristic (the core's `choose_gemm_tile`): with at most 16 rows per expert on
+    /// average N16, at most 80 N64, else N128. Uses only what the host knows without synchronizing.
     pub fn choose(total_rows: usize, experts: usize) -> GemmTile {
         match raw::core_choose_gemm_tile(total_rows as i64, experts as i64) {
             1 => GemmTile::M128N16,
+            3 => GemmTile::M128N64,
             _ => GemmTile::M128N128,
         }
     }
@@ -424,6 +427,10 @@ mod tests {
         assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
         assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N16);
         assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
+        assert_eq!(GemmTile::choose(17 * 256, 256), GemmTile::M128N64);
+        assert_eq!(GemmTile::choose(8192, 256), GemmTile::M128N64);
+        assert_eq!(GemmTile::choose(80 * 128, 128), GemmTile::M128N64);
+        assert_eq!(GemmTile::choose(81 * 128, 128), GemmTile::M128N128);
     }
 
     #[test]

@@ -41,7 +41,7 @@ Usage:
                        [--prefix P] [--name NAME] [--backend cpu|cuda]
   nvfp4-moe check      [--preset NAME] [--tokens T]
   nvfp4-moe run        --weights W --prefix P --input X.safetensors --output Y.safetensors
-                       [--tile auto|n16|n128]
+                       [--tile auto|n16|n64|n128]
   nvfp4-moe bench      [--preset NAME,...] [--tokens T,...] [--json FILE]
   nvfp4-moe info
   nvfp4-moe help [COMMAND]      (or: nvfp4-moe COMMAND --help)
@@ -130,7 +130,7 @@ Presets (experts, hidden, intermediate, top-k):
   gpt-oss-120b     128  2880   2880  4";
 
 const RUN_USAGE: &str =
-    "nvfp4-moe run --weights W --prefix P --input X.safetensors --output Y.safetensors [--tile auto|n16|n128]";
+    "nvfp4-moe run --weights W --prefix P --input X.safetensors --output Y.safetensors [--tile auto|n16|n64|n128]";
 
 const RUN_HELP: &str = "\
 Options:
@@ -143,7 +143,7 @@ Options:
                      topk_ids       I32  [T, k]   (expert ids in [0, E), 1 <= k <= min(E, 32))
                      topk_weights   F32  [T, k]
   --output FILE    safetensors file to write (replaced if it exists): out BF16 [T, H]
-  --tile T         GEMM tile: auto (chosen from T x k and E), n16 (decode) or n128 (prefill);
+  --tile T         GEMM tile: auto (chosen from T x k and E), n16 (decode), n64 or n128 (prefill);
                    default: auto
   -h, --help       this help
 
@@ -843,6 +843,7 @@ fn parse_tile(s: &str) -> Option<GemmTile> {
     match s {
         "auto" => Some(GemmTile::Auto),
         "n16" => Some(GemmTile::M128N16),
+        "n64" => Some(GemmTile::M128N64),
         "n128" => Some(GemmTile::M128N128),
         _ => None,
     }
@@ -1611,6 +1612,7 @@ mod tests {
         assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
         assert_eq!(parse_tile("auto"), Some(GemmTile::Auto));
         assert_eq!(parse_tile("n16"), Some(GemmTile::M128N16));
+        assert_eq!(parse_tile("n64"), Some(GemmTile::M128N64));
         assert_eq!(parse_tile("n128"), Some(GemmTile::M128N128));
         assert_eq!(parse_tile("N16"), None);
     }

@@ -418,7 +418,7 @@ mod gemm {
                     let total = rows + extra;
                     let x = rng.normal_bf16(total * k, 1.0);
                     let xd = s.clone_htod(&x).unwrap();
-                    for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+                    for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
                         let out = run(&s, &wd, &xd, total, &off, tile);
                         let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?} seed={seed}");
                         // Every row of an expert written (no poison), rows past off[E] untouched.
@@ -472,7 +472,7 @@ mod gemm {
             x[r * k + hot[r]] = bf16::ONE;
         }
         let xd = s.clone_htod(&x).unwrap();
-        for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
             for r in 0..rows {
                 let ex = expert_of(&off, r);
@@ -535,7 +535,7 @@ mod gemm {
         let rows = *off.last().unwrap() as usize;
         let x = rng.normal_bf16(rows * k, 1.0);
         let xd = s.clone_htod(&x).unwrap();
-        for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
             for ex in 0..e {
                 let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
@@ -597,7 +597,7 @@ mod graph {
         let x = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
         let off_dev = s.clone_htod(&off).unwrap();
         let mut out = s.alloc_zeros::<bf16>(rows * n).unwrap();
-        for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap();
             plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
             let eager = s.clone_dtoh(&out).unwrap();
@@ -650,7 +650,7 @@ mod swiglu {
             let x = rng.normal_bf16(total * k, 1.0);
             let xd = s.clone_htod(&x).unwrap();
             let off_dev = s.clone_htod(&off).unwrap();
-            for tile in [GemmTile::M128N16, GemmTile::M128N128] {
+            for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
                 let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
                 let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
                 let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();

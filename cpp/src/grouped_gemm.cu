@@ -3,6 +3,7 @@
 #include "grouped_gemm_sm90.cuh"
 
 #include <mutex>
+#include <type_traits>
 
 namespace nvfp4moe {
 namespace {
@@ -31,9 +32,14 @@ EncodeTiledFn tensor_map_encoder() {
 
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   if (experts <= 0) return GemmTile::kM128N128;
-  // Average rows per expert; routing skew only makes some experts bigger, which N128 tiles serve
-  // well, while decode batches (<= 24 rows per expert) waste least with N16.
-  return total_rows <= 24 * experts ? GemmTile::kM128N16 : GemmTile::kM128N128;
+  // Average rows per expert (routing skew only makes some experts bigger, which the larger tiles
+  // serve well). Up to 16 rows, one N16 tile per expert streams the weights once with the least
+  // wasted MMA work; up to 80 rows (decode batches, mid-size prefill over many experts) an N64
+  // tile still reads each expert's weights once or twice; beyond that the N128 tile's better
+  // MMA-to-conversion ratio wins.
+  if (total_rows <= 16 * experts) return GemmTile::kM128N16;
+  if (total_rows <= 80 * experts) return GemmTile::kM128N64;
+  return GemmTile::kM128N128;
 }
 
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
@@ -64,7 +70,10 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
 
   GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
-  int block_n = tile == GemmTile::kM128N16 ? 16 : 128;
+  if (tile != GemmTile::kM128N16 && tile != GemmTile::kM128N64 && tile != GemmTile::kM128N128) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(tile));
+  }
+  int block_n = tile == GemmTile::kM128N16 ? 16 : tile == GemmTile::kM128N64 ? 64 : 128;
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
   // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
@@ -88,20 +97,22 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   gemm::Params p{static_cast<const uint8_t*>(a.prepared), a.decode_scale, a.expert_offsets,
                  static_cast<__nv_bfloat16*>(a.out), int(a.experts), int(a.n), int(a.k), int(a.total_rows)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  using gemm::ConfigN128;
-  using gemm::ConfigN16;
   using gemm::launch_grouped_gemm;
-  const bool small = tile == GemmTile::kM128N16;
+  auto launch = [&](auto epilogue) {
+    constexpr GemmEpilogue E = decltype(epilogue)::value;
+    switch (tile) {
+      case GemmTile::kM128N16: return launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
+      case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
+      default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
+    }
+  };
   switch (a.epilogue) {
     case GemmEpilogue::kPlain:
-      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kPlain>>(map, p, sms, st)
-                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kPlain>>(map, p, sms, st);
+      return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kPlain>{});
     case GemmEpilogue::kInterleaved:
-      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kInterleaved>>(map, p, sms, st)
-                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kInterleaved>>(map, p, sms, st);
+      return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kInterleaved>{});
     case GemmEpilogue::kSwigluBf16:
-      return small ? launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>(map, p, sms, st)
-                   : launch_grouped_gemm<ConfigN128<GemmEpilogue::kSwigluBf16>>(map, p, sms, st);
+      return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluBf16>{});
   }
   return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
 }

@@ -42,7 +42,11 @@ namespace nvfp4moe::gemm {
 using namespace cute;
 
 constexpr int kMaxExperts = 1024;
-constexpr int kThreads = 384;
+// A producer warpgroup and two consumer warpgroups; setmaxnreg moves the producer's registers to
+// the consumers. (A 288-thread CTA with one producer warp and no setmaxnreg was measured 5-10%
+// slower on the N64 and N128 tiles, 2026-11-29.)
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = 128 + kConsumerThreads;
 constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
 constexpr int kTileK = 64;   // one prepared chunk per consumer warpgroup per stage
 
@@ -66,9 +70,10 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
 }
 
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
-// warpgroup keeps 40, consumers get 96) and so must the shared memory; small-N tiles need few
-// registers, and two CTAs double the warps that convert weights, which bounds decode throughput.
-template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_>
+// warpgroup keeps 40, consumers get 96; ptxas compiles for 80) and so must the shared memory;
+// small-N tiles need few registers, and two CTAs double the warps that convert weights, which
+// bounds decode throughput.
+template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true>
 struct Config {
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
@@ -76,6 +81,9 @@ struct Config {
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = kMinBlocks == 1 ? 232 : 96;
+  // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
+  // stage's wgmmas retired before the next stage's conversion (fewer registers).
+  static constexpr bool kPipelined = kPipelined_;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 / kMinBlocks, "register budget");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
@@ -133,6 +141,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   const int warp_group = threadIdx.x / 128;
+  const bool producer = warp_group == 0;
   const int m_tiles = (p.n + kTileM - 1) / kTileM;
   const int k_tiles = p.k / kTileK;
   const int chunks_m = p.n / weights::kChunkRows;
@@ -172,14 +181,14 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kStageBytes;
-  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
-  pp.num_consumers = 256;
+  pp.num_consumers = kConsumerThreads;
   pp.num_producers = 1;
   Pipeline pipeline(ss.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
 
-  if (warp_group == 0) {
+  if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(&tma_x);
@@ -219,15 +228,62 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   Tensor sB = make_tensor(make_smem_ptr(ss.b), typename Cfg::SmemLayoutB{});  // (BN, 64, stages)
   Tensor tCsB = thr_mma.partition_B(sB);                                       // (MMA, MMA_N, MMA_K, stages)
   Tensor tCrB = thr_mma.make_fragment_B(tCsB);
-  // A fragment in registers: (MMA = 8 values, MMA_M = 1, MMA_K = 4).
-  Tensor tCrA = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b),
-                                                         make_layout(make_shape(_64{}, Int<kTileK>{}), LayoutRight{})));
+  // Two A fragments in registers, (MMA = 8 values, MMA_M = 1, MMA_K = 4) each: the weights of
+  // stage k + 1 are converted into one while the wgmmas of stage k still read the other.
+  auto a_layout = make_layout(make_shape(_64{}, Int<kTileK>{}), LayoutRight{});
+  Tensor tCrA0 = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b), a_layout));
+  Tensor tCrA1 = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b), a_layout));
   Tensor accum = partition_fragment_C(tiled_mma, make_shape(_64{}, Int<kBlockN>{}));  // (MMA, 1, 1)
   Tensor cC = make_identity_tensor(make_shape(_64{}, Int<kBlockN>{}));
   Tensor tCcC = thr_mma.partition_C(cC);  // (feature, row) coordinates of each accumulator
 
   auto state = typename Pipeline::PipelineState{};
   bfloat16_t* epi = ss.epi[cw];
+
+  // Stage s's weight chunk -> BF16 A fragment `frag` (exact; see nvfp4_weights.cuh).
+  auto convert = [&](int s, auto& frag) {
+    const uint8_t* chunk = ss.a[s][cw];
+    uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
+    uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
+    const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
+    Tensor a_words = recast<uint32_t>(frag);  // 16 registers: bf16 pairs, 4 per k-block
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < 4; ++kb) {
+      uint32_t sw = kb < 2 ? sc.x : sc.y;
+      // Bytes (row m0, row m0 + 8) of this k-block, each replicated into both 16-bit lanes.
+      uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+      uint32_t s_r = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel0 << 8)));
+      uint32_t s_r8 = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel8 | (sel8 << 8)));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) {
+        uint32_t v = weights::e2m1x2_to_bf16x2_scaled(cw4[kb] >> (4 * j));
+        __nv_bfloat162 prod = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v),
+                                      *reinterpret_cast<const __nv_bfloat162*>(j % 2 ? &s_r8 : &s_r));
+        a_words(kb * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
+      }
+    }
+  };
+  // Keeps the compiler from moving fragment writes across the asynchronous wgmmas that read them.
+  auto fence_a = [](auto& frag) {
+    Tensor a_words = recast<uint32_t>(frag);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(a_words); ++i) {
+      asm volatile("" : "+r"(a_words(i))::"memory");
+    }
+  };
+  // Four m64 x kBlockN x k16 wgmmas over stage s, committed as one group.
+  auto issue = [&](int s, auto& frag) {
+    fence_a(frag);
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < 4; ++kb) {
+      cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, s), accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(accum);
+  };
 
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
@@ -241,41 +297,47 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    for (int kc = 0; kc < k_tiles; ++kc) {
+    if constexpr (Cfg::kPipelined) {
+      // Software pipeline, one wgmma group in flight: stage kc's group is issued, then the wait for
+      // at most one outstanding group retires stage kc - 1's, whose shared memory is released and
+      // whose A fragment is free for stage kc + 1. Fragments alternate A0, A1 (k_tiles >= 1).
       pipeline.consumer_wait(state);
-      int s = state.index();
-      const uint8_t* chunk = ss.a[s][cw];
-      uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
-      uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
-      const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < 4; ++kb) {
-        uint32_t sw = kb < 2 ? sc.x : sc.y;
-        // Bytes (row m0, row m0 + 8) of this k-block, each replicated into both 16-bit lanes.
-        uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-        uint32_t s_r = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel0 << 8)));
-        uint32_t s_r8 = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel8 | (sel8 << 8)));
-        Tensor a_kb = recast<uint32_t>(tCrA(_, 0, kb));  // 4 registers: bf16 pairs j = 0..3
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          uint32_t v = weights::e2m1x2_to_bf16x2_scaled(cw4[kb] >> (4 * j));
-          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v),
-                                        *reinterpret_cast<const __nv_bfloat162*>(j % 2 ? &s_r8 : &s_r));
-          a_kb(j) = *reinterpret_cast<uint32_t*>(&prod);
-        }
+      convert(state.index(), tCrA0);
+      issue(state.index(), tCrA0);
+      auto release = state;
+      ++state;
+      auto step = [&](auto& frag) {
+        pipeline.consumer_wait(state);
+        int s = state.index();
+        convert(s, frag);
+        issue(s, frag);
+        warpgroup_wait<1>();
+        fence_a(frag);
+        pipeline.consumer_release(release);
+        release = state;
+        ++state;
+      };
+      int kc = 1;
+      for (; kc + 1 < k_tiles; kc += 2) {
+        step(tCrA1);
+        step(tCrA0);
       }
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < 4; ++kb) {
-        cute::gemm(tiled_mma, tCrA(_, _, kb), tCrB(_, _, kb, s), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      if (kc < k_tiles) {
+        step(tCrA1);
       }
-      warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
-      pipeline.consumer_release(state);
-      ++state;
+      pipeline.consumer_release(release);
+    } else {
+      for (int kc = 0; kc < k_tiles; ++kc) {
+        pipeline.consumer_wait(state);
+        convert(state.index(), tCrA0);
+        issue(state.index(), tCrA0);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accum);
+        pipeline.consumer_release(state);
+        ++state;
+      }
     }
 
     // Epilogue: scale, round to BF16, stage through shared memory, store 16-byte pieces of rows
@@ -334,7 +396,9 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
 
 // The configurations (declared here, each defined in its own translation unit).
 template <GemmEpilogue E>
-using ConfigN16 = Config<16, 12, 2, E>;
+using ConfigN16 = Config<16, 12, 2, E, false>;  // 80 registers: too few to pipeline (C7512)
+template <GemmEpilogue E>
+using ConfigN64 = Config<64, 15, 1, E>;
 template <GemmEpilogue E>
 using ConfigN128 = Config<128, 8, 1, E>;
 extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
@@ -343,6 +407,12 @@ extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kInterleaved>
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
+                                                                                  cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,
+                                                                                  cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
+                                                                                  cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,

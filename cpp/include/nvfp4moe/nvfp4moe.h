@@ -211,10 +211,11 @@ enum class GemmTile : int32_t {
   kAuto = 0,       // pick from total rows and experts (see choose_gemm_tile)
   kM128N16 = 1,    // decode: few rows per expert
   kM128N128 = 2,   // prefill: many rows per expert
+  kM128N64 = 3,    // between: tens of rows per expert
 };
 
 // The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
-// rows each expert got. With <= 24 rows per expert on average, N16 wastes least; else N128.
+// rows each expert got. Average rows per expert <= 16: N16; <= 80: N64; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
 // What the grouped GEMM's epilogue computes and writes (out is bf16 in every case).
