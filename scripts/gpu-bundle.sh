@@ -31,6 +31,6 @@ cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read 
   if [ "$kind" = bench ]; then cp "$exe" "$bundle/benches/$name"; fi
 done
 cp scripts/gpu-run.sh "$bundle/run.sh"
-cp benches/torch_grouped_gemm.py "$bundle/"
+cp benches/torch_grouped_gemm.py benches/torch_moe_baseline.py "$bundle/"
 strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* 2>/dev/null || true
 du -sh "$bundle"; ls -la "$bundle" "$bundle/tests" "$bundle/benches"

@@ -391,3 +391,85 @@ fn cuda_writes_the_same_bytes_as_cpu() {
         assert!(d_cpu == d_gpu, "{rows}x{cols}: dequantized files differ");
     }
 }
+
+/// `run` on ModelOpt checkpoints written here (DeepSeek and Mixtral names, gate and up with
+/// different `weight_scale_2`), against the f64 reference of the layer: relative Frobenius error
+/// <= 1e-2 per token and overall; an out-of-range expert id is a one-line error (exit 1).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn run_matches_reference_on_written_checkpoints() {
+    use nvfp4_moe::checkpoint::{write_modelopt_experts, ExpertNaming};
+    let mut r = rng();
+    let dir = TmpDir::new("run");
+    let (e, h, i, t, k) = (8usize, 256usize, 192usize, 37usize, 2usize);
+    for (naming, prefix) in [
+        (ExpertNaming::GateUpDown, "model.layers.3.mlp.experts"),
+        (ExpertNaming::W1W3W2, "model.layers.0.block_sparse_moe.experts"),
+    ] {
+        let mut ck = nvfp4_moe::presets::random_moe_checkpoint(&mut r, e, h, i);
+        ck.naming = naming;
+        let weights = dir.path(&format!("{naming:?}.safetensors"));
+        write_modelopt_experts(&weights, prefix, naming, &ck).unwrap();
+        // Skewed routing with empty experts: slots go to experts 0..3 only, two distinct per token.
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| {
+                let a = r.below(4) as i32;
+                [a, (a + 1 + r.below(3) as i32) % 4]
+            })
+            .collect();
+        let w: Vec<f32> = (0..t * k).map(|_| r.uniform(0.1, 1.0)).collect();
+        let hidden = r.normal_bf16(t * h, 1.0);
+        let input = dir.path("in.safetensors");
+        write_raw(
+            &input,
+            &[
+                ("hidden_states", Dtype::BF16, vec![t, h], hidden.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                ("topk_ids", Dtype::I32, vec![t, k], ids.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                ("topk_weights", Dtype::F32, vec![t, k], w.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            ],
+        );
+        let output = dir.path("out.safetensors");
+        assert_ok(&cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]));
+        let (got, rows, cols, _) = read_matrix_bf16(&output, "out").unwrap();
+        assert_eq!((rows, cols), (t, h));
+        let want =
+            nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let (mut num, mut den) = (0f64, 0f64);
+        for tok in 0..t {
+            let (mut n, mut d) = (0f64, 0f64);
+            for o in 0..h {
+                let (g, x) = (f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
+                n += (g - x) * (g - x);
+                d += x * x;
+            }
+            assert!((n / d).sqrt() <= 1e-2, "{naming:?}: token {tok}: {:.3e}", (n / d).sqrt());
+            num += n;
+            den += d;
+        }
+        assert!((num / den).sqrt() <= 1e-2, "{naming:?}: overall {:.3e}", (num / den).sqrt());
+
+        // An expert id out of range: reported by the device-side error word, naming the slot.
+        let mut bad = ids.clone();
+        bad[2 * k + 1] = e as i32 + 5;
+        write_raw(
+            &input,
+            &[
+                ("hidden_states", Dtype::BF16, vec![t, h], hidden.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                ("topk_ids", Dtype::I32, vec![t, k], bad.iter().flat_map(|x| x.to_le_bytes()).collect()),
+                ("topk_weights", Dtype::F32, vec![t, k], w.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            ],
+        );
+        let run = cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]);
+        assert_eq!(run.code, 1, "{}", run.stderr);
+        assert!(run.stderr.contains(&format!("{}", e + 5)), "{}", run.stderr);
+    }
+}
+
+/// `check` runs the layer against the CPU reference and says ok.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn check_passes_on_the_gpu() {
+    let run = cli(&["check", "--preset", "qwen3-30b-a3b", "--tokens", "3"]);
+    assert_ok(&run);
+    assert!(run.stdout.contains("relative Frobenius error") && run.stdout.trim_end().ends_with("ok"), "{}", run.stdout);
+}
