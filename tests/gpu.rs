@@ -1029,6 +1029,83 @@ mod layer {
         }
     }
 
+    /// BF16 experts quantized by the crate's GPU quantizer: the bytes equal the CPU reference
+    /// quantizer's per expert and projection (gate and up with scales 10x apart), the layer over
+    /// them matches the f64 reference, and an all-zero projection is refused, named.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn layer_from_bf16_weights() {
+        use nvfp4_moe::layout::ScaleLayout;
+        use nvfp4_moe::moe::quantize_bf16_experts;
+        use nvfp4_moe::reference::{quantize, weight_decode_scale};
+        use nvfp4_moe::MoeWeightsBf16;
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let (e, h, i, t, k) = (6usize, 256usize, 192usize, 40usize, 2usize);
+        let gate = rng.normal_bf16(e * i * h, 0.05);
+        let up = rng.normal_bf16(e * i * h, 0.5);
+        let mut down = rng.normal_bf16(e * h * i, 0.05);
+        let w = MoeWeightsBf16 { gate: &gate, up: &up, down: &down, experts: e, hidden: h, intermediate: i };
+        let ck = quantize_bf16_experts(&s, &w).unwrap();
+        let n = i * h;
+        for x in 0..e {
+            let parts = [
+                (&gate[x * n..(x + 1) * n], i, h, &ck.w13, 2 * x, ck.w13.decode_scales[x]),
+                (&up[x * n..(x + 1) * n], i, h, &ck.w13, 2 * x + 1, ck.up_decode_scales[x]),
+                (&down[x * n..(x + 1) * n], h, i, &ck.w2, x, ck.w2.decode_scales[x]),
+            ];
+            for (pi, (src, rows, cols, dst, slot, g)) in parts.into_iter().enumerate() {
+                let want = quantize(src, rows, cols, weight_decode_scale(src).unwrap(), ScaleLayout::Linear).unwrap();
+                let (cb, sb) = (rows * cols / 2, rows * cols / 16);
+                assert_eq!(g.to_bits(), want.decode_scale.to_bits(), "expert {x} part {pi} (seed {seed})");
+                assert!(
+                    dst.codes[slot * cb..(slot + 1) * cb] == want.codes[..],
+                    "expert {x} part {pi} codes (seed {seed})"
+                );
+                assert!(
+                    dst.scales[slot * sb..(slot + 1) * sb] == want.scales[..],
+                    "expert {x} part {pi} scales (seed {seed})"
+                );
+            }
+        }
+        let layer = MoeLayer::new(
+            MoeWeights::from_bf16(&s, &w).unwrap(),
+            MoeOptions { max_tokens: t, max_top_k: k, tile: GemmTile::Auto },
+        )
+        .unwrap();
+        let mut ws = layer.workspace(&s).unwrap();
+        let ids: Vec<i32> = (0..t)
+            .flat_map(|_| {
+                let a = rng.below(e as u64) as i32;
+                [a, (a + 1 + rng.below(e as u64 - 1) as i32) % e as i32]
+            })
+            .collect();
+        let wts: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&wts).unwrap());
+        let mut out = poisoned_bf16(&s, t * h);
+        layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+        layer.check(&s, &mut ws, k).unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        let mut all = RelErr::default();
+        for tok in 0..t {
+            let mut err = RelErr::default();
+            for o in 0..h {
+                err.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
+                all.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
+            }
+            assert!(err.rel() <= 1e-2, "token {tok}: {:.3e} (seed {seed})", err.rel());
+        }
+        assert!(all.rel() <= 1e-2, "overall {:.3e} (seed {seed})", all.rel());
+        // An all-zero projection has no decode scale: refused, naming it.
+        down[n..2 * n].iter_mut().for_each(|v| *v = bf16::ZERO);
+        let w = MoeWeightsBf16 { gate: &gate, up: &up, down: &down, experts: e, hidden: h, intermediate: i };
+        let err = quantize_bf16_experts(&s, &w).err().expect("all-zero down of expert 1 must be refused").to_string();
+        assert!(err.contains("expert 1 down"), "{err}");
+    }
+
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn router_path_and_bad_ids() {
