@@ -4,6 +4,7 @@
 #   bash gpu-bundle/run.sh                 # all GPU tests (--include-ignored), then all benches
 #   bash gpu-bundle/run.sh quantize/8192   # tests, then only benches whose name contains the filter
 #   NVFP4MOE_BENCHES=none bash gpu-bundle/run.sh   # tests only
+#   bash gpu-bundle/all.sh                 # tests, sanitizer, every bench and the PyTorch baselines
 # The runner prints a summary table last and writes logs + bench JSON under $OUT (or ./gpu-out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,7 @@ cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read 
   if [ "$kind" = bench ]; then cp "$exe" "$bundle/benches/$name"; fi
 done
 cp scripts/gpu-run.sh "$bundle/run.sh"
+cp scripts/gpu-all.sh "$bundle/all.sh"
 cp benches/torch_grouped_gemm.py benches/torch_moe_baseline.py "$bundle/"
 strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* 2>/dev/null || true
 du -sh "$bundle"; ls -la "$bundle" "$bundle/tests" "$bundle/benches"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Everything one GPU session needs to measure, in one device call (~7-8 minutes on the H200):
+# every GPU test, compute-sanitizer on the kernels' tests, the GEMM bench (with PyTorch's line),
+# the SwiGLU epilogue flows, the layer bench and the PyTorch MoE baselines; summary tables last.
+#   bash gpu-bundle/all.sh          (from the repository root, carry ["gpu-bundle"])
+# Logs and JSON go to $OUT (or ./gpu-out).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+export OUT=$out NVFP4MOE_BENCH_JSON=$out
+NVFP4MOE_BENCH_TIMEOUT=200 bash "$here/run.sh" /L >"$out/run.log" 2>&1
+timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$here/tests/test-gpu" --include-ignored \
+  --test-threads=1 one_hot swiglu_quantize grouped_quantize combine layer_ >"$out/sanitizer.log" 2>&1
+timeout 150 "$here/benches/swiglu" --bench /T >"$out/bench-swiglu-all.log" 2>&1
+timeout 150 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,128,1024,8192 \
+  --json "$out/layer.json" >"$out/layer.log" 2>"$out/layer.err"
+timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >"$out/torch_moe.log" 2>"$out/torch_moe.err"
+sed -n '/GPU summary/,$p' "$out/run.log"
+grep -E "^test .*FAILED|ERROR SUMMARY|^test result" "$out/sanitizer.log"
+sed -n '/== swiglu: summary/,$p' "$out/bench-swiglu-all.log"
+echo "== layer (nvfp4-moe bench)"; cat "$out/layer.log"
+echo "== PyTorch MoE baselines"; tail -16 "$out/torch_moe.log"
