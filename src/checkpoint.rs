@@ -817,6 +817,23 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
 }
 
 impl MoeCheckpoint {
+    /// Experts made in memory (no input scales, `gate_proj`/`up_proj`/`down_proj` names): E, H and
+    /// I are read from `w13` (`n = 2I`, `k = H`). Not validated; see [`validate`](Self::validate).
+    pub fn from_experts(w13: ExpertWeightsHost, up_decode_scales: Vec<f32>, w2: ExpertWeightsHost) -> Self {
+        MoeCheckpoint {
+            experts: w13.experts,
+            hidden: w13.k,
+            intermediate: w13.n / 2,
+            w13,
+            up_decode_scales,
+            w2,
+            l1_input_scales: None,
+            up_input_scales: None,
+            l2_input_scales: None,
+            naming: ExpertNaming::GateUpDown,
+        }
+    }
+
     /// Checks that the sizes agree (E, H, I with every buffer and vector; H and I positive
     /// multiples of 16; at least one expert), that every decode scale is finite and > 0, and that
     /// every input scale is finite and >= 0.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checkpoint::{load_modelopt, ExpertNaming, MoeCheckpoint};
+use crate::checkpoint::{load_modelopt, MoeCheckpoint};
 use crate::checks::check_len;
 use crate::error::{Error, Result};
 use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
@@ -127,18 +127,7 @@ pub fn quantize_bf16_experts(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -
         w2.scales.extend_from_slice(&sc);
         w2.decode_scales.push(g_down);
     }
-    let ck = MoeCheckpoint {
-        experts: e,
-        hidden: h,
-        intermediate: i,
-        w13,
-        up_decode_scales,
-        w2,
-        l1_input_scales: None,
-        up_input_scales: None,
-        l2_input_scales: None,
-        naming: ExpertNaming::GateUpDown,
-    };
+    let ck = MoeCheckpoint::from_experts(w13, up_decode_scales, w2);
     ck.validate()?;
     Ok(ck)
 }

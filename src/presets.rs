@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use crate::checkpoint::{ExpertNaming, MoeCheckpoint};
+use crate::checkpoint::MoeCheckpoint;
 use crate::error::{Error, Result};
 use crate::gemm::Nvfp4Weights;
 use crate::reference::ExpertWeightsHost;
@@ -87,18 +87,7 @@ pub fn random_moe_checkpoint(rng: &mut Rng, experts: usize, hidden: usize, inter
     let w13 = random_expert_weights(rng, experts, 2 * intermediate, hidden);
     let up_decode_scales = w13.decode_scales.iter().map(|g| g * 2.0).collect();
     let w2 = random_expert_weights(rng, experts, hidden, intermediate);
-    MoeCheckpoint {
-        experts,
-        hidden,
-        intermediate,
-        w13,
-        up_decode_scales,
-        w2,
-        l1_input_scales: None,
-        up_input_scales: None,
-        l2_input_scales: None,
-        naming: ExpertNaming::GateUpDown,
-    }
+    MoeCheckpoint::from_experts(w13, up_decode_scales, w2)
 }
 
 /// Device bytes of `len`, filled by replicating a 64 MiB block of `gen`'s bytes (fast: nothing
@@ -205,7 +194,7 @@ mod tests {
             assert_eq!(*u, g * 2.0);
         }
         assert!(ck.l1_input_scales.is_none() && ck.up_input_scales.is_none() && ck.l2_input_scales.is_none());
-        assert_eq!(ck.naming, ExpertNaming::GateUpDown);
+        assert_eq!(ck.naming, crate::checkpoint::ExpertNaming::GateUpDown);
         ck.validate().unwrap();
     }
 }

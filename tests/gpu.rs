@@ -964,25 +964,14 @@ mod routing {
 mod layer {
     use super::gemm::random_weights;
     use super::*;
-    use nvfp4_moe::checkpoint::{ExpertNaming, MoeCheckpoint};
+    use nvfp4_moe::checkpoint::MoeCheckpoint;
     use nvfp4_moe::routing;
     use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights};
 
     fn random_checkpoint(rng: &mut Rng, e: usize, h: usize, i: usize) -> MoeCheckpoint {
         let w13 = random_weights(rng, e, 2 * i, h);
         let up = w13.decode_scales.iter().map(|g| g * 10.0).collect();
-        MoeCheckpoint {
-            experts: e,
-            hidden: h,
-            intermediate: i,
-            w13,
-            up_decode_scales: up,
-            w2: random_weights(rng, e, h, i),
-            l1_input_scales: None,
-            up_input_scales: None,
-            l2_input_scales: None,
-            naming: ExpertNaming::GateUpDown,
-        }
+        MoeCheckpoint::from_experts(w13, up, random_weights(rng, e, h, i))
     }
 
     #[test]
