@@ -9,9 +9,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{balanced_offsets, device_weights, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS};
+use common::{
+    balanced_offsets, device_weights, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS,
+};
 use criterion::{criterion_group, Criterion};
-use cudarc::driver::{sys::CUevent_flags, CudaContext};
+use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, PlainBf16};
 use nvfp4_moe::rng::Rng;
@@ -41,22 +43,13 @@ fn benches(c: &mut Criterion) {
                 let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
                 let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&w, GemmTile::Auto).unwrap();
                 // One timed launch after an L2 flush.
-                let mut once = || -> f64 {
-                    s.memset_zeros(&mut flush).unwrap();
-                    let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-                    plan.launch(&s, &x, rows, &off, &mut out).unwrap();
-                    let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-                    b.synchronize().unwrap();
-                    f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
-                };
+                let mut once = || flushed_us(&s, &mut flush, || plan.launch(&s, &x, rows, &off, &mut out).unwrap());
                 let mut grp = c.benchmark_group("grouped_gemm");
                 grp.bench_function(&name, |b| {
                     b.iter_custom(|iters| Duration::from_secs_f64((0..iters).map(|_| once()).sum::<f64>() * 1e-6))
                 });
                 grp.finish();
-                let mut v: Vec<f64> = (0..31).map(|_| once()).collect();
-                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                let us = v[15];
+                let us = median(&mut (0..31).map(|_| once()).collect::<Vec<_>>());
                 let active = p.experts.min(rows);
                 let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
                 let flops = 2.0 * rows as f64 * n as f64 * k as f64;

@@ -19,9 +19,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{balanced_offsets, device_weights, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS};
+use common::{
+    balanced_offsets, device_weights, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS,
+};
 use criterion::{criterion_group, Criterion};
-use cudarc::driver::{sys::CUevent_flags, CudaContext};
+use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16};
 use nvfp4_moe::layout::grouped_scale_len;
@@ -110,14 +112,7 @@ fn benches(c: &mut Criterion) {
                 }
                 _ => plain.launch(&s, &x, rows, &off, &mut wide).unwrap(),
             };
-            let mut once = |fi: usize| -> f64 {
-                s.memset_zeros(&mut flush).unwrap();
-                let a = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-                step(fi);
-                let b = s.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-                b.synchronize().unwrap();
-                f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
-            };
+            let mut once = |fi: usize| flushed_us(&s, &mut flush, || step(fi));
             for (fi, (flow, _)) in flows.iter().enumerate() {
                 let mut grp = c.benchmark_group("swiglu");
                 grp.bench_function(format!("{base}/{flow}"), |bch| {
@@ -132,13 +127,7 @@ fn benches(c: &mut Criterion) {
                     v.push(once(fi));
                 }
             }
-            let med: Vec<f64> = samples
-                .iter_mut()
-                .map(|v| {
-                    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                    v[v.len() / 2]
-                })
-                .collect();
+            let med: Vec<f64> = samples.iter_mut().map(|v| median(v)).collect();
             for ((flow, bytes), us) in flows.iter().zip(&med) {
                 let name = format!("{base}/{flow}");
                 table.push(Row { name, us: *us, bytes: *bytes, flops, floor_us: flops / (BF16_TFLOPS * 1e12) * 1e6 });

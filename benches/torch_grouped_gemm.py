@@ -12,39 +12,12 @@ import argparse, json, sys
 
 import torch
 
+# The shared timing (CUDA graph, L2 flush, median) and balanced offsets; both scripts travel
+# together in the GPU bundle, and Python puts this script's folder on sys.path.
+from torch_moe_baseline import offsets as end_offsets, time_graph
+
 PRESETS = {"deepseek-v3": (256, 7168, 2048, 8), "qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 TOKENS = [1, 16, 128, 1024, 8192]
-
-
-def time_graph(fn, iters, flush):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ts = []
-    for _ in range(iters):
-        flush.add_(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def end_offsets(experts, rows):
-    active = min(experts, rows)
-    counts = torch.zeros(experts, dtype=torch.int32)
-    counts[:active] = rows // active
-    counts[: rows % active] += 1
-    return torch.cumsum(counts, 0).to(torch.int32).cuda(), active
 
 
 def main():

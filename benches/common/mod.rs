@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{sys::CUevent_flags, CudaStream};
+use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
 use nvfp4_moe::gemm::Nvfp4Weights;
 use nvfp4_moe::rng::Rng;
 
@@ -73,6 +73,22 @@ pub fn median_us(stream: &Arc<CudaStream>, warmup: usize, n: usize, mut f: impl 
     let mut v: Vec<f64> = (0..n).map(|_| time_events(stream, 1, &mut f).as_secs_f64() * 1e6).collect();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[n / 2]
+}
+
+/// One timed run of `f` after flushing L2 (a write of all of `flush`), in microseconds.
+pub fn flushed_us(stream: &Arc<CudaStream>, flush: &mut CudaSlice<u8>, f: impl FnOnce()) -> f64 {
+    stream.memset_zeros(flush).unwrap();
+    let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    f();
+    let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    b.synchronize().unwrap();
+    f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
+}
+
+/// The median of `v` (sorts it).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
 }
 
 /// The first free argument (criterion's filter), if any.
