@@ -621,9 +621,26 @@ mod swiglu {
     use super::gemm::{random_offsets, random_weights};
     use super::*;
     use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
-    use nvfp4_moe::reference::swiglu_element;
+    use nvfp4_moe::reference::{swiglu_element, ExpertWeightsHost};
 
     const OUT_POISON: u16 = 0x7FBF;
+
+    /// Random gate/up weights `[e, n, k]` with gate decode scales in [1e-3, 2e-3) and up's 10x
+    /// larger, prepared for the SwiGLU epilogues: (host weights, gate scales, up scales, prepared).
+    fn gate_up_weights(
+        s: &Arc<CudaStream>,
+        rng: &mut Rng,
+        e: usize,
+        n: usize,
+        k: usize,
+    ) -> (ExpertWeightsHost, Vec<f32>, Vec<f32>, Nvfp4Weights) {
+        let w = random_weights(rng, e, n, k);
+        let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+        let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+        let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+        let wd = Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        (w, gate_g, up_g, wd)
+    }
 
     /// For each I, random fused weights (gate and up decode scales 10x apart), uneven rows with
     /// empty experts: SwigluBf16 within 1e-2 of the f64 reference per expert; Interleaved's swiglu
@@ -639,11 +656,7 @@ mod swiglu {
         {
             let seed = rng.seed();
             let n = 2 * inter;
-            let w = random_weights(&mut rng, e, n, k);
-            let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
-            let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
-            let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-            let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+            let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
             let off = random_offsets(&mut rng, e, 150);
             let rows = *off.last().unwrap() as usize;
             let total = rows + 2;
@@ -773,11 +786,7 @@ mod swiglu {
         let mut rng = Rng::from_entropy();
         let (inter, k, e) = (1536usize, 512usize, 16usize);
         let n = 2 * inter;
-        let w = random_weights(&mut rng, e, n, k);
-        let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
-        let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
-        let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
         let off = random_offsets(&mut rng, e, 100);
         let rows = *off.last().unwrap() as usize;
         let x = rng.normal_bf16(rows * k, 1.0);
