@@ -96,6 +96,9 @@ pub(crate) mod raw {
         total_rows: i64,
         expert_offsets: u64,
         out: u64,
+        out_scales: u64,
+        act_decode_scales: u64,
+        num_act_decode_scales: i64,
         tile: i32,
         epilogue: i32,
         stream: u64,
@@ -125,6 +128,9 @@ pub(crate) mod raw {
         /// # Safety
         /// Every pointer must be a live device allocation of the size the arguments imply.
         unsafe fn quantize_nvfp4_grouped(p: &QuantizeGroupedParams) -> Result<()>;
+        /// # Safety
+        /// As `quantize_nvfp4_grouped`; `x` is the bf16 output here.
+        unsafe fn dequantize_nvfp4_grouped(p: &QuantizeGroupedParams) -> Result<()>;
 
         /// # Safety
         /// `gate_up` holds rows x 2 inter bf16 and `out` rows x inter bf16, on the stream's device.

@@ -283,6 +283,28 @@ impl Epilogue for SwigluBf16 {
     }
 }
 
+/// Epilogues whose output is one BF16 tensor (launched with [`GroupedGemm::launch`]).
+pub trait Bf16Output: Epilogue {}
+impl Bf16Output for PlainBf16 {}
+impl Bf16Output for Interleaved {}
+impl Bf16Output for SwigluBf16 {}
+
+/// The SwiGLU result of [`SwigluBf16`] (rounded to BF16 first, as the recipe says), quantized to
+/// NVFP4 inside the epilogue: codes `[rows, I/2]` and E4M3 scales in the grouped 128x4 layout with
+/// per-expert regions ([`crate::layout::grouped_scale_len`]), with an activation decode scale per
+/// expert or one for all. The bytes equal `quantize_nvfp4_grouped` of the `SwigluBf16` output.
+/// Launched with [`GroupedGemm::launch_nvfp4`]. Needs gate/up weights.
+pub struct SwigluNvfp4;
+
+impl Epilogue for SwigluNvfp4 {
+    const KIND: i32 = 3;
+    const NEEDS_GATE_UP: bool = true;
+    /// Code bytes per row.
+    fn out_cols(n: usize) -> usize {
+        n / 4
+    }
+}
+
 /// A launch plan for one weight set: validated once, launched many times.
 pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,
@@ -320,6 +342,90 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         let w = self.weights;
         check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
     }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_raw(
+        &self,
+        stream: &CudaStream,
+        x_ptr: u64,
+        total_rows: usize,
+        off_ptr: u64,
+        out_ptr: u64,
+        out_scales: u64,
+        act_scales: (u64, usize),
+    ) -> Result<()> {
+        let w = self.weights;
+        let (p_ptr, _gp) = w.prepared.device_ptr(stream);
+        let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
+        let p = raw::GroupedGemmParams {
+            prepared: p_ptr,
+            decode_scale: g_ptr,
+            experts: w.experts as i64,
+            n: w.n as i64,
+            k: w.k as i64,
+            x: x_ptr,
+            total_rows: total_rows as i64,
+            expert_offsets: off_ptr,
+            out: out_ptr,
+            out_scales,
+            act_decode_scales: act_scales.0,
+            num_act_decode_scales: act_scales.1 as i64,
+            tile: self.tile_for(total_rows) as i32,
+            epilogue: E::KIND,
+            stream: stream_handle(stream)?,
+        };
+        // SAFETY: the callers checked every buffer's length and alignment; the weights were
+        // prepared for (E, n, k).
+        unsafe { raw::grouped_gemm_nvfp4(&p)? };
+        Ok(())
+    }
+}
+
+impl GroupedGemm<'_, SwigluNvfp4> {
+    /// Enqueues the first MoE GEMM with SwiGLU and NVFP4 quantization in the epilogue: `codes` u8
+    /// `[total_rows, I/2]`, `scales` [`grouped_scale_len`](crate::layout::grouped_scale_len)`(
+    /// total_rows, E, I)` bytes (zeroed first, so padding reads 0), `act_decode_scales` f32 `[1]`
+    /// or `[E]` (device). Rows past `expert_offsets[E]` are not written. No host synchronization;
+    /// valid inside CUDA-graph capture.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_nvfp4<X, O, G, C, S>(
+        &self,
+        stream: &CudaStream,
+        x: &X,
+        total_rows: usize,
+        expert_offsets: &O,
+        act_decode_scales: &G,
+        codes: &mut C,
+        scales: &mut S,
+    ) -> Result<()>
+    where
+        X: DevicePtr<bf16>,
+        O: DevicePtr<i32>,
+        G: DevicePtr<f32>,
+        C: DevicePtrMut<u8>,
+        S: DevicePtrMut<u8>,
+    {
+        let w = self.weights;
+        let (x_len, o_len, g_len, c_len, s_len) =
+            (x.len(), expert_offsets.len(), act_decode_scales.len(), codes.len(), scales.len());
+        let (x_ptr, _gx) = x.device_ptr(stream);
+        let (off_ptr, _go) = expert_offsets.device_ptr(stream);
+        let (g_ptr, _gg) = act_decode_scales.device_ptr(stream);
+        let (c_ptr, _gc) = codes.device_ptr_mut(stream);
+        let (s_ptr, _gs) = scales.device_ptr_mut(stream);
+        self.check(total_rows, BufferInfo { addr: x_ptr, len: x_len }, o_len, BufferInfo { addr: c_ptr, len: c_len })?;
+        check_len("scales", s_len, crate::layout::grouped_scale_len(total_rows, w.experts, w.n / 2))?;
+        if g_len != 1 && g_len != w.experts {
+            return Err(Error::InvalidShape(format!(
+                "act_decode_scales has {g_len} entries, expected 1 or experts = {}",
+                w.experts
+            )));
+        }
+        if total_rows == 0 {
+            return Ok(());
+        }
+        self.launch_raw(stream, x_ptr, total_rows, off_ptr, c_ptr, s_ptr, (g_ptr, g_len))
+    }
 }
 
 /// Validates a grouped GEMM launch (pure; no GPU): `x` holds `total_rows x k` bf16, `out`
@@ -352,7 +458,7 @@ pub fn check_gemm_launch(
     Ok(())
 }
 
-impl<E: Epilogue> GroupedGemm<'_, E> {
+impl<E: Bf16Output> GroupedGemm<'_, E> {
     /// Enqueues `out[r, :] = epilogue(x[r, :] * W_e^T * g_e)` for the rows `r` of every expert `e`:
     /// `x` bf16 `[total_rows, k]`, `expert_offsets` i32 `[E+1]` (device; rows of expert e are
     /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, out_cols]`
@@ -384,26 +490,7 @@ impl<E: Epilogue> GroupedGemm<'_, E> {
         if total_rows == 0 {
             return Ok(());
         }
-        let w = self.weights;
-        let (p_ptr, _gp) = w.prepared.device_ptr(stream);
-        let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
-        let p = raw::GroupedGemmParams {
-            prepared: p_ptr,
-            decode_scale: g_ptr,
-            experts: w.experts as i64,
-            n: w.n as i64,
-            k: w.k as i64,
-            x: x_ptr,
-            total_rows: total_rows as i64,
-            expert_offsets: off_ptr,
-            out: out_ptr,
-            tile: self.tile_for(total_rows) as i32,
-            epilogue: E::KIND,
-            stream: stream_handle(stream)?,
-        };
-        // SAFETY: lengths and alignment checked; the weights were prepared for (E, n, k).
-        unsafe { raw::grouped_gemm_nvfp4(&p)? };
-        Ok(())
+        self.launch_raw(stream, x_ptr, total_rows, off_ptr, out_ptr, 0, (0, 0))
     }
 }
 

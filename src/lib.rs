@@ -42,7 +42,7 @@ pub mod presets;
 pub mod quantize;
 
 pub use error::{Error, Result};
-pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16};
+pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16, SwigluNvfp4};
 pub use layout::ScaleLayout;
-pub use moe::{MoeLayer, MoeOptions, MoeWeights, MoeWeightsBf16, MoeWorkspace};
+pub use moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWeightsBf16, MoeWorkspace};
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

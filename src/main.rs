@@ -977,10 +977,7 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     let t = Instant::now();
     let ctx = cudarc::driver::CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let layer = MoeLayer::new(
-        MoeWeights::from_checkpoint(&stream, &ck)?,
-        MoeOptions { max_tokens: tokens, max_top_k: k, tile: GemmTile::Auto },
-    )?;
+    let layer = MoeLayer::new(MoeWeights::from_checkpoint(&stream, &ck)?, MoeOptions::new(tokens, k))?;
     let mut ws = layer.workspace(&stream)?;
     stream.synchronize()?;
     eprintln!("  done in {}", fmt_dur(t.elapsed()));
@@ -1142,7 +1139,7 @@ fn cmd_run(flags: &Flags) -> CliResult<()> {
     stream.synchronize()?;
     eprintln!("  done in {}", fmt_dur(t.elapsed()));
 
-    let layer = MoeLayer::new(weights, MoeOptions { max_tokens: tokens, max_top_k: k, tile })?;
+    let layer = MoeLayer::new(weights, MoeOptions { tile, ..MoeOptions::new(tokens, k) })?;
     let mut ws = layer.workspace(&stream)?;
     let (hd, idd, wd) =
         (stream.clone_htod(&inp.hidden)?, stream.clone_htod(&inp.ids)?, stream.clone_htod(&inp.weights)?);
@@ -1302,7 +1299,7 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
         let w13 = presets::random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
         let w2 = presets::random_device_weights(&stream, &mut rng, e, h, i, false)?;
         let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
-        let layer = MoeLayer::new(weights, MoeOptions { max_tokens: max_t, max_top_k: k, tile: GemmTile::Auto })?;
+        let layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
         let mut ws = layer.workspace(&stream)?;
         let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
         // Token t's routing does not depend on T: one buffer serves every T as a prefix.

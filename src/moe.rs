@@ -11,9 +11,9 @@ use half::bf16;
 use crate::checkpoint::{load_modelopt, MoeCheckpoint};
 use crate::checks::check_len;
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
-use crate::layout::ScaleLayout;
-use crate::quantize::quantize_nvfp4;
+use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4};
+use crate::layout::{grouped_scale_len, ScaleLayout};
+use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4};
 use crate::reference::{weight_decode_scale, ExpertWeightsHost};
 use crate::routing::{combine_into, softmax_topk_into, PermuteBuffers};
 
@@ -132,6 +132,19 @@ pub fn quantize_bf16_experts(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -
     Ok(ck)
 }
 
+/// What the first GEMM hands the second.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Intermediate {
+    /// Compact BF16 from the `SwigluBf16` epilogue (the default).
+    Bf16,
+    /// NVFP4 packed in the first GEMM's epilogue (`SwigluNvfp4`) with this activation decode scale
+    /// (e.g. a checkpoint's `down_proj.input_scale`), then dequantized by
+    /// `dequantize_nvfp4_grouped` for the second GEMM (Hopper has no FP4 MMA). This is the path
+    /// FP4 consumers (Blackwell GEMMs, expert-parallel transfers) take; it adds NVFP4's
+    /// quantization error to the layer.
+    Nvfp4 { decode_scale: f32 },
+}
+
 /// Options of a [`MoeLayer`].
 #[derive(Clone, Copy, Debug)]
 pub struct MoeOptions {
@@ -141,6 +154,22 @@ pub struct MoeOptions {
     pub max_top_k: usize,
     /// Tile configuration of both GEMMs (`Auto`: chosen per forward from tokens x top-k).
     pub tile: GemmTile,
+    /// The format between the two GEMMs.
+    pub intermediate: Intermediate,
+}
+
+impl MoeOptions {
+    /// `max_tokens` and `max_top_k` with the defaults: `GemmTile::Auto`, `Intermediate::Bf16`.
+    pub fn new(max_tokens: usize, max_top_k: usize) -> Self {
+        MoeOptions { max_tokens, max_top_k, tile: GemmTile::Auto, intermediate: Intermediate::Bf16 }
+    }
+}
+
+/// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
+struct Fp4Buffers {
+    codes: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    decode_scale: CudaSlice<f32>,
 }
 
 /// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
@@ -150,6 +179,7 @@ pub struct MoeWorkspace {
     y: CudaSlice<bf16>,
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
+    fp4: Option<Fp4Buffers>,
     max_pairs: usize,
 }
 
@@ -170,6 +200,9 @@ impl MoeLayer {
         if opts.max_tokens.checked_mul(opts.max_top_k).is_none_or(|p| p > i32::MAX as usize) {
             return Err(Error::InvalidShape(format!("max_tokens x max_top_k is too large ({})", opts.max_tokens)));
         }
+        if let Intermediate::Nvfp4 { decode_scale } = opts.intermediate {
+            crate::reference::validate_decode_scale(decode_scale)?;
+        }
         Ok(MoeLayer { weights, opts })
     }
 
@@ -181,7 +214,16 @@ impl MoeLayer {
     pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
         let pairs = self.opts.max_tokens * self.opts.max_top_k;
         let (h, i) = (self.weights.hidden, self.weights.intermediate);
+        let fp4 = match self.opts.intermediate {
+            Intermediate::Bf16 => None,
+            Intermediate::Nvfp4 { decode_scale } => Some(Fp4Buffers {
+                codes: stream.alloc_zeros::<u8>((pairs * i / 2).max(1))?,
+                scales: stream.alloc_zeros::<u8>(grouped_scale_len(pairs, self.weights.experts, i).max(1))?,
+                decode_scale: stream.clone_htod(&[decode_scale])?,
+            }),
+        };
         Ok(MoeWorkspace {
+            fp4,
             perm: PermuteBuffers::new(stream, pairs, self.weights.experts, h)?,
             act: stream.alloc_zeros::<bf16>((pairs * i).max(1))?,
             y: stream.alloc_zeros::<bf16>((pairs * h).max(1))?,
@@ -227,8 +269,8 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         self.check_tokens(tokens, top_k, ws)?;
-        let MoeWorkspace { perm, act, y, .. } = ws;
-        self.run(stream, hidden, tokens, topk_ids, topk_weights, top_k, out, perm, act, y)
+        let MoeWorkspace { perm, act, y, fp4, .. } = ws;
+        self.run(stream, hidden, tokens, topk_ids, topk_weights, top_k, out, perm, act, y, fp4.as_mut())
     }
 
     /// The forward's launches over the workspace's parts (split so that the router path can
@@ -246,6 +288,7 @@ impl MoeLayer {
         perm: &mut PermuteBuffers,
         act: &mut CudaSlice<bf16>,
         y: &mut CudaSlice<bf16>,
+        fp4: Option<&mut Fp4Buffers>,
     ) -> Result<()>
     where
         H: DevicePtr<bf16>,
@@ -261,7 +304,32 @@ impl MoeLayer {
         let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?;
         let l2 = GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
-        l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
+        match fp4 {
+            None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
+            Some(b) => {
+                let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?;
+                l1.launch_nvfp4(
+                    stream,
+                    &perm.x_perm,
+                    pairs,
+                    &perm.expert_offsets,
+                    &b.decode_scale,
+                    &mut b.codes,
+                    &mut b.scales,
+                )?;
+                let i = self.weights.intermediate;
+                dequantize_nvfp4_grouped_into(
+                    stream,
+                    &b.codes,
+                    &b.scales,
+                    pairs,
+                    i,
+                    &perm.expert_offsets,
+                    &b.decode_scale,
+                    act,
+                )?;
+            }
+        }
         l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
         combine_into(stream, &*y, &perm.row_of_pair, topk_weights, tokens, top_k, h, out)
     }
@@ -286,9 +354,9 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         self.check_tokens(tokens, top_k, ws)?;
-        let MoeWorkspace { perm, act, y, ids, weights, .. } = ws;
+        let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
         softmax_topk_into(stream, router_logits, tokens, self.weights.experts, top_k, renormalize, ids, weights)?;
-        self.run(stream, hidden, tokens, &*ids, &*weights, top_k, out, perm, act, y)
+        self.run(stream, hidden, tokens, &*ids, &*weights, top_k, out, perm, act, y, fp4.as_mut())
     }
 
     /// Synchronizes `stream` and reports the first bad expert id seen since the last check.

@@ -489,6 +489,64 @@ where
     Ok(())
 }
 
+/// Dequantizes grouped activations (the inverse of [`quantize_nvfp4_grouped_into`], e.g. the
+/// output of [`crate::gemm::SwigluNvfp4`]): codes `[rows, cols/2]` + grouped scales + decode
+/// scales (one per expert, or one) -> `out` bf16 `[rows, cols]` = `bf16_rne((e2m1 * e4m3) * g)`.
+/// Rows past `expert_offsets[E]` are not written. No host synchronization.
+#[allow(clippy::too_many_arguments)]
+pub fn dequantize_nvfp4_grouped_into<C, S, O, G, X>(
+    stream: &CudaStream,
+    codes: &C,
+    scales: &S,
+    rows: usize,
+    cols: usize,
+    expert_offsets: &O,
+    decode_scales: &G,
+    out: &mut X,
+) -> Result<()>
+where
+    C: DevicePtr<u8>,
+    S: DevicePtr<u8>,
+    O: DevicePtr<i32>,
+    G: DevicePtr<f32>,
+    X: DevicePtrMut<bf16>,
+{
+    let (x_len, o_len, g_len, c_len, s_len) =
+        (out.len(), expert_offsets.len(), decode_scales.len(), codes.len(), scales.len());
+    let (x_ptr, _gx) = out.device_ptr_mut(stream);
+    let (o_ptr, _go) = expert_offsets.device_ptr(stream);
+    let (g_ptr, _gg) = decode_scales.device_ptr(stream);
+    let (c_ptr, _gc) = codes.device_ptr(stream);
+    let (s_ptr, _gs) = scales.device_ptr(stream);
+    // The same lengths and alignment as the quantizer's, with `out` in the place of `x`.
+    check_quantize_grouped(
+        GroupedSource::Contiguous,
+        rows,
+        cols,
+        o_len,
+        g_len,
+        BufferInfo { addr: x_ptr, len: x_len },
+        BufferInfo { addr: c_ptr, len: c_len },
+        BufferInfo { addr: s_ptr, len: s_len },
+    )?;
+    let p = raw::QuantizeGroupedParams {
+        x: x_ptr,
+        source: GroupedSource::Contiguous as i32,
+        rows: rows as i64,
+        cols: cols as i64,
+        expert_offsets: o_ptr,
+        experts: (o_len - 1) as i64,
+        decode_scales: g_ptr,
+        num_decode_scales: g_len as i64,
+        codes: c_ptr,
+        scales: s_ptr,
+        stream: stream_handle(stream)?,
+    };
+    // SAFETY: check_quantize_grouped proved the lengths and alignment.
+    unsafe { raw::dequantize_nvfp4_grouped(&p)? };
+    Ok(())
+}
+
 /// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
 /// output of gate/up weights, bf16 `[rows, 2 inter]` in `[gate x8, up x8]` bands; `out` bf16
 /// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.

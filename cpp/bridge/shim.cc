@@ -72,9 +72,27 @@ void grouped_gemm_nvfp4(const GroupedGemmParams& p) {
   a.total_rows = p.total_rows;
   a.expert_offsets = static_cast<const int*>(dptr(p.expert_offsets));
   a.out = dptr_mut(p.out);
+  a.out_scales = dptr_mut(p.out_scales);
+  a.act_decode_scales = static_cast<const float*>(dptr(p.act_decode_scales));
+  a.num_act_decode_scales = p.num_act_decode_scales;
   a.tile = static_cast<GemmTile>(p.tile);
   a.epilogue = static_cast<GemmEpilogue>(p.epilogue);
   throw_on_error(nvfp4moe::grouped_gemm_nvfp4(a, stream_ptr(p.stream)));
+}
+
+// The same parameter struct as quantize_nvfp4_grouped: x is the bf16 output here.
+void dequantize_nvfp4_grouped(const QuantizeGroupedParams& p) {
+  DequantizeGroupedArgs a;
+  a.codes = dptr(p.codes);
+  a.scales = dptr(p.scales);
+  a.rows = p.rows;
+  a.cols = p.cols;
+  a.expert_offsets = static_cast<const int*>(dptr(p.expert_offsets));
+  a.experts = p.experts;
+  a.decode_scales = static_cast<const float*>(dptr(p.decode_scales));
+  a.num_decode_scales = p.num_decode_scales;
+  a.out = dptr_mut(p.x);
+  throw_on_error(nvfp4moe::dequantize_nvfp4_grouped(a, stream_ptr(p.stream)));
 }
 
 void quantize_nvfp4_grouped(const QuantizeGroupedParams& p) {

@@ -22,6 +22,7 @@ void dequantize_nvfp4(const DequantizeParams& p);
 void prepare_nvfp4_weights(const PrepareWeightsParams& p);
 void grouped_gemm_nvfp4(const GroupedGemmParams& p);
 void quantize_nvfp4_grouped(const QuantizeGroupedParams& p);
+void dequantize_nvfp4_grouped(const QuantizeGroupedParams& p);
 void swiglu_bf16(uint64_t gate_up, int64_t rows, int64_t inter, uint64_t out, uint64_t stream);
 void softmax_topk(uint64_t logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize, uint64_t ids,
                   uint64_t weights, uint64_t stream);

@@ -48,7 +48,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 (long long)a.experts);
   }
   if (a.epilogue != GemmEpilogue::kPlain && a.epilogue != GemmEpilogue::kInterleaved &&
-      a.epilogue != GemmEpilogue::kSwigluBf16) {
+      a.epilogue != GemmEpilogue::kSwigluBf16 && a.epilogue != GemmEpilogue::kSwigluNvfp4) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
   }
   if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
@@ -65,6 +65,16 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (reinterpret_cast<uintptr_t>(a.x) % 16 || reinterpret_cast<uintptr_t>(a.out) % 16 ||
       reinterpret_cast<uintptr_t>(a.prepared) % 16) {
     return fail(Status::kMisaligned, "grouped_gemm_nvfp4: x, out and prepared weights must be 16-byte aligned");
+  }
+  const bool nvfp4_out = a.epilogue == GemmEpilogue::kSwigluNvfp4;
+  if (nvfp4_out) {
+    if (!a.out_scales || !a.act_decode_scales) {
+      return fail(Status::kNullPointer, "grouped_gemm_nvfp4: kSwigluNvfp4 needs out_scales and act_decode_scales");
+    }
+    if (a.num_act_decode_scales != 1 && a.num_act_decode_scales != a.experts) {
+      return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
+                  (long long)a.num_act_decode_scales);
+    }
   }
   auto encode = tensor_map_encoder();
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
@@ -94,9 +104,26 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
   }
-  gemm::Params p{static_cast<const uint8_t*>(a.prepared), a.decode_scale, a.expert_offsets,
-                 static_cast<__nv_bfloat16*>(a.out), int(a.experts), int(a.n), int(a.k), int(a.total_rows)};
+  gemm::Params p{static_cast<const uint8_t*>(a.prepared),
+                 a.decode_scale,
+                 a.expert_offsets,
+                 static_cast<__nv_bfloat16*>(a.out),
+                 static_cast<uint8_t*>(a.out_scales),
+                 a.act_decode_scales,
+                 int(a.num_act_decode_scales),
+                 int(a.experts),
+                 int(a.n),
+                 int(a.k),
+                 int(a.total_rows)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (nvfp4_out) {
+    // Every scale byte the kernel does not write (padding rows and columns of each expert's
+    // region) must read as zero, as quantize_nvfp4_grouped writes them.
+    cudaError_t e = cudaMemsetAsync(a.out_scales, 0, grouped_scale_bytes(a.total_rows, a.experts, a.n / 2), st);
+    if (e != cudaSuccess) {
+      return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaMemsetAsync: %s", cudaGetErrorString(e));
+    }
+  }
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
@@ -113,6 +140,8 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kInterleaved>{});
     case GemmEpilogue::kSwigluBf16:
       return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluBf16>{});
+    case GemmEpilogue::kSwigluNvfp4:
+      return launch(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluNvfp4>{});
   }
   return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
 }

@@ -22,6 +22,7 @@
 #pragma once
 
 #include "nvfp4moe/nvfp4moe.h"
+#include "nvfp4_codec.cuh"
 #include "nvfp4_weights.cuh"
 #include "status.hpp"
 
@@ -54,7 +55,10 @@ struct Params {
   const uint8_t* prepared;     // nvfp4_weights.cuh layout
   const float* decode_scale;   // [E, 2]: features f % 16 < 8, then the others
   const int* expert_offsets;   // [E+1]
-  __nv_bfloat16* out;          // [total_rows, n]
+  __nv_bfloat16* out;          // [total_rows, n] (kSwigluNvfp4: codes u8 [total_rows, n / 4])
+  uint8_t* out_scales;         // kSwigluNvfp4: grouped 128x4 scales with per-expert regions
+  const float* act_scale;      // kSwigluNvfp4: activation decode scales, [1] or [E]
+  int num_act_scales;
   int experts;
   int n;
   int k;
@@ -346,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
     constexpr bool kSwiglu = Cfg::kEpilogue != GemmEpilogue::kPlain;
-    constexpr int kStageCols = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? 32 : 64;
+    constexpr bool kCompact = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 || Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
+    constexpr int kStageCols = kCompact ? 32 : 64;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       int f = get<0>(tCcC(i));
@@ -366,9 +371,34 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
     bool half_valid = feature0 < p.n;
+    if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
+      // Each thread quantizes 16-feature blocks of staged rows: (kBlockN rows, 2 blocks) per
+      // warpgroup, with the same codec as quantize_nvfp4 (so the bytes are identical).
+      const int inter = p.n / 2;
+      const int k_tiles = (inter / 16 + 3) / 4;
+      const float g = p.act_scale[p.num_act_scales == 1 ? 0 : tc.expert];
+      const float six_g = __fmul_rn(6.0f, g);
+      uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
+      const int64_t region = (int64_t(rr.x) + int64_t(tc.expert) * 127) / 128 * 128;  // expert's scale rows
+      CUTLASS_PRAGMA_UNROLL
+      for (int piece = t; piece < kBlockN * 2; piece += 128) {
+        int r = piece / 2, blk = piece % 2;
+        int row = row_begin + r;
+        if (half_valid && row < row_end) {
+          const uint4* src = reinterpret_cast<const uint4*>(epi + r * kStageCols + blk * 16);
+          uint4 lo = src[0], hi = src[1];
+          const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          codec::Block16 q = codec::quantize_block16(w8, g, six_g);
+          int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
+          *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
+          p.out_scales[codec::swizzled_offset(region + (row - rr.x), col / 16, k_tiles)] = uint8_t(q.scale);
+        }
+      }
+      continue;
+    }
     constexpr int kPieces = kStageCols / 8;  // 16-byte pieces per staged row
-    const int out_cols = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? p.n / 2 : p.n;
-    const int out_col0 = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 ? feature0 / 2 : feature0;
+    const int out_cols = kCompact ? p.n / 2 : p.n;
+    const int out_col0 = kCompact ? feature0 / 2 : feature0;
     CUTLASS_PRAGMA_UNROLL
     for (int piece = t; piece < kBlockN * kPieces; piece += 128) {
       int r = piece / kPieces, c8 = (piece % kPieces) * 8;
@@ -407,17 +437,23 @@ extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kInterleaved>
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluNvfp4>>(const CUtensorMap&, const Params&, int,
+                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
                                                                                   cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,
                                                                                   cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
                                                                                   cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kSwigluNvfp4>>(const CUtensorMap&, const Params&, int,
+                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&, const Params&, int,
                                                                                    cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN128<GemmEpilogue::kSwigluNvfp4>>(const CUtensorMap&, const Params&, int,
+                                                                                    cudaStream_t);
 
 }  // namespace nvfp4moe::gemm

@@ -69,6 +69,54 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
   }
 }
 
+// One warp per row, as quantize_grouped_kernel; each lane decodes 16-element blocks.
+__global__ void __launch_bounds__(kThreads) dequantize_grouped_kernel(
+    const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, int rows, int cols,
+    const int* __restrict__ offsets, int experts, const float* __restrict__ decode_scales, int num_decode_scales,
+    __nv_bfloat16* __restrict__ out) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kThreads / 32);
+  const int kb = cols / 16;
+  const int k_tiles = (kb + 3) / 4;
+  const int total = min(max(offsets[experts], 0), rows);
+  const int64_t scale_rows = (int64_t(rows) + int64_t(experts) * 127 + 127) / 128 * 128;
+  for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
+    int e = 0;
+    if (lane == 0) {
+      int lo = 0, hi = experts - 1;
+      while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
+      }
+      e = lo;
+    }
+    e = __shfl_sync(0xFFFFFFFFu, e, 0);
+    const int first = offsets[e];
+    const int64_t scale_row = (int64_t(first) + int64_t(e) * 127) / 128 * 128 + (row - first);
+    if (row < first || scale_row >= scale_rows) {
+      continue;  // malformed offsets: never read or write outside the buffers
+    }
+    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
+    for (int k = lane; k < kb; k += 32) {
+      uint2 c = __ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k);
+      float s = codec::e4m3_decode(__ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)));
+      uint32_t packed[8];
+      const uint32_t cw[2] = {c.x, c.y};
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        uint32_t nib = cw[i / 4] >> (8 * (i % 4));
+        float lo = __fmul_rn(__fmul_rn(codec::e2m1_decode(nib & 0xFu), s), g);
+        float hi = __fmul_rn(__fmul_rn(codec::e2m1_decode((nib >> 4) & 0xFu), s), g);
+        __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+        packed[i] = isnan(s) ? 0x7FC07FC0u : *reinterpret_cast<uint32_t*>(&p);
+      }
+      uint4* dst = reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k;
+      dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+    }
+  }
+}
+
 // out[r, 8b + i] = silu(gate) * up with gate = in[r, 16b + i], up = in[r, 16b + 8 + i].
 // One thread per 8 output features: one 16-byte load of gates, one of ups, one 16-byte store.
 __global__ void __launch_bounds__(kThreads) swiglu_bf16_kernel(const __nv_bfloat16* __restrict__ in, int64_t groups,
@@ -135,6 +183,34 @@ Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexce
                                     int(a.experts), a.decode_scales, int(a.num_decode_scales),
                                     static_cast<uint8_t*>(a.codes), static_cast<uint8_t*>(a.scales));
   return check_launch("quantize_nvfp4_grouped");
+}
+
+Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, void* stream) noexcept {
+  if (a.rows < 0 || a.cols <= 0 || a.cols % 16 || a.experts <= 0 || a.rows > 0x7FFFFFFF || a.cols > (1 << 26)) {
+    return fail(Status::kInvalidShape, "dequantize_nvfp4_grouped: rows >= 0, experts > 0, cols a positive multiple of "
+                "16 (rows=%lld cols=%lld experts=%lld)", (long long)a.rows, (long long)a.cols, (long long)a.experts);
+  }
+  if (a.num_decode_scales != 1 && a.num_decode_scales != a.experts) {
+    return fail(Status::kInvalidShape, "dequantize_nvfp4_grouped: 1 or E decode scales (got %lld)",
+                (long long)a.num_decode_scales);
+  }
+  if (a.rows == 0) return Status::kSuccess;
+  if (!a.codes || !a.scales || !a.expert_offsets || !a.decode_scales || !a.out) {
+    return fail(Status::kNullPointer, "dequantize_nvfp4_grouped: null pointer");
+  }
+  if (!aligned(a.codes, 8) || !aligned(a.out, 16)) {
+    return fail(Status::kMisaligned, "dequantize_nvfp4_grouped: codes must be 8-byte and out 16-byte aligned");
+  }
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int64_t want = (a.rows + kThreads / 32 - 1) / (kThreads / 32);
+  unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  dequantize_grouped_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(a.codes), static_cast<const uint8_t*>(a.scales), int(a.rows), int(a.cols),
+      a.expert_offsets, int(a.experts), a.decode_scales, int(a.num_decode_scales),
+      static_cast<__nv_bfloat16*>(a.out));
+  return check_launch("dequantize_nvfp4_grouped");
 }
 
 Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept {

@@ -107,6 +107,23 @@ struct QuantizeGroupedArgs {
 // No host synchronization; rows past expert_offsets[E] are not written.
 Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& args, void* stream) noexcept;
 
+// The inverse for grouped activations: codes [rows, cols/2] + grouped 128x4 scales with
+// per-expert regions + decode scale(s) -> bf16 [rows, cols], out = bf16_rne((e2m1 * e4m3) * g)
+// like dequantize_nvfp4 (a NaN scale gives NaN for the block). Rows past expert_offsets[E] are
+// not written. No host synchronization.
+struct DequantizeGroupedArgs {
+  const void* codes = nullptr;           // u8 [rows, cols/2], 8-byte aligned
+  const void* scales = nullptr;          // grouped_scale_bytes(rows, E, cols)
+  int64_t rows = 0;
+  int64_t cols = 0;                      // multiple of 16
+  const int* expert_offsets = nullptr;   // device i32 [E+1]
+  int64_t experts = 0;
+  const float* decode_scales = nullptr;  // device f32 [num_decode_scales]
+  int64_t num_decode_scales = 0;         // 1 or E
+  void* out = nullptr;                   // bf16 [rows, cols], 16-byte aligned
+};
+Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& args, void* stream) noexcept;
+
 // The "separate SwiGLU kernel" of other libraries (a measured baseline for the fused epilogue):
 // gate_up is a GemmEpilogue::kPlain output of kGateUpBands8 weights, bf16 [rows, 2 inter]
 // ([gate 8b..8b+7, up 8b..8b+7] per 16 columns); out bf16 [rows, inter] = silu(gate) * up
@@ -218,12 +235,18 @@ enum class GemmTile : int32_t {
 // rows each expert got. Average rows per expert <= 16: N16; <= 80: N64; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
-// What the grouped GEMM's epilogue computes and writes (out is bf16 in every case).
+// What the grouped GEMM's epilogue computes and writes.
 enum class GemmEpilogue : int32_t {
   kPlain = 0,        // out [rows, n] = acc * g, in prepared feature order
   // The first MoE GEMM on kGateUpBands8 weights (n = 2I), SwiGLU in the epilogue:
   kInterleaved = 1,  // out [rows, 2I] as [gate 8b..8b+7, silu(gate)*up 8b..8b+7] for b = 0..I/8
   kSwigluBf16 = 2,   // out [rows, I] = silu(gate) * up, compact (half the width)
+  // silu(gate) * up rounded to BF16 (as kSwigluBf16), then quantized to NVFP4 in the epilogue
+  // with the recipe of quantize_nvfp4 and the activation decode scale of the row's expert: out =
+  // codes u8 [rows, I/2], out_scales = E4M3 scales in the grouped 128x4 layout with per-expert
+  // regions (grouped_scale_bytes(total_rows, E, I) bytes, zeroed by the launch first). The bytes
+  // equal quantize_nvfp4_grouped(kContiguous) of the kSwigluBf16 output.
+  kSwigluNvfp4 = 3,
 };
 
 struct GroupedGemmArgs {
@@ -237,7 +260,10 @@ struct GroupedGemmArgs {
   const void* x = nullptr;               // bf16 [total_rows, k], 16-byte aligned
   int64_t total_rows = 0;                // rows of x and out (may exceed expert_offsets[E])
   const int* expert_offsets = nullptr;   // device i32 [E+1]: rows of expert e are [off[e], off[e+1])
-  void* out = nullptr;                   // bf16 [total_rows, n] (n / 2 for kSwigluBf16), 16-byte aligned
+  void* out = nullptr;                   // bf16 [total_rows, n] (n / 2 for kSwigluBf16; codes for kSwigluNvfp4), 16-byte aligned
+  void* out_scales = nullptr;            // kSwigluNvfp4: the E4M3 scales (see above)
+  const float* act_decode_scales = nullptr;  // kSwigluNvfp4: device f32 [1] or [E]
+  int64_t num_act_decode_scales = 0;     // kSwigluNvfp4: 1 or E
   GemmTile tile = GemmTile::kAuto;
   GemmEpilogue epilogue = GemmEpilogue::kPlain;  // the SwiGLU ones need kGateUpBands8 weights
 };
