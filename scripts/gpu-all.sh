@@ -15,9 +15,12 @@ timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$here/tests/te
 timeout 150 "$here/benches/swiglu" --bench /T >"$out/bench-swiglu-all.log" 2>&1
 timeout 150 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,128,1024,8192 \
   --json "$out/layer.json" >"$out/layer.log" 2>"$out/layer.err"
+timeout 100 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 16,1024,8192 \
+  --intermediate nvfp4 --json "$out/layer-nvfp4.json" >"$out/layer-nvfp4.log" 2>"$out/layer-nvfp4.err"
 timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >"$out/torch_moe.log" 2>"$out/torch_moe.err"
 sed -n '/GPU summary/,$p' "$out/run.log"
 grep -E "^test .*FAILED|ERROR SUMMARY|^test result" "$out/sanitizer.log"
 sed -n '/== swiglu: summary/,$p' "$out/bench-swiglu-all.log"
 echo "== layer (nvfp4-moe bench)"; cat "$out/layer.log"
+echo "== layer, NVFP4 intermediate (nvfp4-moe bench --intermediate nvfp4)"; cat "$out/layer-nvfp4.log"
 echo "== PyTorch MoE baselines"; tail -16 "$out/torch_moe.log"

@@ -150,12 +150,16 @@ Options:
 out[t] = sum_j topk_weights[t, j] * down(silu(gate(x_t)) * up(x_t)) of expert topk_ids[t, j],
 on GPU 0. An expert id outside [0, E) is an error. Needs a CUDA GPU.";
 
-const BENCH_USAGE: &str = "nvfp4-moe bench [--preset NAME,...] [--tokens T,...] [--json FILE]";
+const BENCH_USAGE: &str =
+    "nvfp4-moe bench [--preset NAME,...] [--tokens T,...] [--intermediate bf16|nvfp4] [--json FILE]";
 
 const BENCH_HELP: &str = "\
 Options:
   --preset LIST    comma-separated presets (see `nvfp4-moe check --help`); default: qwen3-30b-a3b
   --tokens LIST    comma-separated token counts; default: 1,16,128,1024,8192
+  --intermediate F what the first GEMM hands the second: bf16 (default) or nvfp4 (packed in the
+                   first GEMM's epilogue, dequantized for the second; its decode scale is
+                   calibrated first on up to 64 tokens)
   --json FILE      also write the rows as JSON to FILE
   -h, --help       this help
 
@@ -254,7 +258,7 @@ const BENCH: Command = Command {
     summary: "time the MoE layer forward over preset shapes and token counts",
     usage: BENCH_USAGE,
     help: BENCH_HELP,
-    flags: &[("preset", false), ("tokens", false), ("json", false)],
+    flags: &[("preset", false), ("tokens", false), ("intermediate", false), ("json", false)],
 };
 
 const ALL: [&Command; 6] = [&QUANTIZE, &DEQUANTIZE, &CHECK, &RUN, &BENCH, &INFO];
@@ -1271,6 +1275,11 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
         parse_preset_list(flags.get("preset").unwrap_or("qwen3-30b-a3b")).map_err(|e| usage_err(&BENCH, e))?;
     let tokens =
         parse_token_list(flags.get("tokens").unwrap_or("1,16,128,1024,8192")).map_err(|e| usage_err(&BENCH, e))?;
+    let nvfp4 = match flags.get("intermediate").unwrap_or("bf16") {
+        "bf16" => false,
+        "nvfp4" => true,
+        other => return Err(usage_err(&BENCH, format!("`--intermediate` is bf16 or nvfp4 (got `{other}`)"))),
+    };
     let max_t = tokens.iter().copied().max().unwrap_or(1);
     for p in &presets {
         if max_t.checked_mul(p.top_k).is_none_or(|v| v > i32::MAX as usize) {
@@ -1299,11 +1308,17 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
         let w13 = presets::random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
         let w2 = presets::random_device_weights(&stream, &mut rng, e, h, i, false)?;
         let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
-        let layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
+        let mut layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
         let mut ws = layer.workspace(&stream)?;
         let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
         // Token t's routing does not depend on T: one buffer serves every T as a prefix.
         let ids = stream.clone_htod(&balanced_ids(max_t, k, e))?;
+        if nvfp4 {
+            let g = layer.calibrate_nvfp4_scale(&stream, &hidden, max_t.min(64), &ids, k, &mut ws)?;
+            eprintln!("  NVFP4 intermediate, calibrated decode scale {g:.4e}");
+            layer = layer.with_intermediate(nvfp4_moe::Intermediate::Nvfp4 { decode_scale: g })?;
+            ws = layer.workspace(&stream)?;
+        }
         let weights = stream.clone_htod(&vec![1.0 / k as f32; max_t * k])?;
         let mut out = stream.alloc_zeros::<bf16>(max_t * h)?;
         stream.synchronize()?;

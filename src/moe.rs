@@ -210,6 +210,39 @@ impl MoeLayer {
         &self.weights
     }
 
+    /// The same layer with another intermediate format (allocate a new workspace for it).
+    pub fn with_intermediate(self, intermediate: Intermediate) -> Result<Self> {
+        MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
+    }
+
+    /// Calibrates [`Intermediate::Nvfp4`]'s activation decode scale on these tokens: runs the
+    /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
+    /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes
+    /// `stream` and reads the intermediate back; meant for set-up and benches, not per forward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn calibrate_nvfp4_scale<H, I>(
+        &self,
+        stream: &Arc<CudaStream>,
+        hidden: &H,
+        tokens: usize,
+        topk_ids: &I,
+        top_k: usize,
+        ws: &mut MoeWorkspace,
+    ) -> Result<f32>
+    where
+        H: DevicePtr<bf16>,
+        I: DevicePtr<i32>,
+    {
+        self.check_tokens(tokens, top_k, ws)?;
+        let pairs = tokens * top_k;
+        let MoeWorkspace { perm, act, .. } = ws;
+        perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
+        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?;
+        l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
+        let host = stream.clone_dtoh(&act.slice(..pairs * self.weights.intermediate))?;
+        weight_decode_scale(&host).map_err(|e| Error::Invalid(format!("calibrating the NVFP4 intermediate: {e}")))
+    }
+
     /// Allocates the workspace for `max_tokens` x `max_top_k` rows.
     pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
         let pairs = self.opts.max_tokens * self.opts.max_top_k;

@@ -224,6 +224,7 @@ fn usage_errors_exit_2() {
         (&["dequantize", "--input", "a", "--output", "b", "--tensor", "x"], "unknown flag `--tensor`"),
         (&["info", "--verbose"], "unknown flag `--verbose`"),
         (&["help", "nope"], "unknown command `nope`"),
+        (&["bench", "--intermediate", "fp8"], "`--intermediate` is bf16 or nvfp4 (got `fp8`)"),
     ];
     for (args, msg) in cases {
         let r = cli(args);
