@@ -11,7 +11,7 @@ mkdir -p "$out"
 export OUT=$out NVFP4MOE_BENCH_JSON=$out
 NVFP4MOE_BENCH_TIMEOUT=200 bash "$here/run.sh" /L >"$out/run.log" 2>&1
 timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$here/tests/test-gpu" --include-ignored \
-  --test-threads=1 one_hot swiglu_nvfp4 grouped_dequantize swiglu_quantize combine layer_ >"$out/sanitizer.log" 2>&1
+  --test-threads=1 one_hot swiglu_nvfp4 grouped_dequantize grouped_quantize swiglu_quantize combine layer_ >"$out/sanitizer.log" 2>&1
 timeout 150 "$here/benches/swiglu" --bench /T >"$out/bench-swiglu-all.log" 2>&1
 timeout 150 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,128,1024,8192 \
   --json "$out/layer.json" >"$out/layer.log" 2>"$out/layer.err"

@@ -170,6 +170,8 @@ struct Fp4Buffers {
     codes: CudaSlice<u8>,
     scales: CudaSlice<u8>,
     decode_scale: CudaSlice<f32>,
+    /// The host value of `decode_scale`, to match the workspace to its layer.
+    decode_scale_host: f32,
 }
 
 /// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
@@ -253,6 +255,7 @@ impl MoeLayer {
                 codes: stream.alloc_zeros::<u8>((pairs * i / 2).max(1))?,
                 scales: stream.alloc_zeros::<u8>(grouped_scale_len(pairs, self.weights.experts, i).max(1))?,
                 decode_scale: stream.clone_htod(&[decode_scale])?,
+                decode_scale_host: decode_scale,
             }),
         };
         Ok(MoeWorkspace {
@@ -275,6 +278,19 @@ impl MoeLayer {
         }
         if tokens * top_k > ws.max_pairs {
             return Err(Error::InvalidShape("the workspace is smaller than this forward needs".into()));
+        }
+        // The forward takes its path from the workspace's buffers: they must be this layer's.
+        let matches = match (self.opts.intermediate, &ws.fp4) {
+            (Intermediate::Bf16, None) => true,
+            (Intermediate::Nvfp4 { decode_scale }, Some(b)) => decode_scale.to_bits() == b.decode_scale_host.to_bits(),
+            _ => false,
+        };
+        if !matches {
+            return Err(Error::Invalid(
+                "the workspace was made for another intermediate format or decode scale: allocate it with this \
+                 layer's MoeLayer::workspace"
+                    .into(),
+            ));
         }
         Ok(())
     }

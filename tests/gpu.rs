@@ -877,7 +877,11 @@ mod swiglu {
             let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
             let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
             let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
-            let off = random_offsets(&mut rng, e, max_rows);
+            let mut off = random_offsets(&mut rng, e, max_rows);
+            if off[1] == 0 {
+                // Expert 0 must have rows: they are the all-zero blocks below.
+                off.iter_mut().skip(1).for_each(|o| *o += 1);
+            }
             let rows = *off.last().unwrap() as usize + 3; // 3 rows past off[E]: never written
             let mut x = rng.normal_bf16(rows * k, 1.0);
             // Expert 0's rows are zero: all-zero SwiGLU blocks.
@@ -959,10 +963,18 @@ mod swiglu {
         let (xd, offd) = (s.clone_htod(&rng.normal_bf16(8 * 64, 1.0)).unwrap(), s.clone_htod(&[0i32, 3, 8]).unwrap());
         let mut c = s.alloc_zeros::<u8>(8 * 32).unwrap();
         let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64) - 1).unwrap();
-        let gd = s.clone_htod(&[0.01f32; 3]).unwrap();
-        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err());
+        let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
+        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err(), "short scale buffer");
         let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64)).unwrap();
-        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err());
+        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_ok());
+        let gd = s.clone_htod(&[0.01f32; 3]).unwrap();
+        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err(), "3 scales for 2 experts");
+        // No rows: the scale buffer is still zeroed (its padding), as the grouped quantizer does.
+        let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
+        let off0 = s.clone_htod(&[0i32, 0, 0]).unwrap();
+        let mut sc0 = poisoned_u8(&s, grouped_scale_len(0, 2, 64));
+        plan.launch_nvfp4(&s, &xd, 0, &off0, &gd, &mut c, &mut sc0).unwrap();
+        assert!(s.clone_dtoh(&sc0).unwrap().iter().all(|&b| b == 0), "scales not zeroed with no rows");
     }
 
     /// The grouped dequantizer against the CPU decode of every element (per-expert and shared

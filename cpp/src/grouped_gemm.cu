@@ -58,14 +58,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (a.total_rows > (int64_t(1) << 31) - 1 || a.n * a.total_rows > (int64_t(1) << 62)) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
   }
-  if (a.total_rows == 0) return Status::kSuccess;
-  if (!a.prepared || !a.decode_scale || !a.x || !a.expert_offsets || !a.out) {
-    return fail(Status::kNullPointer, "grouped_gemm_nvfp4: null pointer");
-  }
-  if (reinterpret_cast<uintptr_t>(a.x) % 16 || reinterpret_cast<uintptr_t>(a.out) % 16 ||
-      reinterpret_cast<uintptr_t>(a.prepared) % 16) {
-    return fail(Status::kMisaligned, "grouped_gemm_nvfp4: x, out and prepared weights must be 16-byte aligned");
-  }
   const bool nvfp4_out = a.epilogue == GemmEpilogue::kSwigluNvfp4;
   if (nvfp4_out) {
     if (!a.out_scales || !a.act_decode_scales) {
@@ -75,6 +67,22 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
                   (long long)a.num_act_decode_scales);
     }
+    // Every scale byte the kernel does not write (padding rows and columns of each expert's
+    // region; all of them when there are no rows) reads as zero, as quantize_nvfp4_grouped
+    // writes them. Stream-ordered before the kernel.
+    cudaError_t e = cudaMemsetAsync(a.out_scales, 0, grouped_scale_bytes(a.total_rows, a.experts, a.n / 2),
+                                    static_cast<cudaStream_t>(stream));
+    if (e != cudaSuccess) {
+      return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaMemsetAsync: %s", cudaGetErrorString(e));
+    }
+  }
+  if (a.total_rows == 0) return Status::kSuccess;
+  if (!a.prepared || !a.decode_scale || !a.x || !a.expert_offsets || !a.out) {
+    return fail(Status::kNullPointer, "grouped_gemm_nvfp4: null pointer");
+  }
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 || reinterpret_cast<uintptr_t>(a.out) % 16 ||
+      reinterpret_cast<uintptr_t>(a.prepared) % 16) {
+    return fail(Status::kMisaligned, "grouped_gemm_nvfp4: x, out and prepared weights must be 16-byte aligned");
   }
   auto encode = tensor_map_encoder();
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
@@ -116,14 +124,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  int(a.k),
                  int(a.total_rows)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (nvfp4_out) {
-    // Every scale byte the kernel does not write (padding rows and columns of each expert's
-    // region) must read as zero, as quantize_nvfp4_grouped writes them.
-    cudaError_t e = cudaMemsetAsync(a.out_scales, 0, grouped_scale_bytes(a.total_rows, a.experts, a.n / 2), st);
-    if (e != cudaSuccess) {
-      return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaMemsetAsync: %s", cudaGetErrorString(e));
-    }
-  }
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;

@@ -375,9 +375,9 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       // Each thread quantizes 16-feature blocks of staged rows: (kBlockN rows, 2 blocks) per
       // warpgroup, with the same codec as quantize_nvfp4 (so the bytes are identical).
       const int inter = p.n / 2;
-      const int k_tiles = (inter / 16 + 3) / 4;
-      const float g = p.act_scale[p.num_act_scales == 1 ? 0 : tc.expert];
-      const float six_g = __fmul_rn(6.0f, g);
+      const int sf_k_tiles = (inter / 16 + 3) / 4;  // 4-column tiles of the scale layout
+      const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : tc.expert];
+      const float six_g = __fmul_rn(6.0f, act_g);
       uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
       const int64_t region = (int64_t(rr.x) + int64_t(tc.expert) * 127) / 128 * 128;  // expert's scale rows
       CUTLASS_PRAGMA_UNROLL
@@ -388,10 +388,10 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
           const uint4* src = reinterpret_cast<const uint4*>(epi + r * kStageCols + blk * 16);
           uint4 lo = src[0], hi = src[1];
           const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          codec::Block16 q = codec::quantize_block16(w8, g, six_g);
+          codec::Block16 q = codec::quantize_block16(w8, act_g, six_g);
           int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
           *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
-          p.out_scales[codec::swizzled_offset(region + (row - rr.x), col / 16, k_tiles)] = uint8_t(q.scale);
+          p.out_scales[codec::swizzled_offset(region + (row - rr.x), col / 16, sf_k_tiles)] = uint8_t(q.scale);
         }
       }
       continue;
