@@ -872,11 +872,7 @@ mod swiglu {
         {
             let seed = rng.seed();
             let n = 2 * inter;
-            let w = random_weights(&mut rng, e, n, k);
-            let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
-            let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
-            let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-            let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+            let (_, _, _, wd) = gate_up_weights(&s, &mut rng, e, n, k);
             let mut off = random_offsets(&mut rng, e, max_rows);
             if off[1] == 0 {
                 // Expert 0 must have rows: they are the all-zero blocks below.
