@@ -105,12 +105,16 @@ Options:
 
 Each element is bf16(e2m1 x e4m3 x g), rounded to nearest even.";
 
-const CHECK_USAGE: &str = "nvfp4-moe check [--preset NAME] [--tokens T]";
+const CHECK_USAGE: &str = "nvfp4-moe check [--preset NAME] [--tokens T] [--intermediate bf16|nvfp4]";
 
 const CHECK_HELP: &str = "\
 Options:
   --preset NAME    the layer shape (below); default: qwen3-30b-a3b
   --tokens T       tokens in the forward, 1..=4096; default: 4
+  --intermediate F what the first GEMM hands the second: bf16 (default) or nvfp4 (packed in the
+                   first GEMM's epilogue with a decode scale calibrated on these tokens,
+                   dequantized for the second; tolerance 0.15 overall, 0.25 per token: NVFP4's
+                   own error on SwiGLU data is ~9% RMS)
   -h, --help       this help
 
 Generates a random NVFP4 checkpoint of the preset's shape on the host (random E2M1 codes, E4M3
@@ -118,7 +122,7 @@ block scales in 0.125..3.75, decode scales in [1e-3, 1e-2), up decode scales twi
 random hidden states and random routing (softmax top-k over random router logits, renormalized),
 runs MoeLayer::forward on GPU 0, and compares the output with the CPU f64 reference layer.
 Prints the relative Frobenius error overall and of the worst token; fails (exit 1) if either is
-above 1e-2. Needs a CUDA GPU. The host holds the whole checkpoint (E x 3 x H x I x 9/16 bytes:
+above 1e-2 (with --intermediate nvfp4: 0.15 overall, 0.25 for a token). Needs a CUDA GPU. The host holds the whole checkpoint (E x 3 x H x I x 9/16 bytes:
 about 6.3 GB for deepseek-v3, 9.5 GB for kimi-k2).
 
 Presets (experts, hidden, intermediate, top-k):
@@ -242,7 +246,7 @@ const CHECK: Command = Command {
     summary: "check the MoE layer on random weights against the CPU f64 reference",
     usage: CHECK_USAGE,
     help: CHECK_HELP,
-    flags: &[("preset", false), ("tokens", false)],
+    flags: &[("preset", false), ("tokens", false), ("intermediate", false)],
 };
 
 const RUN: Command = Command {
@@ -853,9 +857,23 @@ fn parse_tile(s: &str) -> Option<GemmTile> {
     }
 }
 
-/// Whether `check` passes: both errors at most [`CHECK_TOL`] (a NaN fails).
-fn within_tol(overall: f64, worst: f64) -> bool {
-    overall <= CHECK_TOL && worst <= CHECK_TOL
+/// Tolerances of `check --intermediate nvfp4` (overall, worst token): quantizing the SwiGLU
+/// intermediate to NVFP4 alone costs ~9% relative RMS (simulated 8.8%), which the second GEMM
+/// carries to the output; a token has only H outputs, so its error spreads more.
+const CHECK_TOL_NVFP4: (f64, f64) = (0.15, 0.25);
+
+/// Whether `check` passes: both errors within `(overall, worst token)` tolerances (a NaN fails).
+fn within_tol(overall: f64, worst: f64, tol: (f64, f64)) -> bool {
+    overall <= tol.0 && worst <= tol.1
+}
+
+/// `--intermediate`: whether the layer hands the second GEMM NVFP4 (true) or BF16.
+fn parse_intermediate(flags: &Flags, cmd: &Command) -> CliResult<bool> {
+    match flags.get("intermediate").unwrap_or("bf16") {
+        "bf16" => Ok(false),
+        "nvfp4" => Ok(true),
+        other => Err(usage_err(cmd, format!("`--intermediate` is bf16 or nvfp4 (got `{other}`)"))),
+    }
 }
 
 /// `||got - want|| / ||want||` (Frobenius); 0 when both are zero, infinite when only `want` is.
@@ -960,6 +978,8 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     if tokens > CHECK_MAX_TOKENS {
         return Err(usage_err(&CHECK, format!("`--tokens` is at most {CHECK_MAX_TOKENS} (got {tokens})")));
     }
+    let nvfp4 = parse_intermediate(flags, &CHECK)?;
+    let tol = if nvfp4 { CHECK_TOL_NVFP4 } else { (CHECK_TOL, CHECK_TOL) };
     let gpu = require_gpu("check")?;
     let (e, h, i, k) = (p.experts, p.hidden, p.intermediate, p.top_k);
     let t_all = Instant::now();
@@ -981,14 +1001,20 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     let t = Instant::now();
     let ctx = cudarc::driver::CudaContext::new(0)?;
     let stream = ctx.default_stream();
-    let layer = MoeLayer::new(MoeWeights::from_checkpoint(&stream, &ck)?, MoeOptions::new(tokens, k))?;
+    let mut layer = MoeLayer::new(MoeWeights::from_checkpoint(&stream, &ck)?, MoeOptions::new(tokens, k))?;
     let mut ws = layer.workspace(&stream)?;
+    let (hd, idd, wd) = (stream.clone_htod(&hidden)?, stream.clone_htod(&ids)?, stream.clone_htod(&weights)?);
+    if nvfp4 {
+        let g = layer.calibrate_nvfp4_scale(&stream, &hd, tokens, &idd, k, &mut ws)?;
+        out!("NVFP4 intermediate, calibrated decode scale {g:.4e}");
+        layer = layer.with_intermediate(nvfp4_moe::Intermediate::Nvfp4 { decode_scale: g })?;
+        ws = layer.workspace(&stream)?;
+    }
     stream.synchronize()?;
     eprintln!("  done in {}", fmt_dur(t.elapsed()));
 
     eprintln!("running the forward...");
     let t = Instant::now();
-    let (hd, idd, wd) = (stream.clone_htod(&hidden)?, stream.clone_htod(&ids)?, stream.clone_htod(&weights)?);
     let mut out_d = stream.alloc_zeros::<bf16>(tokens * h)?;
     layer.forward(&stream, &hd, tokens, &idd, &wd, k, &mut out_d, &mut ws)?;
     layer.check(&stream, &mut ws, k)?;
@@ -1002,12 +1028,16 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     eprintln!("  done in {}", fmt_dur(t.elapsed()));
 
     let (overall, worst_t, worst) = rel_errors(&got, &want, h);
-    out!("relative Frobenius error: overall {overall:.3e}, worst token {worst_t}: {worst:.3e} (tolerance {CHECK_TOL:.0e})");
+    out!(
+        "relative Frobenius error: overall {overall:.3e}, worst token {worst_t}: {worst:.3e} (tolerance {} / {})",
+        tol.0,
+        tol.1
+    );
     out!("total {}", fmt_dur(t_all.elapsed()));
-    if !within_tol(overall, worst) {
+    if !within_tol(overall, worst, tol) {
         return Err(Fail::Run(format!(
-            "check {} failed: relative error overall {overall:.3e}, token {worst_t} {worst:.3e} (tolerance {CHECK_TOL:.0e})",
-            p.name
+            "check {} failed: relative error overall {overall:.3e}, token {worst_t} {worst:.3e} (tolerance {} / {})",
+            p.name, tol.0, tol.1
         )));
     }
     out!("ok");
@@ -1275,11 +1305,7 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
         parse_preset_list(flags.get("preset").unwrap_or("qwen3-30b-a3b")).map_err(|e| usage_err(&BENCH, e))?;
     let tokens =
         parse_token_list(flags.get("tokens").unwrap_or("1,16,128,1024,8192")).map_err(|e| usage_err(&BENCH, e))?;
-    let nvfp4 = match flags.get("intermediate").unwrap_or("bf16") {
-        "bf16" => false,
-        "nvfp4" => true,
-        other => return Err(usage_err(&BENCH, format!("`--intermediate` is bf16 or nvfp4 (got `{other}`)"))),
-    };
+    let nvfp4 = parse_intermediate(flags, &BENCH)?;
     let max_t = tokens.iter().copied().max().unwrap_or(1);
     for p in &presets {
         if max_t.checked_mul(p.top_k).is_none_or(|v| v > i32::MAX as usize) {
@@ -1679,7 +1705,10 @@ mod tests {
         g[5] = bf16::NAN;
         let (all, t, w) = rel_errors(&g, &want, 2);
         assert!(all.is_nan() && w.is_nan() && t == 2);
-        assert!(!within_tol(all, w) && !within_tol(0.0, w) && within_tol(CHECK_TOL, 0.0));
+        let tol = (CHECK_TOL, CHECK_TOL);
+        assert!(!within_tol(all, w, tol) && !within_tol(0.0, w, tol) && within_tol(CHECK_TOL, 0.0, tol));
+        assert!(!within_tol(all, w, CHECK_TOL_NVFP4) && within_tol(0.15, 0.25, CHECK_TOL_NVFP4));
+        assert!(!within_tol(0.151, 0.0, CHECK_TOL_NVFP4) && !within_tol(0.0, 0.251, CHECK_TOL_NVFP4));
         // An all-zero reference token: 0 if matched, infinite otherwise.
         assert_eq!(rel_errors(&[bf16::ZERO], &[0.0], 1), (0.0, 0, 0.0));
         assert_eq!(rel_errors(&[bf16::ONE], &[0.0], 1).2, f64::INFINITY);

@@ -225,6 +225,7 @@ fn usage_errors_exit_2() {
         (&["info", "--verbose"], "unknown flag `--verbose`"),
         (&["help", "nope"], "unknown command `nope`"),
         (&["bench", "--intermediate", "fp8"], "`--intermediate` is bf16 or nvfp4 (got `fp8`)"),
+        (&["check", "--intermediate", "fp4"], "`--intermediate` is bf16 or nvfp4 (got `fp4`)"),
     ];
     for (args, msg) in cases {
         let r = cli(args);
@@ -466,11 +467,17 @@ fn run_matches_reference_on_written_checkpoints() {
     }
 }
 
-/// `check` runs the layer against the CPU reference and says ok.
+/// `check` runs the layer against the CPU reference and says ok, with either intermediate.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn check_passes_on_the_gpu() {
     let run = cli(&["check", "--preset", "qwen3-30b-a3b", "--tokens", "3"]);
     assert_ok(&run);
     assert!(run.stdout.contains("relative Frobenius error") && run.stdout.trim_end().ends_with("ok"), "{}", run.stdout);
+    assert!(run.stdout.contains("(tolerance 0.01 / 0.01)"), "{}", run.stdout);
+    let run = cli(&["check", "--preset", "qwen3-30b-a3b", "--tokens", "5", "--intermediate", "nvfp4"]);
+    assert_ok(&run);
+    assert!(run.stdout.contains("NVFP4 intermediate, calibrated decode scale"), "{}", run.stdout);
+    assert!(run.stdout.contains("(tolerance 0.15 / 0.25)"), "{}", run.stdout);
+    assert!(run.stdout.trim_end().ends_with("ok"), "{}", run.stdout);
 }

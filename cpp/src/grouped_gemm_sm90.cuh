@@ -15,6 +15,10 @@
 //     and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas; the epilogue
 //     multiplies by g_e * 2^8, rounds to BF16 and stores through shared memory with 16-byte
 //     row-masked stores (rows past the expert's end are never written).
+//   kSwigluNvfp4 only: warps 1-3 of warpgroup 0 (idle otherwise) are the quantizer. Each consumer
+//     hands over its staged BF16 SwiGLU tile through named barriers and goes on to the next
+//     tile's mainloop while these warps encode it to NVFP4, so the encoding overlaps the wgmmas
+//     instead of stalling them (done by the consumers themselves it cost 2-8%, 2026-11-29).
 //
 // Scheduling: persistent CTAs walk a tile list laid out [expert][row tile][feature tile]. Each CTA
 // builds the per-expert tile prefix sum in shared memory from expert_offsets (device memory), so
@@ -50,6 +54,13 @@ constexpr int kConsumerThreads = 256;
 constexpr int kThreads = 128 + kConsumerThreads;
 constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
 constexpr int kTileK = 64;   // one prepared chunk per consumer warpgroup per stage
+// kSwigluNvfp4: the quantizer warps (warps 1-3 of the producer warpgroup) and the named barriers
+// (CUTLASS user ids) of the hand-over: consumer cw arrives on full + cw when its tile is staged;
+// the quantizer warps arrive on empty + cw when they have read it.
+constexpr int kQuantizerThreads = 96;
+constexpr int kBarEpiFull = 3;
+constexpr int kBarEpiEmpty = 5;
+constexpr int kEpiHandOffThreads = 128 + kQuantizerThreads;
 
 struct Params {
   const uint8_t* prepared;     // nvfp4_weights.cuh layout
@@ -83,8 +94,11 @@ struct Config {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = kMinBlocks == 1 ? 232 : 96;
+  // kSwigluNvfp4 on one CTA per SM: the producer warpgroup also quantizes (56 registers, 40 spill);
+  // its consumers keep 224.
+  static constexpr bool kQuantizerWarps = kEpilogue_ == GemmEpilogue::kSwigluNvfp4;
+  static constexpr int kProducerRegs = kQuantizerWarps && kMinBlocks == 1 ? 56 : 40;
+  static constexpr int kConsumerRegs = kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
@@ -132,6 +146,34 @@ CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, i
   }
   int local = tile - prefix[lo];
   return TileCoord{lo, local % m_tiles, local / m_tiles};
+}
+
+// Encodes one consumer's staged compact tile, (kBlockN rows, 32 features) BF16 in `epi`, to NVFP4:
+// 16-feature blocks with the same codec as quantize_nvfp4 (so the bytes are identical), codes to
+// [rows, n / 4] and scales to the expert's 128x4 region. Thread `t` of `nthreads` takes blocks
+// t, t + nthreads, ...; rows at or past row_end are not written.
+template <int kBlockN>
+CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi, int t, int nthreads, int expert,
+                                         int expert_row0, int row_begin, int row_end, int feature0) {
+  const int inter = p.n / 2;
+  const int sf_k_tiles = (inter / 16 + 3) / 4;  // 4-column tiles of the scale layout
+  const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : expert];
+  const float six_g = __fmul_rn(6.0f, act_g);
+  uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
+  const int64_t region = (int64_t(expert_row0) + int64_t(expert) * 127) / 128 * 128;  // expert's scale rows
+  for (int piece = t; piece < kBlockN * 2; piece += nthreads) {
+    int r = piece / 2, blk = piece % 2;
+    int row = row_begin + r;
+    if (row < row_end) {
+      const uint4* src = reinterpret_cast<const uint4*>(epi + r * 32 + blk * 16);
+      uint4 lo = src[0], hi = src[1];
+      const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      codec::Block16 q = codec::quantize_block16(w8, act_g, six_g);
+      int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
+      *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
+      p.out_scales[codec::swizzled_offset(region + (row - expert_row0), col / 16, sf_k_tiles)] = uint8_t(q.scale);
+    }
+  }
 }
 
 template <class Cfg>
@@ -218,6 +260,33 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         }
       }
       pipeline.producer_tail(state);
+    }
+    if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
+      if (threadIdx.x >= 32) {
+        // The quantizer warps walk the same tiles as the consumers. Each hand-over buffer starts
+        // empty; after a CTA's last tile nobody waits for it, so no arrive is left pending.
+        const int qt = threadIdx.x - 32;
+        cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 0);
+        cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 1);
+        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+          TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
+          int2 rr = expert_rows(p, tc.expert);
+          int row_begin = rr.x + tc.n_tile * kBlockN;
+          bool more = tile + int(gridDim.x) < total_tiles;
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 2; ++c) {
+            int feature0 = tc.m_tile * kTileM + c * 64;
+            cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, kBarEpiFull + c);
+            if (feature0 < p.n) {
+              quantize_staged_tile<kBlockN>(p, ss.epi[c], qt, kQuantizerThreads, tc.expert, rr.x, row_begin, rr.y,
+                                            feature0);
+            }
+            if (more) {
+              cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + c);
+            }
+          }
+        }
+      }
     }
     return;
   }
@@ -348,7 +417,12 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     // that belong to the expert. Accumulator value i holds feature f = 16w + g + 8 v1 and row
     // r = 8j + 2c + v0 with i = v0 + 2 v1 + 4j: for v1 = 0 (f % 16 < 8), value i + 2 is feature
     // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
-    cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
+    constexpr bool kNvfp4 = Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
+    if constexpr (kNvfp4) {
+      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, kBarEpiEmpty + cw);  // the quantizer has read epi
+    } else {
+      cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
+    }
     constexpr bool kSwiglu = Cfg::kEpilogue != GemmEpilogue::kPlain;
     constexpr bool kCompact = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 || Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
     constexpr int kStageCols = kCompact ? 32 : 64;
@@ -369,33 +443,14 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         }
       }
     }
-    cutlass::arch::NamedBarrier::sync(128, 1 + cw);
-    bool half_valid = feature0 < p.n;
-    if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
-      // Each thread quantizes 16-feature blocks of staged rows: (kBlockN rows, 2 blocks) per
-      // warpgroup, with the same codec as quantize_nvfp4 (so the bytes are identical).
-      const int inter = p.n / 2;
-      const int sf_k_tiles = (inter / 16 + 3) / 4;  // 4-column tiles of the scale layout
-      const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : tc.expert];
-      const float six_g = __fmul_rn(6.0f, act_g);
-      uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
-      const int64_t region = (int64_t(rr.x) + int64_t(tc.expert) * 127) / 128 * 128;  // expert's scale rows
-      CUTLASS_PRAGMA_UNROLL
-      for (int piece = t; piece < kBlockN * 2; piece += 128) {
-        int r = piece / 2, blk = piece % 2;
-        int row = row_begin + r;
-        if (half_valid && row < row_end) {
-          const uint4* src = reinterpret_cast<const uint4*>(epi + r * kStageCols + blk * 16);
-          uint4 lo = src[0], hi = src[1];
-          const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          codec::Block16 q = codec::quantize_block16(w8, act_g, six_g);
-          int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
-          *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
-          p.out_scales[codec::swizzled_offset(region + (row - rr.x), col / 16, sf_k_tiles)] = uint8_t(q.scale);
-        }
-      }
+    if constexpr (kNvfp4) {
+      // Hand the staged tile to the quantizer warps (the arrive orders the stores above before
+      // their reads) and go on to the next tile.
+      cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiFull + cw);
       continue;
     }
+    cutlass::arch::NamedBarrier::sync(128, 1 + cw);
+    bool half_valid = feature0 < p.n;
     constexpr int kPieces = kStageCols / 8;  // 16-byte pieces per staged row
     const int out_cols = kCompact ? p.n / 2 : p.n;
     const int out_col0 = kCompact ? feature0 / 2 : feature0;
