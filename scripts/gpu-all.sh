@@ -30,7 +30,7 @@ timeout 150 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8
 timeout 100 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,1024,8192 \
   --intermediate nvfp4 --json "$out/layer-nvfp4.json" >"$out/layer-nvfp4.log" 2>"$out/layer-nvfp4.err"
 timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >"$out/torch_moe.log" 2>"$out/torch_moe.err"
-# The summary, also kept as one file (the device tool brings back only a few files).
+# The summary, also kept as one file (named to sort first: the device tool brings back only the first few files).
 {
   sed -n '/GPU summary/,$p' "$out/run.log"
   grep -E "^test .*FAILED|ERROR SUMMARY|^test result" "$out/sanitizer.log"
@@ -40,4 +40,4 @@ timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >
   echo "== layer (nvfp4-moe bench)"; cat "$out/layer.log"
   echo "== layer, NVFP4 intermediate (nvfp4-moe bench --intermediate nvfp4)"; cat "$out/layer-nvfp4.log"
   echo "== PyTorch MoE baselines"; tail -16 "$out/torch_moe.log"
-} | tee "$out/summary.txt"
+} | tee "$out/0-summary.txt"

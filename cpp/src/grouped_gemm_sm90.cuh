@@ -125,10 +125,12 @@ struct Config {
   static constexpr uint32_t kStageBytes = 2 * weights::kChunkBytes + kBlockN * kTileK * 2;
 };
 
-// silu(g) * u in FP32, shared by the Interleaved and SwigluBf16 epilogues so that their SwiGLU
-// values are bit-identical.
+// silu(g) * u in FP32, shared by the Interleaved, SwigluBf16 and SwigluNvfp4 epilogues so that
+// their SwiGLU values are bit-identical. The approximate division (MUFU.RCP and a multiply, 2 ulp)
+// replaces an IEEE one whose range checks and slow-path call were most of the epilogue's
+// arithmetic; __expf is approximate already, and gate < -88 still gives -0 (gate / inf).
 CUTLASS_DEVICE float swiglu(float gate, float up) {
-  return gate / (1.0f + __expf(-gate)) * up;
+  return __fdividef(gate, 1.0f + __expf(-gate)) * up;
 }
 
 // Which expert and tiles a linear tile index names. prefix[e] = first tile of expert e.

@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_bf16_kernel(const __nv_bfloat
   for (int j = 0; j < 4; ++j) {
     float2 gf = __bfloat1622float2(gp[j]);
     float2 uf = __bfloat1622float2(up[j]);
-    op[j] = __floats2bfloat162_rn(gf.x / (1.0f + __expf(-gf.x)) * uf.x, gf.y / (1.0f + __expf(-gf.y)) * uf.y);
+    op[j] = __floats2bfloat162_rn(__fdividef(gf.x, 1.0f + __expf(-gf.x)) * uf.x,
+                                   __fdividef(gf.y, 1.0f + __expf(-gf.y)) * uf.y);
   }
   reinterpret_cast<uint4*>(out)[i] = ov;
 }
