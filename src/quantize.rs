@@ -454,39 +454,56 @@ where
     C: DevicePtrMut<u8>,
     S: DevicePtrMut<u8>,
 {
-    let (x_len, o_len, g_len, c_len, s_len) =
-        (x.len(), expert_offsets.len(), decode_scales.len(), codes.len(), scales.len());
+    let (c_len, s_len) = (codes.len(), scales.len());
     let (x_ptr, _gx) = x.device_ptr(stream);
     let (o_ptr, _go) = expert_offsets.device_ptr(stream);
     let (g_ptr, _gg) = decode_scales.device_ptr(stream);
     let (c_ptr, _gc) = codes.device_ptr_mut(stream);
     let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_quantize_grouped(
+    let p = grouped_params(
+        stream,
         source,
         rows,
         cols,
-        o_len,
-        g_len,
-        BufferInfo { addr: x_ptr, len: x_len },
+        BufferInfo { addr: x_ptr, len: x.len() },
+        BufferInfo { addr: o_ptr, len: expert_offsets.len() },
+        BufferInfo { addr: g_ptr, len: decode_scales.len() },
         BufferInfo { addr: c_ptr, len: c_len },
         BufferInfo { addr: s_ptr, len: s_len },
     )?;
-    let p = raw::QuantizeGroupedParams {
-        x: x_ptr,
-        source: source as i32,
-        rows: rows as i64,
-        cols: cols as i64,
-        expert_offsets: o_ptr,
-        experts: (o_len - 1) as i64,
-        decode_scales: g_ptr,
-        num_decode_scales: g_len as i64,
-        codes: c_ptr,
-        scales: s_ptr,
-        stream: stream_handle(stream)?,
-    };
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
     unsafe { raw::quantize_nvfp4_grouped(&p)? };
     Ok(())
+}
+
+/// The parameters of a grouped quantize or dequantize call (`x` is the BF16 side, input or
+/// output), after [`check_quantize_grouped`] has proved every length and alignment.
+#[allow(clippy::too_many_arguments)]
+fn grouped_params(
+    stream: &CudaStream,
+    source: GroupedSource,
+    rows: usize,
+    cols: usize,
+    x: BufferInfo,
+    offsets: BufferInfo,
+    decode_scales: BufferInfo,
+    codes: BufferInfo,
+    scales: BufferInfo,
+) -> Result<raw::QuantizeGroupedParams> {
+    check_quantize_grouped(source, rows, cols, offsets.len, decode_scales.len, x, codes, scales)?;
+    Ok(raw::QuantizeGroupedParams {
+        x: x.addr,
+        source: source as i32,
+        rows: rows as i64,
+        cols: cols as i64,
+        expert_offsets: offsets.addr,
+        experts: (offsets.len - 1) as i64,
+        decode_scales: decode_scales.addr,
+        num_decode_scales: decode_scales.len as i64,
+        codes: codes.addr,
+        scales: scales.addr,
+        stream: stream_handle(stream)?,
+    })
 }
 
 /// Dequantizes grouped activations (the inverse of [`quantize_nvfp4_grouped_into`], e.g. the
@@ -511,37 +528,24 @@ where
     G: DevicePtr<f32>,
     X: DevicePtrMut<bf16>,
 {
-    let (x_len, o_len, g_len, c_len, s_len) =
-        (out.len(), expert_offsets.len(), decode_scales.len(), codes.len(), scales.len());
+    let x_len = out.len();
     let (x_ptr, _gx) = out.device_ptr_mut(stream);
     let (o_ptr, _go) = expert_offsets.device_ptr(stream);
     let (g_ptr, _gg) = decode_scales.device_ptr(stream);
     let (c_ptr, _gc) = codes.device_ptr(stream);
     let (s_ptr, _gs) = scales.device_ptr(stream);
     // The same lengths and alignment as the quantizer's, with `out` in the place of `x`.
-    check_quantize_grouped(
+    let p = grouped_params(
+        stream,
         GroupedSource::Contiguous,
         rows,
         cols,
-        o_len,
-        g_len,
         BufferInfo { addr: x_ptr, len: x_len },
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
+        BufferInfo { addr: o_ptr, len: expert_offsets.len() },
+        BufferInfo { addr: g_ptr, len: decode_scales.len() },
+        BufferInfo { addr: c_ptr, len: codes.len() },
+        BufferInfo { addr: s_ptr, len: scales.len() },
     )?;
-    let p = raw::QuantizeGroupedParams {
-        x: x_ptr,
-        source: GroupedSource::Contiguous as i32,
-        rows: rows as i64,
-        cols: cols as i64,
-        expert_offsets: o_ptr,
-        experts: (o_len - 1) as i64,
-        decode_scales: g_ptr,
-        num_decode_scales: g_len as i64,
-        codes: c_ptr,
-        scales: s_ptr,
-        stream: stream_handle(stream)?,
-    };
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
     unsafe { raw::dequantize_nvfp4_grouped(&p)? };
     Ok(())

@@ -99,6 +99,19 @@ impl RelErr {
     }
 }
 
+/// Layer inputs with top-2 routing to two distinct experts per token: hidden states bf16
+/// `[t, h]` ~ N(0, 1), expert ids `[t, 2]`, routing weights `[t, 2]` in [0.1, 1).
+fn two_expert_inputs(rng: &mut Rng, t: usize, h: usize, e: usize) -> (Vec<bf16>, Vec<i32>, Vec<f32>) {
+    let ids: Vec<i32> = (0..t)
+        .flat_map(|_| {
+            let a = rng.below(e as u64) as i32;
+            [a, (a + 1 + rng.below(e as u64 - 1) as i32) % e as i32]
+        })
+        .collect();
+    let wts: Vec<f32> = (0..t * 2).map(|_| rng.uniform(0.1, 1.0)).collect();
+    (rng.normal_bf16(t * h, 1.0), ids, wts)
+}
+
 fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, u8, u8)> {
     a.iter().zip(b).enumerate().find(|(_, (x, y))| x != y).map(|(i, (x, y))| (i, *x, *y))
 }
@@ -623,6 +636,30 @@ mod swiglu {
     use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
     use nvfp4_moe::reference::{swiglu_element, ExpertWeightsHost};
 
+    /// `quantize_nvfp4_grouped` of a compact SwiGLU output and `swiglu_quantize` of an interleaved
+    /// one (poisoned outputs first), on the host: `[(codes, scales) compact, (codes, scales)
+    /// interleaved]`.
+    #[allow(clippy::too_many_arguments)]
+    fn quantize_compact_and_interleaved(
+        s: &Arc<CudaStream>,
+        compact: &CudaSlice<bf16>,
+        interleaved: &CudaSlice<bf16>,
+        rows: usize,
+        inter: usize,
+        experts: usize,
+        offsets: &CudaSlice<i32>,
+        act_scales: &CudaSlice<f32>,
+    ) -> [(Vec<u8>, Vec<u8>); 2] {
+        use nvfp4_moe::layout::grouped_scale_len;
+        use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+        let sl = grouped_scale_len(rows, experts, inter);
+        [(GroupedSource::Contiguous, compact), (GroupedSource::InterleavedSwiglu, interleaved)].map(|(source, x)| {
+            let (mut c, mut sc) = (poisoned_u8(s, rows * inter / 2), poisoned_u8(s, sl));
+            quantize_nvfp4_grouped_into(s, source, x, rows, inter, offsets, act_scales, &mut c, &mut sc).unwrap();
+            (s.clone_dtoh(&c).unwrap(), s.clone_dtoh(&sc).unwrap())
+        })
+    }
+
     const OUT_POISON: u16 = 0x7FBF;
 
     /// Random gate/up weights `[e, n, k]` with gate decode scales in [1e-3, 2e-3) and up's 10x
@@ -780,8 +817,7 @@ mod swiglu {
     #[ignore = "needs a CUDA GPU"]
     fn swiglu_quantize_equals_quantize_of_compact() {
         use nvfp4_moe::gemm::PlainBf16;
-        use nvfp4_moe::layout::grouped_scale_len;
-        use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
+        use nvfp4_moe::quantize::swiglu_bf16_into;
         let s = stream();
         let mut rng = Rng::from_entropy();
         let (inter, k, e) = (1536usize, 512usize, 16usize);
@@ -805,26 +841,10 @@ mod swiglu {
             .launch(&s, &xd, rows, &offd, &mut interleaved)
             .unwrap();
         GroupedGemm::<PlainBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut plain).unwrap();
-        let sl = grouped_scale_len(rows, e, inter);
-        let (mut c1, mut s1) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
-        let (mut c2, mut s2) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
-        quantize_nvfp4_grouped_into(&s, GroupedSource::Contiguous, &compact, rows, inter, &offd, &gd, &mut c1, &mut s1)
-            .unwrap();
-        quantize_nvfp4_grouped_into(
-            &s,
-            GroupedSource::InterleavedSwiglu,
-            &interleaved,
-            rows,
-            inter,
-            &offd,
-            &gd,
-            &mut c2,
-            &mut s2,
-        )
-        .unwrap();
-        for (name, x1, x2) in [("codes", &c1, &c2), ("scales", &s1, &s2)] {
-            let (h1, h2) = (s.clone_dtoh(x1).unwrap(), s.clone_dtoh(x2).unwrap());
-            assert!(h1 == h2, "{name} differ at {:?}", first_diff(&h1, &h2));
+        let [(c1, s1), (c2, s2)] =
+            quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
+        for (name, h1, h2) in [("codes", &c1, &c2), ("scales", &s1, &s2)] {
+            assert!(h1 == h2, "{name} differ at {:?}", first_diff(h1, h2));
         }
         // The separate kernel (from BF16-rounded gate/up) against the f64 reference.
         let mut sep = s.alloc_zeros::<bf16>(rows * inter).unwrap();
@@ -856,7 +876,6 @@ mod swiglu {
     fn swiglu_nvfp4_equals_quantized_compact() {
         use nvfp4_moe::gemm::SwigluNvfp4;
         use nvfp4_moe::layout::grouped_scale_len;
-        use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
         let s = stream();
         let mut rng = Rng::from_entropy();
         for (ci, &(inter, k, e, max_rows)) in [
@@ -900,45 +919,21 @@ mod swiglu {
                     .unwrap()
                     .launch(&s, &xd, rows, &offd, &mut interleaved)
                     .unwrap();
-                let (mut c1, mut s1) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
-                let (mut c2, mut s2) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
+                let [(c1, s1), (c2, s2)] =
+                    quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
                 let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
-                quantize_nvfp4_grouped_into(
-                    &s,
-                    GroupedSource::Contiguous,
-                    &compact,
-                    rows,
-                    inter,
-                    &offd,
-                    &gd,
-                    &mut c1,
-                    &mut s1,
-                )
-                .unwrap();
-                quantize_nvfp4_grouped_into(
-                    &s,
-                    GroupedSource::InterleavedSwiglu,
-                    &interleaved,
-                    rows,
-                    inter,
-                    &offd,
-                    &gd,
-                    &mut c2,
-                    &mut s2,
-                )
-                .unwrap();
                 GroupedGemm::<SwigluNvfp4>::new(&wd, tile)
                     .unwrap()
                     .launch_nvfp4(&s, &xd, rows, &offd, &gd, &mut c3, &mut s3)
                     .unwrap();
-                let (h1, h2, h3) = (s.clone_dtoh(&c1).unwrap(), s.clone_dtoh(&c2).unwrap(), s.clone_dtoh(&c3).unwrap());
+                let (h1, h2, h3) = (c1, c2, s.clone_dtoh(&c3).unwrap());
                 assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?} (seed {seed})", first_diff(&h3, &h1));
                 assert!(
                     h3 == h2,
                     "I={inter} {tile:?}: codes vs swiglu_quantize at {:?} (seed {seed})",
                     first_diff(&h3, &h2)
                 );
-                let (h1, h2, h3) = (s.clone_dtoh(&s1).unwrap(), s.clone_dtoh(&s2).unwrap(), s.clone_dtoh(&s3).unwrap());
+                let (h1, h2, h3) = (s1, s2, s.clone_dtoh(&s3).unwrap());
                 assert!(h3 == h1, "I={inter} {tile:?}: scales differ at {:?} (seed {seed})", first_diff(&h3, &h1));
                 assert!(
                     h3 == h2,
@@ -1238,14 +1233,7 @@ mod layer {
         }
         let layer = MoeLayer::new(MoeWeights::from_bf16(&s, &w).unwrap(), MoeOptions::new(t, k)).unwrap();
         let mut ws = layer.workspace(&s).unwrap();
-        let ids: Vec<i32> = (0..t)
-            .flat_map(|_| {
-                let a = rng.below(e as u64) as i32;
-                [a, (a + 1 + rng.below(e as u64 - 1) as i32) % e as i32]
-            })
-            .collect();
-        let wts: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
-        let hidden = rng.normal_bf16(t * h, 1.0);
+        let (hidden, ids, wts) = two_expert_inputs(&mut rng, t, h, e);
         let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
         let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&wts).unwrap());
         let mut out = poisoned_bf16(&s, t * h);
@@ -1288,14 +1276,7 @@ mod layer {
         let seed = rng.seed();
         let (e, h, i, t, k) = (8usize, 256usize, 192usize, 50usize, 2usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
-        let ids: Vec<i32> = (0..t)
-            .flat_map(|_| {
-                let a = rng.below(e as u64) as i32;
-                [a, (a + 1 + rng.below(e as u64 - 1) as i32) % e as i32]
-            })
-            .collect();
-        let wts: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
-        let hidden = rng.normal_bf16(t * h, 1.0);
+        let (hidden, ids, wts) = two_expert_inputs(&mut rng, t, h, e);
         let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
         let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&wts).unwrap());
         // The activation decode scale from the intermediate's amax (f64 SwiGLU of every routed

@@ -19,6 +19,32 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// A row's expert (the last one whose first row is <= row; lane 0 searches, the warp shares it) and
+// its row in the grouped 128x4 scale layout (expert e's region starts at
+// floor((offsets[e] + 127 e) / 128) * 128); scale_row is -1 when malformed offsets would put the
+// row outside the buffers. Called by all 32 lanes of a warp.
+struct GroupedRow {
+  int expert;
+  int64_t scale_row;
+};
+
+CUTLASS_DEVICE GroupedRow grouped_row(int row, int lane, const int* offsets, int experts, int rows) {
+  int e = 0;
+  if (lane == 0) {
+    int lo = 0, hi = experts - 1;
+    while (lo < hi) {
+      int mid = (lo + hi + 1) / 2;
+      if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
+    }
+    e = lo;
+  }
+  e = __shfl_sync(0xFFFFFFFFu, e, 0);
+  const int first = offsets[e];
+  const int64_t scale_rows = (int64_t(rows) + int64_t(experts) * 127 + 127) / 128 * 128;
+  const int64_t scale_row = (int64_t(first) + int64_t(e) * 127) / 128 * 128 + (row - first);
+  return GroupedRow{e, row < first || scale_row >= scale_rows ? int64_t(-1) : scale_row};
+}
+
 template <GroupedSource kSource>
 __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
     const __nv_bfloat16* __restrict__ x, int rows, int cols, const int* __restrict__ offsets, int experts,
@@ -29,23 +55,13 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
   const int kb = cols / 16;
   const int k_tiles = (kb + 3) / 4;
   const int total = min(max(offsets[experts], 0), rows);
-  const int64_t scale_rows = (int64_t(rows) + int64_t(experts) * 127 + 127) / 128 * 128;
   for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
-    int e = 0;
-    if (lane == 0) {
-      int lo = 0, hi = experts - 1;  // the last expert whose first row is <= row
-      while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
-      }
-      e = lo;
-    }
-    e = __shfl_sync(0xFFFFFFFFu, e, 0);
-    const int first = offsets[e];
-    const int64_t scale_row = (int64_t(first) + int64_t(e) * 127) / 128 * 128 + (row - first);
-    if (row < first || scale_row >= scale_rows) {
+    const GroupedRow gr = grouped_row(row, lane, offsets, experts, rows);
+    if (gr.scale_row < 0) {
       continue;  // malformed offsets: never write outside the buffers
     }
+    const int e = gr.expert;
+    const int64_t scale_row = gr.scale_row;
     const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
     const float six_g = __fmul_rn(6.0f, g);
     for (int k = lane; k < kb; k += 32) {
@@ -79,40 +95,18 @@ __global__ void __launch_bounds__(kThreads) dequantize_grouped_kernel(
   const int kb = cols / 16;
   const int k_tiles = (kb + 3) / 4;
   const int total = min(max(offsets[experts], 0), rows);
-  const int64_t scale_rows = (int64_t(rows) + int64_t(experts) * 127 + 127) / 128 * 128;
   for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
-    int e = 0;
-    if (lane == 0) {
-      int lo = 0, hi = experts - 1;
-      while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (offsets[mid] <= row) lo = mid; else hi = mid - 1;
-      }
-      e = lo;
-    }
-    e = __shfl_sync(0xFFFFFFFFu, e, 0);
-    const int first = offsets[e];
-    const int64_t scale_row = (int64_t(first) + int64_t(e) * 127) / 128 * 128 + (row - first);
-    if (row < first || scale_row >= scale_rows) {
+    const GroupedRow gr = grouped_row(row, lane, offsets, experts, rows);
+    if (gr.scale_row < 0) {
       continue;  // malformed offsets: never read or write outside the buffers
     }
+    const int e = gr.expert;
+    const int64_t scale_row = gr.scale_row;
     const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
     for (int k = lane; k < kb; k += 32) {
-      uint2 c = __ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k);
-      float s = codec::e4m3_decode(__ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)));
-      uint32_t packed[8];
-      const uint32_t cw[2] = {c.x, c.y};
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) {
-        uint32_t nib = cw[i / 4] >> (8 * (i % 4));
-        float lo = __fmul_rn(__fmul_rn(codec::e2m1_decode(nib & 0xFu), s), g);
-        float hi = __fmul_rn(__fmul_rn(codec::e2m1_decode((nib >> 4) & 0xFu), s), g);
-        __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-        packed[i] = isnan(s) ? 0x7FC07FC0u : *reinterpret_cast<uint32_t*>(&p);
-      }
-      uint4* dst = reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k;
-      dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k),
+                                __ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)), g,
+                                reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k);
     }
   }
 }

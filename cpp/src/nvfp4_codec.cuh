@@ -188,6 +188,25 @@ CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], float g, float s
   return out;
 }
 
+// Decodes one block: 8 code bytes (element 2j in the low nibble) and its scale byte -> 16 bf16 at
+// `dst` (two 16-byte stores). (e2m1 * e4m3) is exact in FP32; then one rounding for * g; then RNE
+// to bf16. A NaN scale gives 16 canonical bf16 NaNs.
+CUTLASS_DEVICE void dequantize_block16(uint2 codes, uint32_t scale_byte, float g, uint4* dst) {
+  const float s = e4m3_decode(scale_byte);
+  uint32_t packed[8];
+  const uint32_t cw[2] = {codes.x, codes.y};
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    uint32_t nib = cw[i / 4] >> (8 * (i % 4));
+    float lo = __fmul_rn(__fmul_rn(e2m1_decode(nib & 0xFu), s), g);
+    float hi = __fmul_rn(__fmul_rn(e2m1_decode((nib >> 4) & 0xFu), s), g);
+    __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
+    packed[i] = isnan(s) ? 0x7FC07FC0u : *reinterpret_cast<uint32_t*>(&p);
+  }
+  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
 // Offset of scale (m, k) in the 128x4 swizzled layout; k_tiles = ceil(cols/16/4).
 CUTLASS_HOST_DEVICE int64_t swizzled_offset(int64_t m, int64_t k, int64_t k_tiles) {
   return (m / 128) * (k_tiles * 512) + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);

@@ -92,27 +92,9 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(
   }
   int m, k;
   div_kb(m, k, block);
-  uint2 c = __ldg(reinterpret_cast<const uint2*>(codes) + block);
-  float s = codec::e4m3_decode(__ldg(scales + scale_index<kLayout>(m, k, kb_pad, k_tiles)));
-  uint32_t packed[8];
-  if (isnan(s)) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 8; ++i) packed[i] = 0x7FC07FC0u;  // canonical bf16 NaN
-  } else {
-    const uint32_t cw[2] = {c.x, c.y};
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 8; ++i) {
-      uint32_t nib = cw[i / 4] >> (8 * (i % 4));
-      // (e2m1 * e4m3) is exact in FP32; then one rounding for * g; then RNE to bf16.
-      float lo = __fmul_rn(__fmul_rn(codec::e2m1_decode(nib & 0xFu), s), g);
-      float hi = __fmul_rn(__fmul_rn(codec::e2m1_decode((nib >> 4) & 0xFu), s), g);
-      __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);
-      packed[i] = *reinterpret_cast<uint32_t*>(&p);
-    }
-  }
-  uint4* dst = reinterpret_cast<uint4*>(out) + int64_t(block) * 2;
-  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes) + block),
+                            __ldg(scales + scale_index<kLayout>(m, k, kb_pad, k_tiles)), g,
+                            reinterpret_cast<uint4*>(out) + int64_t(block) * 2);
 }
 
 Status check_common(int64_t rows, int64_t cols, float g, ScaleLayout layout) {
