@@ -264,9 +264,10 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       pipeline.producer_tail(state);
     }
     if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
-      if (threadIdx.x >= 32) {
-        // The quantizer warps walk the same tiles as the consumers. Each hand-over buffer starts
-        // empty; after a CTA's last tile nobody waits for it, so no arrive is left pending.
+      // The quantizer warps walk the same tiles as the consumers. Each hand-over buffer starts
+      // empty (one arrive, only in a CTA that has a tile), and after a CTA's last tile nobody
+      // waits for it: every arrive is matched by one consumer wait.
+      if (threadIdx.x >= 32 && int(blockIdx.x) < total_tiles) {
         const int qt = threadIdx.x - 32;
         cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 0);
         cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 1);
