@@ -9,13 +9,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::{
-    balanced_offsets, device_weights, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS,
-};
+use common::{balanced_offsets, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS};
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, PlainBf16};
+use nvfp4_moe::presets::random_device_weights;
 use nvfp4_moe::rng::Rng;
 
 fn benches(c: &mut Criterion) {
@@ -30,7 +29,7 @@ fn benches(c: &mut Criterion) {
             if !TOKENS.iter().any(|t| selected(&format!("{prefix}/T{t}"))) {
                 continue;
             }
-            let w = device_weights(&s, &mut rng, p.experts, n, k, false);
+            let w = random_device_weights(&s, &mut rng, p.experts, n, k, false).unwrap();
             let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
             let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
             let mut out = s.alloc_zeros::<bf16>(max_rows * n).unwrap();
@@ -69,11 +68,7 @@ fn benches(c: &mut Criterion) {
 
 criterion_group! {
     name = group;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_millis(1000))
-        .sample_size(10)
-        .without_plots();
+    config = common::short_criterion(300, 1000);
     targets = benches
 }
 criterion::criterion_main!(group);

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::{median_us, report, selected, time_events, Row, HBM_TBPS};
 use criterion::{criterion_group, Criterion, Throughput};
 use cudarc::driver::CudaContext;
@@ -72,11 +70,7 @@ fn benches(c: &mut Criterion) {
 
 criterion_group! {
     name = group;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_millis(1500))
-        .sample_size(10)
-        .without_plots();
+    config = common::short_criterion(500, 1500);
     targets = benches
 }
 

@@ -21,14 +21,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{
-    balanced_offsets, device_weights, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS,
-};
+use common::{balanced_offsets, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS};
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16, SwigluNvfp4};
 use nvfp4_moe::layout::grouped_scale_len;
+use nvfp4_moe::presets::random_device_weights;
 use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
 use nvfp4_moe::rng::Rng;
 
@@ -47,7 +46,7 @@ fn benches(c: &mut Criterion) {
         }
         let (inter, k, e) = (p.inter, p.hidden, p.experts);
         let n = 2 * inter;
-        let w = device_weights(&s, &mut rng, e, n, k, true);
+        let w = random_device_weights(&s, &mut rng, e, n, k, true).unwrap();
         let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
         let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
         let mut wide = s.alloc_zeros::<bf16>(max_rows * n).unwrap();
@@ -78,44 +77,39 @@ fn benches(c: &mut Criterion) {
                 ("e_plain", wide_b),
                 ("f_swiglu_nvfp4", fp4_b),
             ];
-            let mut step = |fi: usize| match fi {
-                0 => {
-                    interleaved.launch(&s, &x, rows, &off, &mut wide).unwrap();
-                    quantize_nvfp4_grouped_into(
-                        &s,
-                        GroupedSource::InterleavedSwiglu,
-                        &wide,
-                        rows,
-                        inter,
-                        &off,
-                        &act_g,
-                        &mut codes,
-                        &mut scales,
-                    )
-                    .unwrap();
+            let mut step = |fi: usize| {
+                // Flows a and b quantize what their GEMM wrote.
+                let quantize = match fi {
+                    0 => {
+                        interleaved.launch(&s, &x, rows, &off, &mut wide).unwrap();
+                        Some((GroupedSource::InterleavedSwiglu, &wide))
+                    }
+                    1 => {
+                        swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap();
+                        Some((GroupedSource::Contiguous, &compact))
+                    }
+                    2 => {
+                        swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap();
+                        None
+                    }
+                    3 => {
+                        plain.launch(&s, &x, rows, &off, &mut wide).unwrap();
+                        swiglu_bf16_into(&s, &wide, rows, inter, &mut compact).unwrap();
+                        None
+                    }
+                    4 => {
+                        plain.launch(&s, &x, rows, &off, &mut wide).unwrap();
+                        None
+                    }
+                    _ => {
+                        swiglu_fp4.launch_nvfp4(&s, &x, rows, &off, &act_g, &mut codes, &mut scales).unwrap();
+                        None
+                    }
+                };
+                if let Some((source, input)) = quantize {
+                    quantize_nvfp4_grouped_into(&s, source, input, rows, inter, &off, &act_g, &mut codes, &mut scales)
+                        .unwrap();
                 }
-                1 => {
-                    swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap();
-                    quantize_nvfp4_grouped_into(
-                        &s,
-                        GroupedSource::Contiguous,
-                        &compact,
-                        rows,
-                        inter,
-                        &off,
-                        &act_g,
-                        &mut codes,
-                        &mut scales,
-                    )
-                    .unwrap();
-                }
-                2 => swiglu.launch(&s, &x, rows, &off, &mut compact).unwrap(),
-                3 => {
-                    plain.launch(&s, &x, rows, &off, &mut wide).unwrap();
-                    swiglu_bf16_into(&s, &wide, rows, inter, &mut compact).unwrap();
-                }
-                4 => plain.launch(&s, &x, rows, &off, &mut wide).unwrap(),
-                _ => swiglu_fp4.launch_nvfp4(&s, &x, rows, &off, &act_g, &mut codes, &mut scales).unwrap(),
             };
             let mut once = |fi: usize| flushed_us(&s, &mut flush, || step(fi));
             for (fi, (flow, _)) in flows.iter().enumerate() {
@@ -178,11 +172,7 @@ fn benches(c: &mut Criterion) {
 
 criterion_group! {
     name = group;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_millis(800))
-        .sample_size(10)
-        .without_plots();
+    config = common::short_criterion(300, 800);
     targets = benches
 }
 criterion::criterion_main!(group);

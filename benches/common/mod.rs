@@ -5,9 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use criterion::Criterion;
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
-use nvfp4_moe::gemm::Nvfp4Weights;
-use nvfp4_moe::rng::Rng;
 
 /// Measured H200 ceilings (shared/design/BENCHMARKS.md): copy bandwidth counting read + written.
 pub const HBM_TBPS: f64 = 4.3;
@@ -30,18 +29,6 @@ pub const PRESETS: [Preset; 3] = [
     Preset { name: "mixtral-8x7b", experts: 8, hidden: 4096, inter: 14336, top_k: 2 },
 ];
 pub const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
-
-/// Random prepared device weights (see `nvfp4_moe::presets::random_device_weights`).
-pub fn device_weights(
-    s: &Arc<CudaStream>,
-    rng: &mut Rng,
-    experts: usize,
-    n: usize,
-    k: usize,
-    gate_up: bool,
-) -> Nvfp4Weights {
-    nvfp4_moe::presets::random_device_weights(s, rng, experts, n, k, gate_up).unwrap()
-}
 
 /// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
 pub fn balanced_offsets(rows: usize, experts: usize) -> Vec<i32> {
@@ -143,4 +130,14 @@ pub fn report(bench: &str, rows: &[Row]) {
         let _ = std::fs::create_dir_all(&dir);
         std::fs::write(&path, format!("[\n{}\n]\n", items.join(",\n"))).unwrap();
     }
+}
+
+/// Criterion kept short for the GPU machine's time budget: 10 samples, no plots; the tables the
+/// benches print come from their own single-launch CUDA-event timings.
+pub fn short_criterion(warm_up_ms: u64, measurement_ms: u64) -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(warm_up_ms))
+        .measurement_time(Duration::from_millis(measurement_ms))
+        .sample_size(10)
+        .without_plots()
 }
