@@ -35,4 +35,8 @@ cp scripts/gpu-run.sh "$bundle/run.sh"
 cp scripts/gpu-all.sh "$bundle/all.sh"
 cp benches/torch_grouped_gemm.py benches/torch_moe_baseline.py "$bundle/"
 strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* 2>/dev/null || true
+# What travels to the GPU machine is limited (64 MiB): binaries go gzipped (~3.4x smaller);
+# run.sh and all.sh unpack them in place.
+gzip -9 -f "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/*
+cp tests/modelopt/*.py "$bundle/"
 du -sh "$bundle"; ls -la "$bundle" "$bundle/tests" "$bundle/benches"

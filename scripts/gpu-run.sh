@@ -6,7 +6,17 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
+# The bundle's binaries travel gzipped (scripts/gpu-bundle.sh).
+for f in "$here"/nvfp4-moe.gz "$here"/tests/*.gz "$here"/benches/*.gz; do
+  [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"
+done
 export NVFP4MOE_CLI="$here/nvfp4-moe"
+# ModelOpt 0.47 for the recipe-v2 oracle test (scripts/modelopt-wheels.sh makes .whl/site.tgz).
+export NVFP4MOE_MODELOPT_ORACLE="$here/oracle.py"
+if [ -f .whl/site.tgz ] && [ ! -d /tmp/nvfp4moe-py/site ]; then
+  mkdir -p /tmp/nvfp4moe-py && tar xzf .whl/site.tgz -C /tmp/nvfp4moe-py
+fi
+[ -d /tmp/nvfp4moe-py/site ] && export PYTHONPATH=/tmp/nvfp4moe-py/site${PYTHONPATH:+:$PYTHONPATH}
 export NVFP4MOE_BENCH_JSON="$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 summary=()

@@ -35,7 +35,8 @@ pub fn e2m1_decode(code: u8) -> f32 {
 /// lower neighbour has an even mantissa (0.25, 1.25, 2.5, 5) and `>=` where the upper one has
 /// (0.75, 1.75, 3.5) is exactly round-to-nearest-even, and everything above 5 (±Inf included)
 /// lands on 6. The sign bit is the IEEE sign bit of `q`, so -0.0 and negatives that round to
-/// zero give code 8.
+/// zero give code 8. (The quantization recipe takes only the magnitude from here: its sign bit is
+/// `q < 0`, so -0.0 gives code 0; see [`crate::reference::quantize_block`].)
 ///
 /// NaN returns 0: the quantizer never passes NaN here because the block-level rule (scale 0x7F,
 /// codes 0) handles any block holding one.

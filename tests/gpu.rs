@@ -12,6 +12,8 @@ use nvfp4_moe::reference::{self, Nvfp4Host};
 use nvfp4_moe::rng::Rng;
 use nvfp4_moe::Error;
 
+mod modelopt_fixture;
+
 const POISON: u8 = 0xA5;
 
 fn stream() -> Arc<CudaStream> {
@@ -664,7 +666,7 @@ mod swiglu {
 
     /// Random gate/up weights `[e, n, k]` with gate decode scales in [1e-3, 2e-3) and up's 10x
     /// larger, prepared for the SwiGLU epilogues: (host weights, gate scales, up scales, prepared).
-    fn gate_up_weights(
+    pub fn gate_up_weights(
         s: &Arc<CudaStream>,
         rng: &mut Rng,
         e: usize,
@@ -1388,5 +1390,203 @@ mod layer {
         s.synchronize().unwrap();
         let replay = s.clone_dtoh(&out).unwrap();
         assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+/// Recipe v2 against ModelOpt itself on the CUDA paths: the committed fixtures through every GPU
+/// quantizer, and ModelOpt run live (tests/modelopt/oracle.py) on fresh random data beside them.
+mod modelopt {
+    use super::*;
+    use crate::modelopt_fixture::{
+        cases_from, describe_diff, fixture, linear_from_grouped, linear_scales, three_way_offsets, Case,
+    };
+    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, SwigluBf16, SwigluNvfp4};
+    use nvfp4_moe::layout::grouped_scale_len;
+    use nvfp4_moe::moe::{quantize_bf16_experts, MoeWeightsBf16};
+    use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+
+    /// Compares every CUDA quantizer with ModelOpt's bytes for one case; returns the bytes compared.
+    fn cuda_paths_equal(s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> usize {
+        let mut compared = 0;
+        let mut check = |what: &str, codes: &[u8], scales: &[u8]| {
+            let d = describe_diff("codes", &c.name, codes, &c.codes)
+                .or_else(|| describe_diff("scales", &c.name, scales, &c.scales));
+            assert!(d.is_none(), "{what}: {}", d.unwrap());
+            compared += codes.len() + scales.len();
+        };
+        let xd = s.clone_htod(&c.x).unwrap();
+        for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
+            let mut codes = poisoned_u8(s, c.rows * c.cols / 2);
+            let mut scales = poisoned_u8(s, scale_len(layout, c.rows, c.cols));
+            quantize_nvfp4_into(s, &xd, c.rows, c.cols, c.g, layout, &mut codes, &mut scales).unwrap();
+            let sc = linear_scales(layout, c.rows, c.cols, &s.clone_dtoh(&scales).unwrap());
+            check(&format!("quantize_nvfp4 {layout:?}"), &s.clone_dtoh(&codes).unwrap(), &sc);
+        }
+        // The grouped quantizer, over three experts (one empty) sharing g, from a contiguous source
+        // and from an Interleaved GEMM output whose swiglu slots hold x (random elsewhere).
+        let offsets = three_way_offsets(c.rows);
+        let offd = s.clone_htod(&offsets).unwrap();
+        let gd = s.clone_htod(&[c.g]).unwrap();
+        let mut inter = rng.normal_bf16(c.rows * 2 * c.cols, 3.0);
+        for r in 0..c.rows {
+            for j in 0..c.cols {
+                inter[r * 2 * c.cols + 16 * (j / 8) + 8 + j % 8] = c.x[r * c.cols + j];
+            }
+        }
+        let interd = s.clone_htod(&inter).unwrap();
+        for (source, src) in [(GroupedSource::Contiguous, &xd), (GroupedSource::InterleavedSwiglu, &interd)] {
+            let mut codes = poisoned_u8(s, c.rows * c.cols / 2);
+            let mut scales = poisoned_u8(s, grouped_scale_len(c.rows, 3, c.cols));
+            quantize_nvfp4_grouped_into(s, source, src, c.rows, c.cols, &offd, &gd, &mut codes, &mut scales).unwrap();
+            let sc = linear_from_grouped(&offsets, c.rows, c.cols, &s.clone_dtoh(&scales).unwrap());
+            check(&format!("quantize_nvfp4_grouped {source:?}"), &s.clone_dtoh(&codes).unwrap(), &sc);
+        }
+        // Weight quantization from BF16 (ModelOpt's weight path: g derived from the tensor), with x as
+        // the gate projection of a one-expert layer [I, H] = [rows, cols].
+        if !c.given && c.rows % 16 == 0 {
+            let (i, h) = (c.rows, c.cols);
+            let up = rng.normal_bf16(i * h, 0.02);
+            let down = rng.normal_bf16(h * i, 0.02);
+            let w = MoeWeightsBf16 { gate: &c.x, up: &up, down: &down, experts: 1, hidden: h, intermediate: i };
+            let ck = quantize_bf16_experts(s, &w).unwrap();
+            assert_eq!(ck.w13.decode_scales[0].to_bits(), c.g.to_bits(), "{}: weight decode scale", c.name);
+            check("quantize_bf16_experts (gate)", &ck.w13.codes[..i * h / 2], &ck.w13.scales[..i * h / 16]);
+        }
+        compared
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn cuda_quantizers_equal_modelopt_fixtures() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (cases, meta) = fixture();
+        let bytes: usize = cases.iter().map(|c| cuda_paths_equal(&s, &mut rng, c)).sum();
+        eprintln!("{} ModelOpt fixture cases ({meta:?}): {bytes} bytes compared, 0 differ", cases.len());
+    }
+
+    fn write_inputs(path: &std::path::Path, inputs: &[(String, usize, usize, Vec<bf16>, Option<f32>)]) {
+        use safetensors::tensor::TensorView;
+        use safetensors::Dtype;
+        let mut raw: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
+        for (name, rows, cols, x, g) in inputs {
+            let bytes = x.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+            raw.push((format!("{name}.x"), vec![*rows, *cols], Dtype::BF16, bytes));
+            if let Some(g) = g {
+                raw.push((format!("{name}.g"), vec![1], Dtype::F32, g.to_le_bytes().to_vec()));
+            }
+        }
+        let views: Vec<(String, TensorView<'_>)> =
+            raw.iter().map(|(n, sh, dt, b)| (n.clone(), TensorView::new(*dt, sh.clone(), b).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    /// Runs ModelOpt 0.47 (tests/modelopt/oracle.py, python3 with torch on this GPU and
+    /// nvidia-modelopt importable) on fresh random tensors: weights (g derived), heavy-tailed data,
+    /// activations with a given g, and the compact SwiGLU output of a real L1 GEMM per expert. Every
+    /// CPU and CUDA quantizer, and the `SwigluNvfp4` epilogue, must give ModelOpt's bytes.
+    #[test]
+    #[ignore = "needs a CUDA GPU, python3 with torch and nvidia-modelopt 0.47"]
+    fn modelopt_on_fresh_random_data() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let mut inputs: Vec<(String, usize, usize, Vec<bf16>, Option<f32>)> = Vec::new();
+        for (i, &(rows, cols)) in
+            [(1usize, 16usize), (7, 2880), (64, 7168), (300, 2048), (129, 1536)].iter().enumerate()
+        {
+            let x = rng.normal_bf16(rows * cols, 0.02);
+            inputs.push((format!("weights_{i}"), rows, cols, x, None));
+            let mut y: Vec<bf16> =
+                (0..rows * cols).map(|_| bf16::from_f32(rng.normal() * (4.0 * rng.normal()).exp())).collect();
+            for _ in 0..rows * cols / 50 {
+                let j = rng.below((rows * cols) as u64) as usize;
+                y[j] = if rng.below(2) == 0 { bf16::ZERO } else { bf16::NEG_ZERO };
+            }
+            inputs.push((format!("heavy_{i}"), rows, cols, y, None));
+            let a = rng.varied_bf16(rows * cols);
+            let g = rng.uniform(1e-4, 1e-1);
+            inputs.push((format!("given_act_{i}"), rows, cols, a, Some(g)));
+        }
+        // The SwiGLU intermediate of a real L1 GEMM (SwigluBf16), per expert with its own g; the
+        // SwigluNvfp4 epilogue's bytes must equal ModelOpt's for each expert's rows.
+        let (e, inter, k) = (4usize, 768usize, 256usize);
+        let (_, _, _, wd) = crate::swiglu::gate_up_weights(&s, &mut rng, e, 2 * inter, k);
+        let off: Vec<i32> = vec![0, 37, 37, 170, 171];
+        let rows = *off.last().unwrap() as usize;
+        let xd = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
+        let offd = s.clone_htod(&off).unwrap();
+        let act_g: Vec<f32> = (0..e).map(|_| rng.uniform(2e-4, 2e-3)).collect();
+        let gd = s.clone_htod(&act_g).unwrap();
+        let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+        GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto)
+            .unwrap()
+            .launch(&s, &xd, rows, &offd, &mut compact)
+            .unwrap();
+        let compact = s.clone_dtoh(&compact).unwrap();
+        let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, grouped_scale_len(rows, e, inter)));
+        GroupedGemm::<SwigluNvfp4>::new(&wd, GemmTile::Auto)
+            .unwrap()
+            .launch_nvfp4(&s, &xd, rows, &offd, &gd, &mut c3, &mut s3)
+            .unwrap();
+        let (c3, s3) = (s.clone_dtoh(&c3).unwrap(), s.clone_dtoh(&s3).unwrap());
+        for ex in 0..e {
+            let (b, en) = (off[ex] as usize, off[ex + 1] as usize);
+            if b < en {
+                let x = compact[b * inter..en * inter].to_vec();
+                inputs.push((format!("given_swiglu_e{ex}"), en - b, inter, x, Some(act_g[ex])));
+            }
+        }
+
+        let dir = std::env::temp_dir().join(format!("nvfp4moe-modelopt-{}-{seed:x}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (inp, outp) = (dir.join("in.safetensors"), dir.join("out.safetensors"));
+        write_inputs(&inp, &inputs);
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/modelopt/oracle.py");
+        let script = std::env::var("NVFP4MOE_MODELOPT_ORACLE").unwrap_or_else(|_| script.to_string());
+        let status = std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+            .arg(&script)
+            .arg(&inp)
+            .arg(&outp)
+            .status()
+            .expect("python3 runs");
+        assert!(
+            status.success(),
+            "ModelOpt oracle failed ({status}): it needs torch with CUDA and nvidia-modelopt 0.47"
+        );
+        let (ib, ob) = (std::fs::read(&inp).unwrap(), std::fs::read(&outp).unwrap());
+        let cases = cases_from(&ob, Some(&ib));
+        assert_eq!(cases.len(), inputs.len(), "the oracle answered every case");
+        let mut bytes = 0;
+        for c in &cases {
+            let given = inputs.iter().find(|i| i.0 == c.name).unwrap().4;
+            if let Some(g) = given {
+                assert_eq!(g.to_bits(), c.g.to_bits(), "{}: ModelOpt used the given g", c.name);
+            }
+            let q = reference::quantize(&c.x, c.rows, c.cols, c.g, ScaleLayout::Linear).unwrap();
+            assert_eq!(describe_diff("codes", &c.name, &q.codes, &c.codes), None, "CPU (seed {seed:#x})");
+            assert_eq!(describe_diff("scales", &c.name, &q.scales, &c.scales), None, "CPU (seed {seed:#x})");
+            bytes += cuda_paths_equal(&s, &mut rng, c);
+            if let Some(ex) = c.name.strip_prefix("given_swiglu_e") {
+                let ex: usize = ex.parse().unwrap();
+                let b = off[ex] as usize;
+                let codes = &c3[b * inter / 2..(b + c.rows) * inter / 2];
+                let sc: Vec<u8> = (0..c.rows * inter / 16)
+                    .map(|i| {
+                        s3[nvfp4_moe::layout::grouped_swizzled_offset(
+                            &off,
+                            b + i / (inter / 16),
+                            i % (inter / 16),
+                            inter,
+                        )]
+                    })
+                    .collect();
+                assert_eq!(describe_diff("codes", &c.name, codes, &c.codes), None, "SwigluNvfp4 (seed {seed:#x})");
+                assert_eq!(describe_diff("scales", &c.name, &sc, &c.scales), None, "SwigluNvfp4 (seed {seed:#x})");
+                bytes += codes.len() + sc.len();
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+        eprintln!("ModelOpt on fresh data: {} tensors, {bytes} bytes compared, 0 differ (seed {seed:#x})", cases.len());
     }
 }

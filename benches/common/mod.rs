@@ -72,6 +72,29 @@ pub fn flushed_us(stream: &Arc<CudaStream>, flush: &mut CudaSlice<u8>, f: impl F
     f64::from(a.elapsed_ms(&b).unwrap()) * 1e3
 }
 
+/// Time of one run of `f` with L2 flushed before it, without the flush or launch gaps: `n` pairs
+/// (flush, f) back to back, minus `n` flushes alone, both timed with CUDA events; the median of
+/// `reps` such differences, in microseconds.
+pub fn flushed_pairs_us(
+    stream: &Arc<CudaStream>,
+    flush: &mut CudaSlice<u8>,
+    n: usize,
+    reps: usize,
+    mut f: impl FnMut(),
+) -> f64 {
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let with = time_events(stream, n as u64, || {
+                stream.memset_zeros(flush).unwrap();
+                f();
+            });
+            let without = time_events(stream, n as u64, || stream.memset_zeros(flush).unwrap());
+            (with.as_secs_f64() - without.as_secs_f64()) * 1e6 / n as f64
+        })
+        .collect();
+    median(&mut v)
+}
+
 /// The median of `v` (sorts it).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

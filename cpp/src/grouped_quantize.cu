@@ -1,9 +1,9 @@
 // quantize_nvfp4_grouped (plain and swiglu_quantize) and the separate swiglu_bf16 kernel.
 //
 // quantize_nvfp4_grouped: one warp per row. Lane 0 finds the row's expert (binary search over the
-// device offsets) and the warp shares it; lanes then walk the row's 16-element blocks (coalesced:
-// consecutive lanes read consecutive 32-byte blocks) with the same per-block recipe as
-// quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
+// device offsets) and the warp shares it; lanes then walk the row in units of two 16-element blocks
+// (64 bytes, the next unit loaded before the current one is encoded) with the same per-block recipe
+// as quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
 // zeroed first (cudaMemsetAsync), which writes every padding byte.
 #include "nvfp4moe/nvfp4moe.h"
 #include "nvfp4_codec.cuh"
@@ -45,6 +45,31 @@ CUTLASS_DEVICE GroupedRow grouped_row(int row, int lane, const int* offsets, int
   return GroupedRow{e, row < first || scale_row >= scale_rows ? int64_t(-1) : scale_row};
 }
 
+// The 16-byte vectors of logical block k of a row: kContiguous reads columns 16k .. 16k+15; the
+// interleaved SwiGLU source reads the swiglu slots of bands 2k and 2k+1, physical columns
+// 32k + 8 .. 32k + 15 and 32k + 24 .. 32k + 31 of a [rows, 2 cols] row.
+template <GroupedSource kSource>
+CUTLASS_DEVICE void load_block(const __nv_bfloat16* row_ptr, int k, uint4& lo, uint4& hi) {
+  if constexpr (kSource == GroupedSource::kContiguous) {
+    const uint4* src = reinterpret_cast<const uint4*>(row_ptr) + 2 * k;
+    lo = __ldg(src);
+    hi = __ldg(src + 1);
+  } else {
+    const __nv_bfloat16* r = row_ptr + 32 * k;
+    lo = __ldg(reinterpret_cast<const uint4*>(r + 8));
+    hi = __ldg(reinterpret_cast<const uint4*>(r + 24));
+  }
+}
+
+// A unit is blocks 2v and 2v + 1 of a row (the last unit of a row with an odd block count holds one).
+template <GroupedSource kSource>
+CUTLASS_DEVICE void load_row_unit(const __nv_bfloat16* row_ptr, int v, int kb, uint4 (&u)[4]) {
+  load_block<kSource>(row_ptr, 2 * v, u[0], u[1]);
+  if (2 * v + 1 < kb) load_block<kSource>(row_ptr, 2 * v + 1, u[2], u[3]);
+}
+
+// One warp per row (its expert found once); lanes take units of two blocks, loading the next unit
+// before encoding the current one, with the same per-block recipe as quantize_nvfp4.
 template <GroupedSource kSource>
 __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
     const __nv_bfloat16* __restrict__ x, int rows, int cols, const int* __restrict__ offsets, int experts,
@@ -53,34 +78,40 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (kThreads / 32);
   const int kb = cols / 16;
+  const int units = (kb + 1) / 2;
   const int k_tiles = (kb + 3) / 4;
+  const int64_t row_elems = kSource == GroupedSource::kContiguous ? int64_t(cols) : 2 * int64_t(cols);
   const int total = min(max(offsets[experts], 0), rows);
   for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
     const GroupedRow gr = grouped_row(row, lane, offsets, experts, rows);
     if (gr.scale_row < 0) {
       continue;  // malformed offsets: never write outside the buffers
     }
-    const int e = gr.expert;
-    const int64_t scale_row = gr.scale_row;
-    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
+    const float g = decode_scales[num_decode_scales == 1 ? 0 : gr.expert];
     const float six_g = __fmul_rn(6.0f, g);
-    for (int k = lane; k < kb; k += 32) {
-      uint4 lo, hi;
-      if constexpr (kSource == GroupedSource::kContiguous) {
-        const uint4* src = reinterpret_cast<const uint4*>(x + int64_t(row) * cols) + 2 * k;
-        lo = __ldg(src);
-        hi = __ldg(src + 1);
-      } else {
-        // Logical columns 16k .. 16k+15 are the swiglu slots of bands 2k and 2k+1: physical
-        // columns 32k + 8 .. 32k + 15 and 32k + 24 .. 32k + 31 of a [rows, 2 cols] row.
-        const __nv_bfloat16* r = x + int64_t(row) * 2 * cols + 32 * k;
-        lo = __ldg(reinterpret_cast<const uint4*>(r + 8));
-        hi = __ldg(reinterpret_cast<const uint4*>(r + 24));
+    const __nv_bfloat16* row_ptr = x + int64_t(row) * row_elems;
+    uint8_t* row_codes = codes + int64_t(row) * (cols / 2);
+    uint4 cur[4] = {}, next[4] = {};
+    if (lane < units) load_row_unit<kSource>(row_ptr, lane, kb, cur);
+    for (int v = lane; v < units; v += 32) {
+      if (v + 32 < units) load_row_unit<kSource>(row_ptr, v + 32, kb, next);
+      const bool two = 2 * v + 1 < kb;
+      codec::Block16 q[2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t w[8] = {cur[2 * j].x,     cur[2 * j].y,     cur[2 * j].z,     cur[2 * j].w,
+                               cur[2 * j + 1].x, cur[2 * j + 1].y, cur[2 * j + 1].z, cur[2 * j + 1].w};
+        q[j] = codec::quantize_block16(w, g, six_g);
       }
-      const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      codec::Block16 q = codec::quantize_block16(w, g, six_g);
-      reinterpret_cast<uint2*>(codes + int64_t(row) * (cols / 2))[k] = make_uint2(q.codes_lo, q.codes_hi);
-      scales[codec::swizzled_offset(scale_row, k, k_tiles)] = uint8_t(q.scale);
+      uint2* dst = reinterpret_cast<uint2*>(row_codes) + 2 * v;
+      dst[0] = make_uint2(q[0].codes_lo, q[0].codes_hi);
+      scales[codec::swizzled_offset(gr.scale_row, 2 * v, k_tiles)] = uint8_t(q[0].scale);
+      if (two) {
+        dst[1] = make_uint2(q[1].codes_lo, q[1].codes_hi);
+        scales[codec::swizzled_offset(gr.scale_row, 2 * v + 1, k_tiles)] = uint8_t(q[1].scale);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) cur[i] = next[i];
     }
   }
 }

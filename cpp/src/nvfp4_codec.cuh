@@ -98,91 +98,111 @@ CUTLASS_DEVICE float e2m1_decode(uint32_t code) {
   return __uint_as_float(mag | ((code & 8u) << 28));
 }
 
-// The rare exact path of step 4 (true division per element), taken per block so the fast path
-// stays branch-free.
-CUTLASS_DEVICE void quantize_codes_exact(const float (&x)[16], float d, uint32_t (&packed)[2]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < 16; ++i) {
-    float q = __fdiv_rn(x[i], d);
-    // Inf / Inf (an Inf element when d overflowed to Inf) is NaN: code 0, as in the CPU reference.
-    uint32_t mag = isnan(q) ? 0u : e2m1_magnitude_bits<true>(q) >> 22;
-    uint32_t code = mag | ((__float_as_uint(x[i]) >> 28) & 8u);
-    packed[i / 8] |= code << (4 * (i % 8));
-  }
-}
-
 // One NVFP4 block of 16 values: its scale byte and 8 packed code bytes (element 2j in the low
-// nibble), by the pinned recipe.
+// nibble), by recipe v2.
 struct Block16 {
   uint32_t scale;
   uint32_t codes_lo;  // elements 0..7
   uint32_t codes_hi;  // elements 8..15
 };
 
-// Per-lane unsigned 16-bit max of two packed pairs (one instruction on sm_90).
-CUTLASS_DEVICE uint32_t max_u16x2(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// max(|a|, |b|) per bf16 lane (the sign bit is the xor of the inputs' signs: mask it off), a NaN in
+// either input giving NaN: one instruction for two lanes on sm_90.
+CUTLASS_DEVICE uint32_t absmax_bf16x2(uint32_t a, uint32_t b) {
   uint32_t r;
-  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
-#else
-  return __vmaxu2(a, b);
-#endif
+}
+
+// |x| bits of the block's largest element (bf16, sign cleared); any NaN gives bits > 0x7F80.
+CUTLASS_DEVICE uint32_t block_amax_bits(const uint32_t (&w)[8]) {
+  const uint32_t m = absmax_bf16x2(absmax_bf16x2(absmax_bf16x2(w[0], w[1]), absmax_bf16x2(w[2], w[3])),
+                                   absmax_bf16x2(absmax_bf16x2(w[4], w[5]), absmax_bf16x2(w[6], w[7])));
+  return max(m & 0x7FFFu, (m >> 16) & 0x7FFFu);
+}
+
+// Recipe v2 steps 2-3 for one block: the scale byte s and d = e4m3(s) * g, and whether the codes may
+// take the fast path (see quantize_codes_fast).
+struct BlockScale {
+  uint32_t scale;
+  float d;
+  bool fast;
+};
+
+CUTLASS_DEVICE BlockScale block_scale(uint32_t amax_bits, float g, float six_g) {
+  const float amax = __uint_as_float(amax_bits << 16);  // bf16 -> f32 is exact
+  // An infinite amax saturates (the crate's rule); 6g may overflow to Inf for a huge g, then a
+  // finite amax gives t = 0 -> 1 as the recipe says.
+  const float t_raw = amax_bits == 0x7F80u ? 448.0f : __fdiv_rn(amax, six_g);
+  const float t = fminf(fmaxf(t_raw == 0.0f ? 1.0f : t_raw, 0x1p-9f), 448.0f);
+  BlockScale b;
+  b.scale = e4m3_encode(t);
+  b.d = __fmul_rn(e4m3_decode(b.scale), g);
+  // Fast path: the scale did not saturate (so |x / d| < 16) and d is in a range where the
+  // Markstein quotient is exact near every decision point and a non-zero x / d never underflows
+  // (|x| >= 2^-133 and d <= 2^16), so the code's sign is x's sign unless x is -0.0.
+  b.fast = (t_raw <= 448.0f) && (b.d >= 0x1p-60f) && (b.d <= 0x1p16f);
+  return b;
+}
+
+// Step 4 on the rare exact path (true division per element), taken per block so the fast path
+// stays branch-free. Matches ModelOpt's `searchsorted` semantics at the extremes: a NaN quotient
+// (0/0 when d underflowed) has magnitude 6, and the sign bit is `q < 0`; an infinite element is
+// +-6 (the crate's rule).
+CUTLASS_DEVICE void quantize_codes_exact(const float (&x)[16], float d, uint32_t (&packed)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const float q = __fdiv_rn(x[i], d);
+    uint32_t code;
+    if (isinf(x[i])) {
+      code = 7u | (x[i] < 0.0f ? 8u : 0u);
+    } else {
+      code = (isnan(q) ? 7u : e2m1_magnitude_bits<true>(q) >> 22) | (q < 0.0f ? 8u : 0u);
+    }
+    packed[i / 8] |= code << (4 * (i % 8));
+  }
+}
+
+// Step 4 on the fast path. With r = RN(1/d), q0 = RN(x r) is within an ulp of x/d and
+// q0 + RN(x - d q0) r rounds to exactly RN(x/d) (Markstein), given block_scale's range checks. The
+// sign comes from that q: x = -0.0 gives q = +0.0 through the two FMAs (-0 + +0 = +0), a negative
+// x gives a negative q, as ModelOpt's `x / d < 0` wants.
+CUTLASS_DEVICE void quantize_codes_fast(const float (&x)[16], float d, uint32_t (&packed)[2]) {
+  const float r = __frcp_rn(d);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const float q0 = __fmul_rn(x[i], r);
+    const float q = __fmaf_rn(__fmaf_rn(-q0, d, x[i]), r, q0);
+    const uint32_t mag_bits = e2m1_magnitude_bits<false>(q);  // index << 22
+    const int kShift = 22 - 4 * (i % 8);  // to nibble i % 8 (a constant after unrolling)
+    packed[i / 8] |= (kShift >= 0 ? mag_bits >> kShift : mag_bits << -kShift) |
+                     ((__float_as_uint(q) >> (28 - 4 * (i % 8))) & (8u << (4 * (i % 8))));
+  }
 }
 
 // `w` holds the 16 inputs as 8 packed bf16 pairs (element 2j in the low half of w[j]);
-// `six_g` is RN(6 * g), as step 2 rounds the product first.
+// `six_g` is RN(6 * g), as step 2 rounds the product first. Recipe v2 (design/NVFP4.md): ModelOpt
+// 0.47's bytes on every finite input; a NaN anywhere gives scale 0x7F and zero codes.
 CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], float g, float six_g) {
-  // Step 1: amax on the bf16 bits. |x| as an unsigned 16-bit integer orders like the value, and
-  // any NaN (> 0x7F80) sorts above Inf, so one max finds both amax and whether a NaN is present.
-  uint32_t m = 0;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < 8; ++j) {
-    m = max_u16x2(m, w[j] & 0x7FFF7FFFu);
-  }
-  uint32_t amax_bits = max(m & 0xFFFFu, m >> 16);
-  Block16 out{0u, 0u, 0u};
+  const uint32_t amax_bits = block_amax_bits(w);
+  Block16 out{0x7Fu, 0u, 0u};
   if (amax_bits > 0x7F80u) {
-    out.scale = 0x7Fu;  // NaN scale, zero codes: the NaN stays visible after decoding
-    return out;
+    return out;  // NaN scale, zero codes: the NaN stays visible after decoding
   }
-  float amax = __uint_as_float(amax_bits << 16);  // bf16 -> f32 is exact
   float x[16];
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < 8; ++j) {
     x[2 * j] = __uint_as_float(w[j] << 16);
     x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
   }
-  // Step 2: s = e4m3(amax / (6 g)). Step 3: d = s * g.
-  uint32_t s = e4m3_encode(__fdiv_rn(amax, six_g));
-  float d = __fmul_rn(e4m3_decode(s), g);
-  if (d == 0.0f) {
-    return out;  // all-zero block or a scale that rounds to zero: scale 0, every code +0
-  }
-  out.scale = s;
-  // Step 4: code_i = e2m1(x_i / d) with a true division. Fast path (Markstein): with r = RN(1/d),
-  // q0 = RN(x r) is within an ulp of x/d and q0 + RN(x - d q0) r rounds to exactly RN(x/d),
-  // provided nothing over- or underflows: with d in [2^-60, 2^60] every quotient near a decision
-  // point has normal operands and an exact remainder, and an unsaturated scale keeps |x/d| <= 48
-  // (6.4 for normal scales). Saturated scales (huge amax against g, Inf elements) and extreme d
-  // take the exact division.
-  bool fast = (s <= 0x7Du) && (d >= 0x1p-60f) && (d <= 0x1p60f);
+  const BlockScale b = block_scale(amax_bits, g, six_g);
   uint32_t packed[2] = {0u, 0u};
-  if (fast) {
-    float r = __fdiv_rn(1.0f, d);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 16; ++i) {
-      float q0 = __fmul_rn(x[i], r);
-      float q = __fmaf_rn(__fmaf_rn(-q0, d, x[i]), r, q0);
-      // Magnitude bits from the index, sign bit from x (so -0.0 gives code 8).
-      uint32_t mag_bits = e2m1_magnitude_bits<false>(q);  // index << 22
-      const int kShift = 22 - 4 * (i % 8);  // to nibble i % 8 (a constant after unrolling)
-      packed[i / 8] |= (kShift >= 0 ? mag_bits >> kShift : mag_bits << -kShift) |
-                       ((__float_as_uint(x[i]) >> (28 - 4 * (i % 8))) & (8u << (4 * (i % 8))));
-    }
+  if (b.fast) {
+    quantize_codes_fast(x, b.d, packed);
   } else {
-    quantize_codes_exact(x, d, packed);
+    quantize_codes_exact(x, b.d, packed);
   }
+  out.scale = b.scale;
   out.codes_lo = packed[0];
   out.codes_hi = packed[1];
   return out;

@@ -1,11 +1,12 @@
 // quantize_nvfp4 / dequantize_nvfp4: bf16 <-> NVFP4 (E2M1 codes + E4M3 block-16 scales), by the
-// pinned recipe, bit-exact with the CPU reference.
+// pinned recipe (v2: ModelOpt's bytes), bit-exact with the CPU reference.
 //
-// Memory-bound: one thread per 16-element block reads 32 bytes (two 16-byte loads) and writes 8
-// code bytes and one scale byte. Threads are laid over the *padded* scale index space, so the
-// padding bytes of the swizzled layout are written by the same launch. The quantizer is close to
-// issue-bound (the exact recipe costs ~12 instructions per element), so the per-block work is kept
-// small: amax with packed 16-bit max, hardware E4M3 conversion, one reciprocal per block.
+// The quantizer is memory-bound at the limit only if it keeps enough bytes in flight and spends few
+// instructions per byte (the exact recipe is ~12 per element). So each thread takes a *unit* of two
+// consecutive 16-element blocks (64 bytes in, 16 bytes of codes and 2 scale bytes out) and walks
+// the tensor with a grid stride over a grid sized to fill the GPU once, loading its next unit before
+// encoding the current one: every thread has 64-128 bytes of loads in flight while it computes.
+// The swizzled layout's padding bytes are written by the same launch, after the data.
 #include "nvfp4moe/nvfp4moe.h"
 #include "nvfp4_codec.cuh"
 #include "status.hpp"
@@ -54,31 +55,88 @@ CUTLASS_DEVICE int64_t scale_index(int m, int k, int kb_pad, int k_tiles) {
   }
 }
 
-// x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout. This launch covers padded
-// scale rows [0, rows_pad) of the pointers it is given (the host offsets them per chunk).
-// n_blocks = rows_pad * kb_pad; div_kb_pad divides by kb_pad.
+// One launch's view of the tensor: padded scale rows [0, rows_pad) of the pointers it is given (the
+// host offsets them per chunk). Blocks are numbered row-major, kb per row; unit u is blocks 2u and
+// 2u + 1 (the last unit may hold one block).
+struct QuantizeParams {
+  const uint4* x;              // (rows, cols) bf16 as 16-byte vectors: (n_blocks, 2)
+  uint8_t* codes;              // (n_blocks, 8) bytes
+  uint8_t* scales;             // per kLayout
+  int n_blocks;                // rows * kb
+  int n_units;                 // ceil(n_blocks / 2)
+  int rows, rows_pad, kb, kb_pad, k_tiles;
+  cutlass::FastDivmod div_kb;  // block -> (row, column); swizzled layout only
+  float g, six_g;
+  bool codes16;                // codes is 16-byte aligned: one 16-byte store per unit
+};
+
+CUTLASS_DEVICE void load_unit(const QuantizeParams& p, int u, uint4 (&v)[4]) {
+  const uint4* src = p.x + int64_t(u) * 4;
+  v[0] = __ldg(src);
+  v[1] = __ldg(src + 1);
+  if (2 * u + 1 < p.n_blocks) {
+    v[2] = __ldg(src + 2);
+    v[3] = __ldg(src + 3);
+  }
+}
+
 template <ScaleLayout kLayout>
-__global__ void __launch_bounds__(kThreads, 6) quantize_kernel(
-    const __nv_bfloat16* __restrict__ x, int rows, int kb, int kb_pad, int n_blocks, int k_tiles,
-    cutlass::FastDivmod div_kb_pad, float g, float six_g, uint8_t* __restrict__ codes,
-    uint8_t* __restrict__ scales) {
-  int block = int(blockIdx.x) * kThreads + int(threadIdx.x);
-  if (block >= n_blocks) {
-    return;
+CUTLASS_DEVICE void quantize_unit(const QuantizeParams& p, int u, const uint4 (&v)[4]) {
+  const bool two = 2 * u + 1 < p.n_blocks;
+  codec::Block16 q[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    const uint32_t w[8] = {v[2 * j].x,     v[2 * j].y,     v[2 * j].z,     v[2 * j].w,
+                           v[2 * j + 1].x, v[2 * j + 1].y, v[2 * j + 1].z, v[2 * j + 1].w};
+    q[j] = codec::quantize_block16(w, p.g, p.six_g);
   }
-  int m, k;
-  div_kb_pad(m, k, block);
-  uint32_t scale = 0;  // padding positions get 0
-  if (m < rows && k < kb) {
-    int64_t off = int64_t(m) * kb + k;  // the block's index in x (row-major, kb blocks per row)
-    const uint4* src = reinterpret_cast<const uint4*>(x) + off * 2;
-    uint4 lo = __ldg(src), hi = __ldg(src + 1);
-    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    codec::Block16 q = codec::quantize_block16(w, g, six_g);
-    reinterpret_cast<uint2*>(codes)[off] = make_uint2(q.codes_lo, q.codes_hi);
-    scale = q.scale;
+  if (two && p.codes16) {
+    reinterpret_cast<uint4*>(p.codes)[u] = make_uint4(q[0].codes_lo, q[0].codes_hi, q[1].codes_lo, q[1].codes_hi);
+  } else {
+    uint2* dst = reinterpret_cast<uint2*>(p.codes) + 2 * int64_t(u);
+    dst[0] = make_uint2(q[0].codes_lo, q[0].codes_hi);
+    if (two) dst[1] = make_uint2(q[1].codes_lo, q[1].codes_hi);
   }
-  scales[scale_index<kLayout>(m, k, kb_pad, k_tiles)] = uint8_t(scale);
+  const int b = 2 * u;
+  if constexpr (kLayout == ScaleLayout::kLinear) {
+    p.scales[b] = uint8_t(q[0].scale);  // linear: the scale index is the block index
+    if (two) p.scales[b + 1] = uint8_t(q[1].scale);
+  } else {
+    int m, k;
+    p.div_kb(m, k, b);
+    p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = uint8_t(q[0].scale);
+    if (two) {
+      const bool wrap = k + 1 == p.kb;  // the unit's second block starts the next row
+      p.scales[codec::swizzled_offset(wrap ? m + 1 : m, wrap ? 0 : k + 1, p.k_tiles)] = uint8_t(q[1].scale);
+    }
+  }
+}
+
+// x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout (padding bytes 0).
+template <ScaleLayout kLayout>
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
+  const int stride = int(gridDim.x) * kThreads;
+  int u = int(blockIdx.x) * kThreads + int(threadIdx.x);
+  uint4 cur[4] = {}, next[4] = {};
+  if (u < p.n_units) load_unit(p, u, cur);
+  for (; u < p.n_units; u += stride) {
+    // The next unit's loads go out before this unit is encoded.
+    if (u + stride < p.n_units) load_unit(p, u + stride, next);
+    quantize_unit<kLayout>(p, u, cur);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) cur[i] = next[i];
+  }
+  if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
+    // Padding: columns [kb, kb_pad) of the data rows, then every column of rows [rows, rows_pad).
+    const int side = p.kb_pad - p.kb;
+    const int n_side = p.rows * side;
+    const int n_pad = n_side + (p.rows_pad - p.rows) * p.kb_pad;
+    for (int i = int(blockIdx.x) * kThreads + int(threadIdx.x); i < n_pad; i += stride) {
+      const int m = i < n_side ? i / side : p.rows + (i - n_side) / p.kb_pad;
+      const int k = i < n_side ? p.kb + i % side : (i - n_side) % p.kb_pad;
+      p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = 0;
+    }
+  }
 }
 
 // codes + scales -> out (rows, cols) bf16. n_blocks = rows * kb; div_kb divides by kb.
@@ -130,21 +188,39 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
   if (!aligned(a.x, 16)) return fail(Status::kMisaligned, "quantize_nvfp4: x must be 16-byte aligned");
   if (!aligned(a.codes, 8)) return fail(Status::kMisaligned, "quantize_nvfp4: codes must be 8-byte aligned");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const bool swizzled = a.layout == ScaleLayout::kSwizzled128x4;
+  auto kernel = swizzled ? quantize_kernel<ScaleLayout::kSwizzled128x4> : quantize_kernel<ScaleLayout::kLinear>;
+  // A grid that fills the GPU once: the SM count and blocks per SM come from the device.
+  int device = 0, sms = 0, per_sm = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess) {
+    return check_launch("quantize_nvfp4 (device query)");
+  }
+  const int64_t max_grid = int64_t(std::max(sms, 1)) * std::max(per_sm, 1);
   // Chunks of whole 128-row tiles keep both layouts' offsets relative to the chunk's pointers.
   int64_t rows_per_chunk = std::max<int64_t>(128, kMaxBlocksPerLaunch / geo.kb_pad / 128 * 128);
   for (int64_t r0 = 0; r0 < geo.rows_pad; r0 += rows_per_chunk) {
     int64_t chunk_pad = std::min(rows_per_chunk, geo.rows_pad - r0);
     int64_t chunk_rows = std::max<int64_t>(0, std::min(chunk_pad, a.rows - r0));
-    int64_t n = chunk_pad * geo.kb_pad;
-    unsigned grid = unsigned((n + kThreads - 1) / kThreads);
-    const auto* x = static_cast<const __nv_bfloat16*>(a.x) + r0 * a.cols;
-    auto* codes = static_cast<uint8_t*>(a.codes) + r0 * (a.cols / 2);
-    auto* scales = static_cast<uint8_t*>(a.scales) + r0 * geo.kb_pad;
-    cutlass::FastDivmod div_kb_pad(int(geo.kb_pad));
-    auto kernel = a.layout == ScaleLayout::kSwizzled128x4 ? quantize_kernel<ScaleLayout::kSwizzled128x4>
-                                                          : quantize_kernel<ScaleLayout::kLinear>;
-    kernel<<<grid, kThreads, 0, st>>>(x, int(chunk_rows), int(geo.kb), int(geo.kb_pad), int(n), int(geo.k_tiles),
-                                      div_kb_pad, a.decode_scale, 6.0f * a.decode_scale, codes, scales);
+    QuantizeParams p;
+    p.x = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + r0 * a.cols);
+    p.codes = static_cast<uint8_t*>(a.codes) + r0 * (a.cols / 2);
+    p.scales = static_cast<uint8_t*>(a.scales) + r0 * geo.kb_pad;
+    p.n_blocks = int(chunk_rows * geo.kb);
+    p.n_units = (p.n_blocks + 1) / 2;
+    p.rows = int(chunk_rows);
+    p.rows_pad = int(chunk_pad);
+    p.kb = int(geo.kb);
+    p.kb_pad = int(geo.kb_pad);
+    p.k_tiles = int(geo.k_tiles);
+    p.div_kb = cutlass::FastDivmod(int(geo.kb));
+    p.g = a.decode_scale;
+    p.six_g = 6.0f * a.decode_scale;
+    p.codes16 = aligned(p.codes, 16);
+    int64_t work = std::max<int64_t>(p.n_units, swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
+    unsigned grid = unsigned(std::max<int64_t>(1, std::min(max_grid, (work + kThreads - 1) / kThreads)));
+    kernel<<<grid, kThreads, 0, st>>>(p);
     if (Status s = check_launch("quantize_nvfp4"); s != Status::kSuccess) return s;
   }
   return Status::kSuccess;
