@@ -326,15 +326,17 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     CUTLASS_PRAGMA_UNROLL
     for (int kb = 0; kb < 4; ++kb) {
       uint32_t sw = kb < 2 ? sc.x : sc.y;
-      // Bytes (row m0, row m0 + 8) of this k-block, each replicated into both 16-bit lanes.
+      // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
+      // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
       uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-      uint32_t s_r = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel0 << 8)));
-      uint32_t s_r8 = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel8 | (sel8 << 8)));
+      uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+      const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+      const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+      const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
+                             weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < 4; ++j) {
-        uint32_t v = weights::e2m1x2_to_bf16x2_scaled(cw4[kb] >> (4 * j));
-        __nv_bfloat162 prod = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&v),
-                                      *reinterpret_cast<const __nv_bfloat162*>(j % 2 ? &s_r8 : &s_r));
+        __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
         a_words(kb * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
       }
     }

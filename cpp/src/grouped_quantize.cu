@@ -1,9 +1,9 @@
 // quantize_nvfp4_grouped (plain and swiglu_quantize) and the separate swiglu_bf16 kernel.
 //
 // quantize_nvfp4_grouped: one warp per row. Lane 0 finds the row's expert (binary search over the
-// device offsets) and the warp shares it; lanes then walk the row in units of two 16-element blocks
-// (64 bytes, the next unit loaded before the current one is encoded) with the same per-block recipe
-// as quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
+// device offsets) and the warp shares it; lanes then walk the row two 16-element blocks at a time
+// (blocks k and k + 32: coalesced, both loads issued before either is encoded) with the same
+// per-block recipe as quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
 // zeroed first (cudaMemsetAsync), which writes every padding byte.
 #include "nvfp4moe/nvfp4moe.h"
 #include "nvfp4_codec.cuh"
@@ -61,15 +61,17 @@ CUTLASS_DEVICE void load_block(const __nv_bfloat16* row_ptr, int k, uint4& lo, u
   }
 }
 
-// A unit is blocks 2v and 2v + 1 of a row (the last unit of a row with an odd block count holds one).
+// Blocks k and k + 32 of a row, those that exist.
 template <GroupedSource kSource>
-CUTLASS_DEVICE void load_row_unit(const __nv_bfloat16* row_ptr, int v, int kb, uint4 (&u)[4]) {
-  load_block<kSource>(row_ptr, 2 * v, u[0], u[1]);
-  if (2 * v + 1 < kb) load_block<kSource>(row_ptr, 2 * v + 1, u[2], u[3]);
+CUTLASS_DEVICE void load_pair(const __nv_bfloat16* row_ptr, int k, int kb, uint4 (&u)[4]) {
+  if (k < kb) load_block<kSource>(row_ptr, k, u[0], u[1]);
+  if (k + 32 < kb) load_block<kSource>(row_ptr, k + 32, u[2], u[3]);
 }
 
-// One warp per row (its expert found once); lanes take units of two blocks, loading the next unit
-// before encoding the current one, with the same per-block recipe as quantize_nvfp4.
+// One warp per row (its expert found once). Per step a lane loads blocks k and k + 32 of the row
+// (every load instruction of the warp reads consecutive blocks), then encodes both with the same
+// per-block recipe as quantize_nvfp4. (Prefetching the next step too made ptxas keep row values in
+// local memory around the division slow-path calls.)
 template <GroupedSource kSource>
 __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
     const __nv_bfloat16* __restrict__ x, int rows, int cols, const int* __restrict__ offsets, int experts,
@@ -78,7 +80,6 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (kThreads / 32);
   const int kb = cols / 16;
-  const int units = (kb + 1) / 2;
   const int k_tiles = (kb + 3) / 4;
   const int64_t row_elems = kSource == GroupedSource::kContiguous ? int64_t(cols) : 2 * int64_t(cols);
   const int total = min(max(offsets[experts], 0), rows);
@@ -90,28 +91,21 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
     const float g = decode_scales[num_decode_scales == 1 ? 0 : gr.expert];
     const float six_g = __fmul_rn(6.0f, g);
     const __nv_bfloat16* row_ptr = x + int64_t(row) * row_elems;
-    uint8_t* row_codes = codes + int64_t(row) * (cols / 2);
-    uint4 cur[4] = {}, next[4] = {};
-    if (lane < units) load_row_unit<kSource>(row_ptr, lane, kb, cur);
-    for (int v = lane; v < units; v += 32) {
-      if (v + 32 < units) load_row_unit<kSource>(row_ptr, v + 32, kb, next);
-      const bool two = 2 * v + 1 < kb;
-      codec::Block16 q[2];
+    uint2* row_codes = reinterpret_cast<uint2*>(codes + int64_t(row) * (cols / 2));
+    for (int k = lane; k < kb; k += 64) {
+      uint4 cur[4] = {};
+      load_pair<kSource>(row_ptr, k, kb, cur);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < 2; ++j) {
-        const uint32_t w[8] = {cur[2 * j].x,     cur[2 * j].y,     cur[2 * j].z,     cur[2 * j].w,
-                               cur[2 * j + 1].x, cur[2 * j + 1].y, cur[2 * j + 1].z, cur[2 * j + 1].w};
-        q[j] = codec::quantize_block16(w, g, six_g);
+        const int kj = k + 32 * j;
+        if (kj < kb) {
+          const uint32_t w[8] = {cur[2 * j].x,     cur[2 * j].y,     cur[2 * j].z,     cur[2 * j].w,
+                                 cur[2 * j + 1].x, cur[2 * j + 1].y, cur[2 * j + 1].z, cur[2 * j + 1].w};
+          const codec::Block16 q = codec::quantize_block16(w, g, six_g);
+          row_codes[kj] = make_uint2(q.codes_lo, q.codes_hi);
+          scales[codec::swizzled_offset(gr.scale_row, kj, k_tiles)] = uint8_t(q.scale);
+        }
       }
-      uint2* dst = reinterpret_cast<uint2*>(row_codes) + 2 * v;
-      dst[0] = make_uint2(q[0].codes_lo, q[0].codes_hi);
-      scales[codec::swizzled_offset(gr.scale_row, 2 * v, k_tiles)] = uint8_t(q[0].scale);
-      if (two) {
-        dst[1] = make_uint2(q[1].codes_lo, q[1].codes_hi);
-        scales[codec::swizzled_offset(gr.scale_row, 2 * v + 1, k_tiles)] = uint8_t(q[1].scale);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 4; ++i) cur[i] = next[i];
     }
   }
 }

@@ -1,4 +1,4 @@
-// Device-side NVFP4 codec: the pinned recipe of shared/design/NVFP4.md, bit-exact with the crate's
+// Device-side NVFP4 codec: recipe v2 of shared/design/NVFP4.md (ModelOpt 0.47's bytes), bit-exact with the crate's
 // CPU reference (src/format.rs, src/reference.rs). Shared by the quantizer and (later) the fused
 // SwiGLU epilogues, so everything here is a force-inlined CUTLASS_DEVICE helper.
 //

@@ -90,8 +90,7 @@ __global__ void prepare_kernel(const uint8_t* __restrict__ codes, const uint8_t*
     const uint32_t pair[4] = {b00, b10, b01, b11};
     uint32_t word = 0;
     for (int j = 0; j < 4; ++j) {
-      word |= (pair[j] & 0xFu) << (4 * j);
-      word |= ((pair[j] >> 4) & 0xFu) << (16 + 4 * j);
+      word |= place_nibble(pair[j] & 0xFu, j, 0) | place_nibble((pair[j] >> 4) & 0xFu, j, 1);
     }
     words[kb] = word;
   }

@@ -16,6 +16,8 @@
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace nvfp4moe {
 namespace {
@@ -112,6 +114,54 @@ CUTLASS_DEVICE void quantize_unit(const QuantizeParams& p, int u, const uint4 (&
   }
 }
 
+// The swizzled layout's padding: columns [kb, kb_pad) of the data rows, then every column of rows
+// [rows, rows_pad), grid-strided over the launch's threads.
+CUTLASS_DEVICE void write_swizzled_padding(const QuantizeParams& p, int first, int stride) {
+  const int side = p.kb_pad - p.kb;
+  const int n_side = p.rows * side;
+  const int n_pad = n_side + (p.rows_pad - p.rows) * p.kb_pad;
+  for (int i = first; i < n_pad; i += stride) {
+    const int m = i < n_side ? i / side : p.rows + (i - n_side) / p.kb_pad;
+    const int k = i < n_side ? p.kb + i % side : (i - n_side) % p.kb_pad;
+    p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = 0;
+  }
+}
+
+// The one-block-per-step variant (NVFP4MOE_QUANTIZE_KERNEL=single): consecutive threads take
+// consecutive blocks (as the v3b kernel did), with the next block loaded before the current one is
+// encoded; fewer registers than quantize_kernel, so more warps per SM.
+template <ScaleLayout kLayout>
+__global__ void __launch_bounds__(kThreads) quantize_kernel_single(const QuantizeParams p) {
+  const int stride = int(gridDim.x) * kThreads;
+  int b = int(blockIdx.x) * kThreads + int(threadIdx.x);
+  uint4 cur[2] = {}, next[2] = {};
+  if (b < p.n_blocks) {
+    cur[0] = __ldg(p.x + 2 * int64_t(b));
+    cur[1] = __ldg(p.x + 2 * int64_t(b) + 1);
+  }
+  for (; b < p.n_blocks; b += stride) {
+    if (b + stride < p.n_blocks) {
+      next[0] = __ldg(p.x + 2 * int64_t(b + stride));
+      next[1] = __ldg(p.x + 2 * int64_t(b + stride) + 1);
+    }
+    const uint32_t w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
+    const codec::Block16 q = codec::quantize_block16(w, p.g, p.six_g);
+    reinterpret_cast<uint2*>(p.codes)[b] = make_uint2(q.codes_lo, q.codes_hi);
+    if constexpr (kLayout == ScaleLayout::kLinear) {
+      p.scales[b] = uint8_t(q.scale);
+    } else {
+      int m, k;
+      p.div_kb(m, k, b);
+      p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = uint8_t(q.scale);
+    }
+    cur[0] = next[0];
+    cur[1] = next[1];
+  }
+  if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
+    write_swizzled_padding(p, int(blockIdx.x) * kThreads + int(threadIdx.x), stride);
+  }
+}
+
 // x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout (padding bytes 0).
 template <ScaleLayout kLayout>
 __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
@@ -127,15 +177,7 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams
     for (int i = 0; i < 4; ++i) cur[i] = next[i];
   }
   if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
-    // Padding: columns [kb, kb_pad) of the data rows, then every column of rows [rows, rows_pad).
-    const int side = p.kb_pad - p.kb;
-    const int n_side = p.rows * side;
-    const int n_pad = n_side + (p.rows_pad - p.rows) * p.kb_pad;
-    for (int i = int(blockIdx.x) * kThreads + int(threadIdx.x); i < n_pad; i += stride) {
-      const int m = i < n_side ? i / side : p.rows + (i - n_side) / p.kb_pad;
-      const int k = i < n_side ? p.kb + i % side : (i - n_side) % p.kb_pad;
-      p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = 0;
-    }
+    write_swizzled_padding(p, int(blockIdx.x) * kThreads + int(threadIdx.x), stride);
   }
 }
 
@@ -189,7 +231,13 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
   if (!aligned(a.codes, 8)) return fail(Status::kMisaligned, "quantize_nvfp4: codes must be 8-byte aligned");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool swizzled = a.layout == ScaleLayout::kSwizzled128x4;
-  auto kernel = swizzled ? quantize_kernel<ScaleLayout::kSwizzled128x4> : quantize_kernel<ScaleLayout::kLinear>;
+  // NVFP4MOE_QUANTIZE_KERNEL=single picks the one-block-per-step variant (a measurement knob; the
+  // default is the two-block kernel, faster on the H200 for the linear layout, PERF_NOTES.md).
+  const char* variant = std::getenv("NVFP4MOE_QUANTIZE_KERNEL");
+  const bool single = variant != nullptr && std::strcmp(variant, "single") == 0;
+  auto kernel = single ? (swizzled ? quantize_kernel_single<ScaleLayout::kSwizzled128x4>
+                                   : quantize_kernel_single<ScaleLayout::kLinear>)
+                       : (swizzled ? quantize_kernel<ScaleLayout::kSwizzled128x4> : quantize_kernel<ScaleLayout::kLinear>);
   // A grid that fills the GPU once: the SM count and blocks per SM come from the device.
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -218,7 +266,8 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
     p.g = a.decode_scale;
     p.six_g = 6.0f * a.decode_scale;
     p.codes16 = aligned(p.codes, 16);
-    int64_t work = std::max<int64_t>(p.n_units, swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
+    int64_t work = std::max<int64_t>(single ? p.n_blocks : p.n_units,
+                                     swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
     unsigned grid = unsigned(std::max<int64_t>(1, std::min(max_grid, (work + kThreads - 1) / kThreads)));
     kernel<<<grid, kThreads, 0, st>>>(p);
     if (Status s = check_launch("quantize_nvfp4"); s != Status::kSuccess) return s;

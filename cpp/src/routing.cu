@@ -2,7 +2,8 @@
 // gather of hidden rows, and the deterministic combine. Everything runs on the device with no
 // host synchronization; the permutation is deterministic (no atomics decide any order).
 //
-// Permutation in three launches over chunks of 1024 pairs:
+// Permutation in three launches over chunks of 1024 pairs (one fused launch, route_small_kernel,
+// when all pairs fit in one chunk):
 //   count:   per chunk, a shared-memory histogram of expert ids -> counts (chunks, E)
 //   scan:    one CTA: per expert, an exclusive scan over chunks, then over experts -> offsets
 //   scatter: per chunk, each warp ranks its lanes within equal ids (match_any), and the 32 warps
@@ -157,6 +158,67 @@ __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ i
   }
 }
 
+// pairs <= kChunk (decode and small batches): count, scan and scatter in one CTA of 1024 threads,
+// one launch instead of three, writing exactly what the three-launch path writes (with one chunk,
+// the chunk's bases are the expert offsets, and the scatter claims slots in the same warp order).
+__global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict__ ids, int pairs, int experts,
+                                                           int* __restrict__ offsets, int* __restrict__ row_of_pair,
+                                                           int* __restrict__ pair_of_row,
+                                                           unsigned long long* __restrict__ error) {
+  static_assert(kChunk == 1024 && kMaxExperts == 1024, "one thread per pair and per expert slot");
+  __shared__ int next[kMaxExperts];   // counts, then each expert's next free row
+  __shared__ int total[kMaxExperts];  // the inclusive scan of the counts
+  __shared__ int claimed[kChunk];
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  next[t] = 0;
+  __syncthreads();
+  int id = t < pairs ? ids[t] : -1;
+  if (t < pairs) {
+    if (id >= 0 && id < experts) {
+      atomicAdd(&next[id], 1);
+    } else {
+      atomicMin(error, (static_cast<unsigned long long>(t) << 32) | static_cast<unsigned int>(id));
+    }
+  }
+  if (id >= experts) id = -1;
+  __syncthreads();
+  const int count = t < experts ? next[t] : 0;
+  total[t] = count;
+  __syncthreads();
+  for (int d = 1; d < kMaxExperts; d *= 2) {  // inclusive Hillis-Steele scan
+    int v = t >= d ? total[t - d] : 0;
+    __syncthreads();
+    total[t] += v;
+    __syncthreads();
+  }
+  const int base = total[t] - count;  // exclusive
+  if (t < experts) {
+    offsets[t] = base;
+    next[t] = base;
+  }
+  if (t == experts - 1) offsets[experts] = total[t];
+  __syncthreads();
+  const unsigned peers = __match_any_sync(0xFFFFFFFFu, id);
+  const int leader = __ffs(peers) - 1;
+  const int rank = __popc(peers & ((1u << lane) - 1));
+  for (int w = 0; w < 32; ++w) {
+    if (warp == w && id >= 0 && lane == leader) {
+      claimed[t] = next[id];
+      next[id] += __popc(peers);
+    }
+    __syncthreads();
+  }
+  if (t < pairs) {
+    if (id >= 0) {
+      int row = claimed[warp * 32 + leader] + rank;
+      row_of_pair[t] = row;
+      pair_of_row[row] = t;
+    } else {
+      row_of_pair[t] = -1;
+    }
+  }
+}
+
 // One CTA per permuted row: copy the token's hidden row.
 __global__ void gather_kernel(const __nv_bfloat16* __restrict__ hidden, int64_t vecs_per_row, int top_k,
                               const int* __restrict__ offsets, int experts, const int* __restrict__ pair_of_row,
@@ -237,16 +299,21 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int chunks = int((pairs + kChunk - 1) / kChunk);
   int* counts = static_cast<int*>(a.workspace);
-  if (pairs > 0) {
+  if (pairs <= kChunk) {
+    // Decode and small batches: one launch for count, scan and scatter.
+    route_small_kernel<<<1, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), a.expert_offsets, a.row_of_pair,
+                                           a.pair_of_row, a.error);
+    if (Status s = check_launch("permute_and_gather (route)"); s != Status::kSuccess) return s;
+    if (pairs == 0) return Status::kSuccess;
+  } else {
     count_kernel<<<chunks, 256, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.error);
     if (Status s = check_launch("permute_and_gather (count)"); s != Status::kSuccess) return s;
+    scan_kernel<<<1, 1024, 0, st>>>(counts, chunks, int(a.experts), a.expert_offsets);
+    if (Status s = check_launch("permute_and_gather (scan)"); s != Status::kSuccess) return s;
+    scatter_kernel<<<chunks, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.row_of_pair,
+                                            a.pair_of_row);
+    if (Status s = check_launch("permute_and_gather (scatter)"); s != Status::kSuccess) return s;
   }
-  scan_kernel<<<1, 1024, 0, st>>>(counts, chunks, int(a.experts), a.expert_offsets);
-  if (Status s = check_launch("permute_and_gather (scan)"); s != Status::kSuccess) return s;
-  if (pairs == 0) return Status::kSuccess;
-  scatter_kernel<<<chunks, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.row_of_pair,
-                                          a.pair_of_row);
-  if (Status s = check_launch("permute_and_gather (scatter)"); s != Status::kSuccess) return s;
   gather_kernel<<<unsigned(pairs), 128, 0, st>>>(static_cast<const __nv_bfloat16*>(a.hidden), a.hidden_size / 8,
                                                  int(a.top_k), a.expert_offsets, int(a.experts), a.pair_of_row,
                                                  static_cast<__nv_bfloat16*>(a.x_perm));

@@ -3,7 +3,8 @@
 // The C++ core API. Plain C++17: no CUDA, CUTLASS or Rust headers are needed to use it. Streams are
 // passed as `void*` (a `cudaStream_t` / `CUstream`); device pointers as raw pointers.
 //
-// NVFP4 (see shared/design/NVFP4.md, the pinned recipe):
+// NVFP4 (see shared/design/NVFP4.md; quantizers follow its recipe v2, the bytes of ModelOpt 0.47's
+// NVFP4QTensor.quantize on CUDA):
 //   value = e2m1(code) * e4m3(block scale) * g
 // where g is the FP32 per-tensor *decode scale* (ModelOpt's `weight_scale_2`). Other libraries'
 // "global scale" is 1/g; nothing in this API takes a global scale.
@@ -47,7 +48,8 @@ enum class ScaleLayout : int32_t {
 // Returns 0 for invalid arguments.
 size_t scale_bytes(ScaleLayout layout, int64_t rows, int64_t cols) noexcept;
 
-// quantize_nvfp4: bf16 [rows, cols] -> codes u8 [rows, cols/2] + e4m3 scales, by the pinned recipe.
+// quantize_nvfp4: bf16 [rows, cols] -> codes u8 [rows, cols/2] + e4m3 scales, by recipe v2 (ModelOpt's
+// bytes on every finite input; a NaN block gets scale 0x7F and zero codes, Inf saturates).
 // Byte-identical to the crate's CPU reference for any input, NaN and Inf included. Padding bytes of
 // the swizzled layout are written (0).
 struct QuantizeNvfp4Args {
