@@ -11,7 +11,7 @@ use criterion::{criterion_group, Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use nvfp4_moe::layout::{scale_len, ScaleLayout};
 use nvfp4_moe::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::Rng;
 
 const SHAPES: [(usize, usize); 4] = [(8192, 7168), (65536, 2048), (16384, 14336), (128, 7168)];
 

@@ -27,9 +27,9 @@ use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16, SwigluNvfp4};
 use nvfp4_moe::layout::grouped_scale_len;
-use nvfp4_moe::presets::random_device_weights;
 use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::random_device_weights;
+use nvfp4_moe::testing::Rng;
 
 const TOKENS: [usize; 3] = [16, 1024, 8192];
 

@@ -24,6 +24,7 @@ pub enum Error {
     #[error("tensor `{name}`: {what}")]
     Tensor { name: String, what: String },
     /// An error from the CUDA driver (through cudarc).
+    #[cfg(feature = "cuda")]
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
     /// An error reported by the C++ core (a CUDA runtime error or a failed launch).
@@ -43,6 +44,7 @@ pub enum Error {
     Invalid(String),
 }
 
+#[cfg(feature = "cuda")]
 impl From<cxx::Exception> for Error {
     fn from(e: cxx::Exception) -> Self {
         Error::Core(e.what().to_string())

@@ -24,25 +24,38 @@
 //! assert_eq!(reference::dequantize(&q), x); // these values are exact in NVFP4
 //! ```
 
+// Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
+pub mod checkpoint;
 pub mod error;
 pub mod format;
-pub mod layout;
-pub mod reference;
-pub mod rng;
-pub mod routing;
-
-pub mod checkpoint;
-mod checks;
-mod ffi;
-pub mod gemm;
-pub mod info;
 pub mod io;
-pub mod moe;
+pub mod layout;
 pub mod presets;
+pub mod reference;
+mod rng;
+pub mod routing;
+#[doc(hidden)]
+pub mod testing;
+
+// The GPU side (the `cuda` feature): the CUDA core through the cxx bridge, over cudarc.
+#[cfg(feature = "cuda")]
+mod checks;
+#[cfg(feature = "cuda")]
+mod ffi;
+#[cfg(feature = "cuda")]
+pub mod gemm;
+#[cfg(feature = "cuda")]
+pub mod info;
+#[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
 pub mod quantize;
 
 pub use error::{Error, Result};
+#[cfg(feature = "cuda")]
 pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16, SwigluNvfp4};
 pub use layout::ScaleLayout;
+#[cfg(feature = "cuda")]
 pub use moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWeightsBf16, MoeWorkspace};
+#[cfg(feature = "cuda")]
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

@@ -19,8 +19,8 @@ use nvfp4_moe::io::{self as nio, ModelOptWeight, SourceDtype};
 use nvfp4_moe::layout::ScaleLayout;
 use nvfp4_moe::presets::{self, Preset};
 use nvfp4_moe::reference::{self, Nvfp4Host};
-use nvfp4_moe::rng::Rng;
 use nvfp4_moe::routing;
+use nvfp4_moe::testing::Rng;
 use nvfp4_moe::{info, Error};
 use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
 
@@ -991,7 +991,7 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     let mut rng = Rng::from_entropy();
     eprintln!("generating a random checkpoint ({})...", fmt_bytes(p.layer_bytes()));
     let t = Instant::now();
-    let ck = presets::random_moe_checkpoint(&mut rng, e, h, i);
+    let ck = nvfp4_moe::testing::random_moe_checkpoint(&mut rng, e, h, i);
     let logits: Vec<f32> = (0..tokens * e).map(|_| rng.normal()).collect();
     let (ids, weights) = routing::softmax_topk(&logits, tokens, e, k, true)?;
     let hidden = rng.normal_bf16(tokens * h, 1.0);
@@ -1331,8 +1331,8 @@ fn cmd_bench(flags: &Flags) -> CliResult<()> {
             fmt_bytes(p.layer_bytes())
         );
         let t = Instant::now();
-        let w13 = presets::random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
-        let w2 = presets::random_device_weights(&stream, &mut rng, e, h, i, false)?;
+        let w13 = nvfp4_moe::testing::random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
+        let w2 = nvfp4_moe::testing::random_device_weights(&stream, &mut rng, e, h, i, false)?;
         let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
         let mut layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
         let mut ws = layer.workspace(&stream)?;
@@ -1548,7 +1548,7 @@ mod tests {
 
     #[test]
     fn amax_scan_matches_a_plain_scan_and_gives_the_reference_g() {
-        let mut r = nvfp4_moe::rng::Rng::from_entropy();
+        let mut r = nvfp4_moe::testing::Rng::from_entropy();
         eprintln!("seed = {:#x}", r.seed());
         for n in [1usize, 17, 1000, (1 << 20) + 3, 3 << 20] {
             let mut x = r.varied_bf16(n);

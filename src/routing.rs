@@ -7,13 +7,17 @@
 //!   `(t, j)` (flattened `t * k + j`) goes before every later pair of the same expert;
 //! - combine sums `topk_weights[t, j] * y[pos(t, j)]` over `j = 0..k` in that order.
 
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+#[cfg(feature = "cuda")]
 use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
 use crate::ffi::raw;
 use crate::reference::ExpertWeightsHost;
 
@@ -186,6 +190,7 @@ pub fn moe_layer(
 // ------------------------------------------------------------------------------------------------
 // Device side
 
+#[cfg(feature = "cuda")]
 /// Softmax top-k routing on the device: `logits` f32 `[tokens, experts]` -> `ids` i32 and
 /// `weights` f32 `[tokens, top_k]`, choosing as [`softmax_topk`] does (ids identical, weights to
 /// FP32 rounding). `1 <= top_k <= min(experts, 32)`, `experts <= 1024`.
@@ -231,6 +236,7 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
     Ok(())
 }
 
+#[cfg(feature = "cuda")]
 /// Device buffers of the permutation for up to `max_pairs` (token, slot) pairs: sized once, reused
 /// by every forward (no allocation inside a forward).
 pub struct PermuteBuffers {
@@ -249,6 +255,7 @@ pub struct PermuteBuffers {
     hidden: usize,
 }
 
+#[cfg(feature = "cuda")]
 impl PermuteBuffers {
     pub fn new(stream: &Arc<CudaStream>, max_pairs: usize, experts: usize, hidden: usize) -> Result<Self> {
         if experts == 0 || experts > 1024 || hidden == 0 || !hidden.is_multiple_of(8) {
@@ -340,6 +347,7 @@ impl PermuteBuffers {
     }
 }
 
+#[cfg(feature = "cuda")]
 /// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair[t, j]]` (j in order, FP32, bad slots
 /// skipped) rounded to bf16 `[tokens, hidden]`: bit-identical across runs.
 #[allow(clippy::too_many_arguments)]

@@ -9,7 +9,7 @@ use half::bf16;
 use nvfp4_moe::io::{read_matrix_bf16, read_modelopt, write_bf16};
 use nvfp4_moe::layout::ScaleLayout;
 use nvfp4_moe::reference;
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::Rng;
 use safetensors::tensor::{Dtype, TensorView};
 
 /// The CLI under test: the one cargo built, or `$NVFP4MOE_CLI` (the GPU bundle runs the binaries
@@ -408,7 +408,7 @@ fn run_matches_reference_on_written_checkpoints() {
         (ExpertNaming::GateUpDown, "model.layers.3.mlp.experts"),
         (ExpertNaming::W1W3W2, "model.layers.0.block_sparse_moe.experts"),
     ] {
-        let mut ck = nvfp4_moe::presets::random_moe_checkpoint(&mut r, e, h, i);
+        let mut ck = nvfp4_moe::testing::random_moe_checkpoint(&mut r, e, h, i);
         ck.naming = naming;
         let weights = dir.path(&format!("{naming:?}.safetensors"));
         write_modelopt_experts(&weights, prefix, naming, &ck).unwrap();

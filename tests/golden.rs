@@ -32,16 +32,31 @@ use half::bf16;
 const INPUT: &[u8] = include_bytes!("golden/input.safetensors");
 const PREFIX: &str = "model.layers.0.mlp.gate_proj";
 
-/// (tensor, `--prefix` or "", quantized file, `--name` or "", dequantized file)
-const CASES: [(&str, &str, &[u8], &str, &[u8]); 2] = [
-    (
-        "blk.w",
-        PREFIX,
-        include_bytes!("golden/q-bf16.safetensors"),
-        "deq",
-        include_bytes!("golden/d-bf16.safetensors"),
-    ),
-    ("w32", "", include_bytes!("golden/q-f32.safetensors"), "", include_bytes!("golden/d-f32.safetensors")),
+/// One golden case: the tensor, `--prefix` (or ""), the quantized file, `--name` (or "") and the
+/// dequantized file.
+struct Case {
+    tensor: &'static str,
+    prefix: &'static str,
+    quantized: &'static [u8],
+    name: &'static str,
+    dequantized: &'static [u8],
+}
+
+const CASES: [Case; 2] = [
+    Case {
+        tensor: "blk.w",
+        prefix: PREFIX,
+        quantized: include_bytes!("golden/q-bf16.safetensors"),
+        name: "deq",
+        dequantized: include_bytes!("golden/d-bf16.safetensors"),
+    },
+    Case {
+        tensor: "w32",
+        prefix: "",
+        quantized: include_bytes!("golden/q-f32.safetensors"),
+        name: "",
+        dequantized: include_bytes!("golden/d-f32.safetensors"),
+    },
 ];
 
 #[test]
@@ -49,7 +64,7 @@ fn inputs_are_neutral_to_the_recipe_revision() {
     let dir = TmpDir::new("golden-input");
     let input = dir.path("input.safetensors");
     std::fs::write(&input, INPUT).unwrap();
-    for (tensor, ..) in CASES {
+    for Case { tensor, .. } in CASES {
         let (x, rows, cols, _) = nvfp4_moe::io::read_matrix_bf16(&input, tensor).unwrap();
         assert_eq!(x.len(), rows * cols);
         assert!(x.iter().all(|v| v.is_finite()), "{tensor}: NaN or Inf");
@@ -73,7 +88,7 @@ fn reproduce(backend: &str) {
     let dir = TmpDir::new(&format!("golden-{backend}"));
     let input = dir.path("input.safetensors");
     std::fs::write(&input, INPUT).unwrap();
-    for (tensor, prefix, q_golden, name, d_golden) in CASES {
+    for Case { tensor, prefix, quantized: q_golden, name, dequantized: d_golden } in CASES {
         let q = dir.path(&format!("q-{tensor}.safetensors"));
         let mut args = vec!["quantize", "--input", &input, "--tensor", tensor, "--output", &q, "--backend", backend];
         if !prefix.is_empty() {

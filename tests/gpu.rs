@@ -9,7 +9,7 @@ use half::bf16;
 use nvfp4_moe::layout::{scale_len, ScaleLayout};
 use nvfp4_moe::quantize::{dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Tensor};
 use nvfp4_moe::reference::{self, Nvfp4Host};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::Rng;
 use nvfp4_moe::Error;
 
 const POISON: u8 = 0xA5;
