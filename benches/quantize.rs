@@ -10,7 +10,7 @@ use common::{median_us, report, selected, time_events, Row, HBM_TBPS};
 use criterion::{criterion_group, Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use nvfp4_moe::layout::{scale_len, ScaleLayout};
-use nvfp4_moe::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into};
+use nvfp4_moe::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into, Nvfp4Desc};
 use nvfp4_moe::testing::Rng;
 
 const SHAPES: [(usize, usize); 4] = [(8192, 7168), (65536, 2048), (16384, 14336), (128, 7168)];
@@ -32,6 +32,7 @@ fn benches(c: &mut Criterion) {
             let mut scales = s.alloc_zeros::<u8>(scale_len(layout, rows, cols)).unwrap();
             let mut out = s.alloc_zeros::<half::bf16>(n).unwrap();
             let bytes = n as f64 * 2.5625;
+            let desc = Nvfp4Desc { rows, cols, layout, decode_scale: g };
             let lname = match layout {
                 ScaleLayout::Linear => "linear",
                 ScaleLayout::Swizzled128x4 => "swizzled",
@@ -39,7 +40,7 @@ fn benches(c: &mut Criterion) {
 
             let qname = format!("quantize/{rows}x{cols}/{lname}");
             if selected(&qname) {
-                let mut run = || quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+                let mut run = || quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
                 let mut grp = c.benchmark_group("quantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
                 grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {
@@ -52,8 +53,8 @@ fn benches(c: &mut Criterion) {
 
             let dname = format!("dequantize/{rows}x{cols}/{lname}");
             if selected(&dname) {
-                quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
-                let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
+                quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
+                let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, desc, &mut out).unwrap();
                 let mut grp = c.benchmark_group("dequantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
                 grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {

@@ -71,24 +71,46 @@ pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
+/// The shape of a set of expert weights: `experts` matrices `[n, k]` (n output features, k the
+/// reduction dimension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    /// Number of experts E.
+    pub experts: usize,
+    /// Output features (rows) per expert.
+    pub n: usize,
+    /// Input features (columns, K) per expert.
+    pub k: usize,
+}
+
+impl ExpertShape {
+    /// `experts` matrices `[n, k]`.
+    pub fn new(experts: usize, n: usize, k: usize) -> Self {
+        ExpertShape { experts, n, k }
+    }
+}
+
 impl Nvfp4Weights {
     /// Prepares checkpoint-layout weights already on the device: `codes` u8 `[E, n, k/2]`, `scales`
     /// E4M3 `[E, n, k/16]` (linear), and one decode scale per expert (host). Synchronizes `stream`
     /// once to report a bad scale (NaN or negative) as an error naming the expert, row and block.
+    ///
+    /// # Errors
+    /// A shape the GEMM does not take ([`check_gemm_shape`]), a decode scale count other than E or
+    /// a bad decode scale, short buffers, a bad scale byte, or a CUDA error.
     pub fn prepare<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         decode_scales: &[f32],
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let experts = shape.experts;
         if decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!("{} decode scales for {experts} experts", decode_scales.len())));
         }
         let pairs: Vec<f32> = decode_scales.iter().flat_map(|&g| [g, g]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, experts, n, k)
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, shape)
     }
 
     /// Prepares fused first-layer weights: per expert the gate rows then the up rows (`n = 2I`
@@ -96,17 +118,18 @@ impl Nvfp4Weights {
     /// decode scales of each expert (ModelOpt checkpoints may give them different
     /// `weight_scale_2`; both are applied exactly). Output features come in
     /// [`RowOrder::GateUpBands8`] order.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// As [`Nvfp4Weights::prepare`].
     pub fn prepare_gate_up<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         gate_decode_scales: &[f32],
         up_decode_scales: &[f32],
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let experts = shape.experts;
         if gate_decode_scales.len() != experts || up_decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!(
                 "{} gate and {} up decode scales for {experts} experts",
@@ -115,20 +138,18 @@ impl Nvfp4Weights {
             )));
         }
         let pairs: Vec<f32> = gate_decode_scales.iter().zip(up_decode_scales).flat_map(|(&g, &u)| [g, u]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, experts, n, k)
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, shape)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn prepare_ordered<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         scale_pairs: Vec<f32>,
         row_order: RowOrder,
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let ExpertShape { experts, n, k } = shape;
         check_gemm_shape(experts, n, k)?;
         for &g in &scale_pairs {
             crate::reference::validate_decode_scale(g)?;
@@ -182,7 +203,7 @@ impl Nvfp4Weights {
         check_len("scales", w.scales.len(), w.experts * w.n * w.k / 16)?;
         let codes = stream.clone_htod(&w.codes)?;
         let scales = stream.clone_htod(&w.scales)?;
-        Self::prepare(stream, &codes, &scales, &w.decode_scales, w.experts, w.n, w.k)
+        Self::prepare(stream, &codes, &scales, &w.decode_scales, ExpertShape::new(w.experts, w.n, w.k))
     }
 
     pub fn experts(&self) -> usize {
@@ -343,17 +364,8 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn launch_raw(
-        &self,
-        stream: &CudaStream,
-        x_ptr: u64,
-        total_rows: usize,
-        off_ptr: u64,
-        out_ptr: u64,
-        out_scales: u64,
-        act_scales: (u64, usize),
-    ) -> Result<()> {
+    fn launch_raw(&self, stream: &CudaStream, l: RawLaunch) -> Result<()> {
+        let RawLaunch { x: x_ptr, total_rows, expert_offsets: off_ptr, out: out_ptr, out_scales, act_scales } = l;
         let w = self.weights;
         let (p_ptr, _gp) = w.prepared.device_ptr(stream);
         let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
@@ -381,22 +393,45 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 }
 
+/// The device addresses of one launch, checked by the caller.
+struct RawLaunch {
+    x: u64,
+    total_rows: usize,
+    expert_offsets: u64,
+    out: u64,
+    out_scales: u64,
+    /// Activation decode scales: address and count (0 and 0 unless [`SwigluNvfp4`]).
+    act_scales: (u64, usize),
+}
+
+/// Where [`GroupedGemm::launch_nvfp4`] writes: the NVFP4 output of [`SwigluNvfp4`] and the decode
+/// scales it is quantized with.
+#[derive(Debug)]
+pub struct SwigluNvfp4Out<'a, G, C, S> {
+    /// f32 `[1]` or `[E]` (device): the activation decode scale of every expert, or one for all.
+    pub act_decode_scales: &'a G,
+    /// u8 `[total_rows, I/2]`: the packed E2M1 codes.
+    pub codes: &'a mut C,
+    /// [`grouped_scale_len`](crate::layout::grouped_scale_len)`(total_rows, E, I)` bytes of E4M3
+    /// scales (zeroed first, so padding reads 0).
+    pub scales: &'a mut S,
+}
+
 impl GroupedGemm<'_, SwigluNvfp4> {
-    /// Enqueues the first MoE GEMM with SwiGLU and NVFP4 quantization in the epilogue: `codes` u8
-    /// `[total_rows, I/2]`, `scales` [`grouped_scale_len`](crate::layout::grouped_scale_len)`(
-    /// total_rows, E, I)` bytes (zeroed first, so padding reads 0), `act_decode_scales` f32 `[1]`
-    /// or `[E]` (device). Rows past `expert_offsets[E]` are not written. No host synchronization;
-    /// valid inside CUDA-graph capture.
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues the first MoE GEMM with SwiGLU and NVFP4 quantization in the epilogue into `out`
+    /// (see [`SwigluNvfp4Out`]). Rows past `expert_offsets[E]` are not written. No host
+    /// synchronization; valid inside CUDA-graph capture.
+    ///
+    /// # Errors
+    /// A buffer too small or misaligned, a decode scale count other than 1 or E, or a failed
+    /// launch.
     pub fn launch_nvfp4<X, O, G, C, S>(
         &self,
         stream: &CudaStream,
         x: &X,
         total_rows: usize,
         expert_offsets: &O,
-        act_decode_scales: &G,
-        codes: &mut C,
-        scales: &mut S,
+        out: SwigluNvfp4Out<'_, G, C, S>,
     ) -> Result<()>
     where
         X: DevicePtr<bf16>,
@@ -406,6 +441,7 @@ impl GroupedGemm<'_, SwigluNvfp4> {
         S: DevicePtrMut<u8>,
     {
         let w = self.weights;
+        let SwigluNvfp4Out { act_decode_scales, codes, scales } = out;
         let (x_len, o_len, g_len, c_len, s_len) =
             (x.len(), expert_offsets.len(), act_decode_scales.len(), codes.len(), scales.len());
         let (x_ptr, _gx) = x.device_ptr(stream);
@@ -422,7 +458,15 @@ impl GroupedGemm<'_, SwigluNvfp4> {
             )));
         }
         // Launched even with no rows: the core zeroes the scale buffer (its padding) either way.
-        self.launch_raw(stream, x_ptr, total_rows, off_ptr, c_ptr, s_ptr, (g_ptr, g_len))
+        let l = RawLaunch {
+            x: x_ptr,
+            total_rows,
+            expert_offsets: off_ptr,
+            out: c_ptr,
+            out_scales: s_ptr,
+            act_scales: (g_ptr, g_len),
+        };
+        self.launch_raw(stream, l)
     }
 }
 
@@ -488,7 +532,15 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
         if total_rows == 0 {
             return Ok(());
         }
-        self.launch_raw(stream, x_ptr, total_rows, off_ptr, out_ptr, 0, (0, 0))
+        let l = RawLaunch {
+            x: x_ptr,
+            total_rows,
+            expert_offsets: off_ptr,
+            out: out_ptr,
+            out_scales: 0,
+            act_scales: (0, 0),
+        };
+        self.launch_raw(stream, l)
     }
 }
 

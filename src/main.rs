@@ -953,9 +953,7 @@ fn reference_layer(
                         &ids[t0 * top_k..t1 * top_k],
                         &weights[t0 * top_k..t1 * top_k],
                         top_k,
-                        &ck.w13,
-                        &ck.up_decode_scales,
-                        &ck.w2,
+                        ck,
                     )
                 })
             })
@@ -1016,7 +1014,8 @@ fn cmd_check(flags: &Flags) -> CliResult<()> {
     eprintln!("running the forward...");
     let t = Instant::now();
     let mut out_d = stream.alloc_zeros::<bf16>(tokens * h)?;
-    layer.forward(&stream, &hd, tokens, &idd, &wd, k, &mut out_d, &mut ws)?;
+    let input = nvfp4_moe::moe::MoeInput { hidden: &hd, tokens, topk_ids: &idd, topk_weights: &wd, top_k: k };
+    layer.forward(&stream, &input, &mut out_d, &mut ws)?;
     layer.check(&stream, &mut ws, k)?;
     let got = stream.clone_dtoh(&out_d)?;
     eprintln!("  done in {}", fmt_dur(t.elapsed()));
@@ -1180,7 +1179,8 @@ fn cmd_run(flags: &Flags) -> CliResult<()> {
     let mut out_d = stream.alloc_zeros::<bf16>(tokens * h)?;
     stream.synchronize()?;
     let t = Instant::now();
-    layer.forward(&stream, &hd, tokens, &idd, &wd, k, &mut out_d, &mut ws)?;
+    let input = nvfp4_moe::moe::MoeInput { hidden: &hd, tokens, topk_ids: &idd, topk_weights: &wd, top_k: k };
+    layer.forward(&stream, &input, &mut out_d, &mut ws)?;
     layer.check(&stream, &mut ws, k)?;
     let fwd = t.elapsed();
     let tile_used = match tile {
@@ -1239,7 +1239,8 @@ fn time_forward(
 ) -> nvfp4_moe::Result<f64> {
     use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let captured = layer.forward(stream, hidden, tokens, ids, weights, top_k, out, ws);
+    let input = nvfp4_moe::moe::MoeInput { hidden, tokens, topk_ids: ids, topk_weights: weights, top_k };
+    let captured = layer.forward(stream, &input, out, ws);
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
     captured?;
     let graph = graph?.ok_or_else(|| Error::Invalid("capturing the forward gave an empty CUDA graph".into()))?;

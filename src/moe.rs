@@ -11,11 +11,13 @@ use half::bf16;
 use crate::checkpoint::{load_modelopt, MoeCheckpoint};
 use crate::checks::check_len;
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4};
+use crate::gemm::{
+    ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out,
+};
 use crate::layout::{grouped_scale_len, ScaleLayout};
-use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4};
+use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4, GroupedDesc};
 use crate::reference::{weight_decode_scale, ExpertWeightsHost};
-use crate::routing::{combine_into, softmax_topk_into, PermuteBuffers};
+use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
 
 /// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
 /// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
@@ -38,15 +40,14 @@ impl MoeWeights {
         }
         let codes = stream.clone_htod(&ckpt.w13.codes)?;
         let scales = stream.clone_htod(&ckpt.w13.scales)?;
+        let shape = ExpertShape::new(e, 2 * i, h);
         let w13 = Nvfp4Weights::prepare_gate_up(
             stream,
             &codes,
             &scales,
             &ckpt.w13.decode_scales,
             &ckpt.up_decode_scales,
-            e,
-            2 * i,
-            h,
+            shape,
         )?;
         let w2 = Nvfp4Weights::from_host(stream, &ckpt.w2)?;
         Ok(MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i })
@@ -165,6 +166,63 @@ impl MoeOptions {
     }
 }
 
+/// The input of one [`MoeLayer::forward`], on the device: `hidden` bf16 `[tokens, H]` and the
+/// routing, `topk_ids` i32 `[tokens, top_k]` (expert ids) and `topk_weights` f32
+/// `[tokens, top_k]`.
+#[derive(Debug)]
+pub struct MoeInput<'a, H, I, W> {
+    /// bf16 `[tokens, H]`.
+    pub hidden: &'a H,
+    /// Tokens T in this forward (at most the layer's `max_tokens`).
+    pub tokens: usize,
+    /// i32 `[T, top_k]`: the experts of each token.
+    pub topk_ids: &'a I,
+    /// f32 `[T, top_k]`: the weight of each chosen expert.
+    pub topk_weights: &'a W,
+    /// Experts per token k (at most the layer's `max_top_k`).
+    pub top_k: usize,
+}
+
+impl<H, I, W> Clone for MoeInput<'_, H, I, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H, I, W> Copy for MoeInput<'_, H, I, W> {}
+
+/// The input of one [`MoeLayer::forward_with_router`], on the device: `hidden` bf16
+/// `[tokens, H]` and `router_logits` f32 `[tokens, E]`, routed by softmax top-k.
+#[derive(Debug)]
+pub struct RouterInput<'a, H, L> {
+    /// bf16 `[tokens, H]`.
+    pub hidden: &'a H,
+    /// Tokens T in this forward (at most the layer's `max_tokens`).
+    pub tokens: usize,
+    /// f32 `[T, E]`.
+    pub router_logits: &'a L,
+    /// Experts per token k (at most the layer's `max_top_k`).
+    pub top_k: usize,
+    /// Whether the k routing weights of a token are divided by their sum.
+    pub renormalize: bool,
+}
+
+impl<H, L> Clone for RouterInput<'_, H, L> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H, L> Copy for RouterInput<'_, H, L> {}
+
+/// The workspace buffers a forward writes (all but the router's).
+struct Scratch<'a> {
+    perm: &'a mut PermuteBuffers,
+    act: &'a mut CudaSlice<bf16>,
+    y: &'a mut CudaSlice<bf16>,
+    fp4: Option<&'a mut Fp4Buffers>,
+}
+
 /// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
 struct Fp4Buffers {
     codes: CudaSlice<u8>,
@@ -221,7 +279,6 @@ impl MoeLayer {
     /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
     /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes
     /// `stream` and reads the intermediate back; meant for set-up and benches, not per forward.
-    #[allow(clippy::too_many_arguments)]
     pub fn calibrate_nvfp4_scale<H, I>(
         &self,
         stream: &Arc<CudaStream>,
@@ -295,19 +352,18 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` with
-    /// `hidden` bf16 `[T, H]`, `topk_ids` i32 `[T, k]`, `topk_weights` f32 `[T, k]` (device).
+    /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` over the
+    /// tokens and routing of `input` (device buffers, see [`MoeInput`]) into `out` bf16 `[T, H]`.
     /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
     /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// More tokens or a larger top-k than the layer was made for, a workspace of another layer,
+    /// a buffer too small, or a failed launch.
     pub fn forward<H, I, W, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        topk_ids: &I,
-        topk_weights: &W,
-        top_k: usize,
+        input: &MoeInput<'_, H, I, W>,
         out: &mut O,
         ws: &mut MoeWorkspace,
     ) -> Result<()>
@@ -317,27 +373,19 @@ impl MoeLayer {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
-        self.check_tokens(tokens, top_k, ws)?;
+        self.check_tokens(input.tokens, input.top_k, ws)?;
         let MoeWorkspace { perm, act, y, fp4, .. } = ws;
-        self.run(stream, hidden, tokens, topk_ids, topk_weights, top_k, out, perm, act, y, fp4.as_mut())
+        self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// The forward's launches over the workspace's parts (split so that the router path can
     /// read its own workspace buffers while the rest are written).
-    #[allow(clippy::too_many_arguments)]
     fn run<H, I, W, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        topk_ids: &I,
-        topk_weights: &W,
-        top_k: usize,
+        input: &MoeInput<'_, H, I, W>,
         out: &mut O,
-        perm: &mut PermuteBuffers,
-        act: &mut CudaSlice<bf16>,
-        y: &mut CudaSlice<bf16>,
-        fp4: Option<&mut Fp4Buffers>,
+        scratch: Scratch<'_>,
     ) -> Result<()>
     where
         H: DevicePtr<bf16>,
@@ -345,6 +393,8 @@ impl MoeLayer {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
+        let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
+        let Scratch { perm, act, y, fp4 } = scratch;
         let (h, pairs) = (self.weights.hidden, tokens * top_k);
         check_len("hidden", hidden.len(), tokens * h)?;
         check_len("topk_ids", topk_ids.len(), pairs)?;
@@ -357,43 +407,32 @@ impl MoeLayer {
             None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
             Some(b) => {
                 let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?;
-                l1.launch_nvfp4(
-                    stream,
-                    &perm.x_perm,
-                    pairs,
-                    &perm.expert_offsets,
-                    &b.decode_scale,
-                    &mut b.codes,
-                    &mut b.scales,
-                )?;
-                let i = self.weights.intermediate;
-                dequantize_nvfp4_grouped_into(
-                    stream,
-                    &b.codes,
-                    &b.scales,
-                    pairs,
-                    i,
-                    &perm.expert_offsets,
-                    &b.decode_scale,
-                    act,
-                )?;
+                let nvfp4 =
+                    SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
+                l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
+                let desc = GroupedDesc {
+                    rows: pairs,
+                    cols: self.weights.intermediate,
+                    expert_offsets: &perm.expert_offsets,
+                    decode_scales: &b.decode_scale,
+                };
+                dequantize_nvfp4_grouped_into(stream, &b.codes, &b.scales, &desc, act)?;
             }
         }
         l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
-        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, tokens, top_k, h, out)
+        let shape = CombineShape { tokens, top_k, hidden: h };
+        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, shape, out)
     }
 
-    /// Routes with softmax top-k over `router_logits` f32 `[T, E]` (renormalized if asked), then
+    /// Routes with softmax top-k over the router logits of `input` (renormalized if asked), then
     /// [`MoeLayer::forward`].
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// As [`MoeLayer::forward`], or bad routing arguments ([`softmax_topk_into`]).
     pub fn forward_with_router<H, L, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        router_logits: &L,
-        top_k: usize,
-        renormalize: bool,
+        input: &RouterInput<'_, H, L>,
         out: &mut O,
         ws: &mut MoeWorkspace,
     ) -> Result<()>
@@ -402,10 +441,13 @@ impl MoeLayer {
         L: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
+        let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
         self.check_tokens(tokens, top_k, ws)?;
         let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
-        softmax_topk_into(stream, router_logits, tokens, self.weights.experts, top_k, renormalize, ids, weights)?;
-        self.run(stream, hidden, tokens, &*ids, &*weights, top_k, out, perm, act, y, fp4.as_mut())
+        let spec = TopK { tokens, experts: self.weights.experts, top_k, renormalize };
+        softmax_topk_into(stream, router_logits, spec, ids, weights)?;
+        let input = MoeInput { hidden, tokens, topk_ids: &*ids, topk_weights: &*weights, top_k };
+        self.run(stream, &input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// Synchronizes `stream` and reports the first bad expert id seen since the last check.

@@ -13,7 +13,7 @@ use crate::checkpoint::MoeCheckpoint;
 #[cfg(feature = "cuda")]
 use crate::error::Result;
 #[cfg(feature = "cuda")]
-use crate::gemm::Nvfp4Weights;
+use crate::gemm::{ExpertShape, Nvfp4Weights};
 use crate::reference::ExpertWeightsHost;
 pub use crate::rng::Rng;
 
@@ -82,9 +82,9 @@ pub fn random_device_weights(
     let g: Vec<f32> = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
     if gate_up {
         let u: Vec<f32> = g.iter().map(|v| v * 2.0).collect();
-        Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &g, &u, experts, n, k)
+        Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &g, &u, ExpertShape::new(experts, n, k))
     } else {
-        Nvfp4Weights::prepare(s, &codes, &scales, &g, experts, n, k)
+        Nvfp4Weights::prepare(s, &codes, &scales, &g, ExpertShape::new(experts, n, k))
     }
 }
 

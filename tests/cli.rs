@@ -434,8 +434,7 @@ fn run_matches_reference_on_written_checkpoints() {
         assert_ok(&cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]));
         let (got, rows, cols, _) = read_matrix_bf16(&output, "out").unwrap();
         assert_eq!((rows, cols), (t, h));
-        let want =
-            nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let want = nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
         let (mut num, mut den) = (0f64, 0f64);
         for tok in 0..t {
             let (mut n, mut d) = (0f64, 0f64);
