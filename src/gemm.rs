@@ -22,6 +22,7 @@ use crate::reference::ExpertWeightsHost;
 ///
 /// The weight chunks are contiguous, so the kernel moves them with bulk copies and needs no tensor
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
+#[derive(Debug)]
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,
     /// [E, 2]: decode scale of output features f with f % 16 < 8, then of the others.
@@ -58,6 +59,10 @@ pub fn gate_up_source_row(p: usize, n: usize) -> usize {
 }
 
 /// Checks the shape rules of the grouped GEMM (pure; no GPU).
+///
+/// # Errors
+/// [`Error::InvalidShape`]: `experts` outside 1..=1024, `n` or `k` not a positive multiple of 64, or
+/// an overflowing size.
 pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     if experts == 0 || experts > 1024 {
         return Err(Error::InvalidShape(format!("experts must be in 1..=1024, got {experts}")));
@@ -197,6 +202,9 @@ impl Nvfp4Weights {
     }
 
     /// Uploads host weights and prepares them.
+    ///
+    /// # Errors
+    /// As [`Nvfp4Weights::prepare`].
     pub fn from_host(stream: &Arc<CudaStream>, w: &ExpertWeightsHost) -> Result<Self> {
         check_gemm_shape(w.experts, w.n, w.k)?;
         check_len("codes", w.codes.len(), w.experts * w.n * w.k / 2)?;
@@ -206,12 +214,15 @@ impl Nvfp4Weights {
         Self::prepare(stream, &codes, &scales, &w.decode_scales, ExpertShape::new(w.experts, w.n, w.k))
     }
 
+    /// Number of experts E.
     pub fn experts(&self) -> usize {
         self.experts
     }
+    /// Output features (rows) per expert.
     pub fn n(&self) -> usize {
         self.n
     }
+    /// Input features (K) per expert.
     pub fn k(&self) -> usize {
         self.k
     }
@@ -268,6 +279,7 @@ pub trait Epilogue {
 
 /// The plain epilogue: `out = acc * g`, rounded once to BF16, `[rows, n]` in the weights' row
 /// order.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct PlainBf16;
 
 impl Epilogue for PlainBf16 {
@@ -281,6 +293,7 @@ impl Epilogue for PlainBf16 {
 /// The old MoE flow, kept as a measured baseline: SwiGLU in the epilogue, but the full width
 /// `[rows, 2I]` is written as `[gate 8b..8b+7, silu(gate)*up 8b..8b+7]` for b = 0..I/8 (gate
 /// columns: the decoded gate values rounded to BF16). Needs gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Interleaved;
 
 impl Epilogue for Interleaved {
@@ -294,6 +307,7 @@ impl Epilogue for Interleaved {
 /// The target MoE flow: `silu(gate * g_gate) * (up * g_up)` in FP32 from the accumulators,
 /// rounded once to BF16, written compact as `[rows, I]` (half the accumulator width). Needs
 /// gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SwigluBf16;
 
 impl Epilogue for SwigluBf16 {
@@ -315,6 +329,7 @@ impl Bf16Output for SwigluBf16 {}
 /// per-expert regions ([`crate::layout::grouped_scale_len`]), with an activation decode scale per
 /// expert or one for all. The bytes equal `quantize_nvfp4_grouped` of the `SwigluBf16` output.
 /// Launched with [`GroupedGemm::launch_nvfp4`]. Needs gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SwigluNvfp4;
 
 impl Epilogue for SwigluNvfp4 {
@@ -327,6 +342,7 @@ impl Epilogue for SwigluNvfp4 {
 }
 
 /// A launch plan for one weight set: validated once, launched many times.
+#[derive(Debug)]
 pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,
     tile: GemmTile,
@@ -336,6 +352,9 @@ pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
 impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// A plan over `weights` with tile configuration `tile` (`GemmTile::Auto` decides per launch).
     /// The SwiGLU epilogues need weights prepared with [`Nvfp4Weights::prepare_gate_up`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a SwiGLU epilogue over weights not prepared as gate/up.
     pub fn new(weights: &'w Nvfp4Weights, tile: GemmTile) -> Result<Self> {
         if E::NEEDS_GATE_UP && weights.row_order != RowOrder::GateUpBands8 {
             return Err(Error::Invalid(
@@ -359,6 +378,9 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 
     /// Validates a launch (pure; no GPU): buffer lengths and alignment.
+    ///
+    /// # Errors
+    /// As [`check_gemm_launch`].
     pub fn check(&self, total_rows: usize, x: BufferInfo, offsets_len: usize, out: BufferInfo) -> Result<()> {
         let w = self.weights;
         check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
@@ -473,6 +495,10 @@ impl GroupedGemm<'_, SwigluNvfp4> {
 /// Validates a grouped GEMM launch (pure; no GPU): `x` holds `total_rows x k` bf16, `out`
 /// `total_rows x out_cols`, `expert_offsets` `experts + 1` entries, and both `x` and `out` are
 /// 16-byte aligned (the kernel's TMA loads and vector stores need it).
+///
+/// # Errors
+/// [`Error::InvalidShape`] (too many rows, wrong offset count), [`Error::BufferTooSmall`] or
+/// [`Error::Misaligned`].
 pub fn check_gemm_launch(
     experts: usize,
     k: usize,
@@ -506,6 +532,9 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
     /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, out_cols]`
     /// ([`Epilogue::out_cols`]). Rows past `off[E]` are not written. No host synchronization;
     /// valid inside CUDA-graph capture.
+    ///
+    /// # Errors
+    /// As [`GroupedGemm::check`], or a failed launch ([`Error::Core`]).
     pub fn launch<X, O, F>(
         &self,
         stream: &CudaStream,

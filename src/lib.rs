@@ -24,6 +24,8 @@
 //! assert_eq!(reference::dequantize(&q), x); // these values are exact in NVFP4
 //! ```
 
+#![warn(missing_docs, missing_debug_implementations, clippy::missing_errors_doc, clippy::missing_safety_doc)]
+
 // Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
 pub mod checkpoint;
 pub mod error;

@@ -21,16 +21,25 @@ use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffe
 
 /// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
 /// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
+#[derive(Debug)]
 pub struct MoeWeights {
+    /// Gate and up, `[E, 2I, H]`, prepared in [`crate::RowOrder::GateUpBands8`] order.
     pub w13: Nvfp4Weights,
+    /// Down, `[E, H, I]`.
     pub w2: Nvfp4Weights,
+    /// Experts E.
     pub experts: usize,
+    /// Hidden size H.
     pub hidden: usize,
+    /// Expert intermediate size I.
     pub intermediate: usize,
 }
 
 impl MoeWeights {
     /// Uploads and prepares a checkpoint's experts (gate and up keep their own decode scales).
+    ///
+    /// # Errors
+    /// A shape the grouped GEMM does not take, a bad scale byte or decode scale, or a CUDA error.
     pub fn from_checkpoint(stream: &Arc<CudaStream>, ckpt: &MoeCheckpoint) -> Result<Self> {
         let (e, h, i) = (ckpt.experts, ckpt.hidden, ckpt.intermediate);
         if !h.is_multiple_of(64) || !i.is_multiple_of(32) {
@@ -56,12 +65,18 @@ impl MoeWeights {
     /// Quantizes BF16 expert weights with the crate's GPU quantizer (the ModelOpt recipe: one
     /// decode scale `amax / (6 * 448)` per expert and projection, E4M3 scales per 16 weights) and
     /// prepares them. See [`quantize_bf16_experts`].
+    ///
+    /// # Errors
+    /// As [`quantize_bf16_experts`] and [`MoeWeights::from_checkpoint`].
     pub fn from_bf16(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<Self> {
         Self::from_checkpoint(stream, &quantize_bf16_experts(stream, w)?)
     }
 
     /// Loads `prefix` (e.g. `model.layers.3.mlp.experts`) from a ModelOpt NVFP4 checkpoint (a
     /// `.safetensors` file, a sharded index `.json`, or a directory holding one) and prepares it.
+    ///
+    /// # Errors
+    /// As [`load_modelopt`] and [`MoeWeights::from_checkpoint`].
     pub fn from_modelopt(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
         Self::from_checkpoint(stream, &load_modelopt(path, prefix)?)
     }
@@ -69,12 +84,19 @@ impl MoeWeights {
 
 /// BF16 expert weights of one MoE layer, in PyTorch's `[out, in]` orientation: `gate` and `up`
 /// `[E, I, H]`, `down` `[E, H, I]`.
+#[derive(Clone, Copy, Debug)]
 pub struct MoeWeightsBf16<'a> {
+    /// `[E, I, H]`.
     pub gate: &'a [bf16],
+    /// `[E, I, H]`.
     pub up: &'a [bf16],
+    /// `[E, H, I]`.
     pub down: &'a [bf16],
+    /// Experts E.
     pub experts: usize,
+    /// Hidden size H, a multiple of 16.
     pub hidden: usize,
+    /// Expert intermediate size I, a multiple of 16.
     pub intermediate: usize,
 }
 
@@ -82,6 +104,10 @@ pub struct MoeWeightsBf16<'a> {
 /// per expert and projection, each with its own decode scale `amax / (6 * 448)` over the finite
 /// weights (gate and up keep separate scales, as ModelOpt's exporter writes them). The bytes equal
 /// [`crate::reference::quantize`]'s. Synchronizes `stream` (the codes are read back).
+///
+/// # Errors
+/// A bad shape or short slices ([`Error::InvalidShape`], [`Error::BufferTooSmall`]), a projection with
+/// no finite non-zero weight ([`Error::Invalid`], naming it), or a CUDA error.
 pub fn quantize_bf16_experts(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<MoeCheckpoint> {
     let (e, h, i) = (w.experts, w.hidden, w.intermediate);
     if e == 0 || h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) {
@@ -143,7 +169,10 @@ pub enum Intermediate {
     /// `dequantize_nvfp4_grouped` for the second GEMM (Hopper has no FP4 MMA). This is the path
     /// FP4 consumers (Blackwell GEMMs, expert-parallel transfers) take; it adds NVFP4's
     /// quantization error to the layer.
-    Nvfp4 { decode_scale: f32 },
+    Nvfp4 {
+        /// The activation decode scale g of the intermediate (finite, > 0).
+        decode_scale: f32,
+    },
 }
 
 /// Options of a [`MoeLayer`].
@@ -224,6 +253,7 @@ struct Scratch<'a> {
 }
 
 /// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
+#[derive(Debug)]
 struct Fp4Buffers {
     codes: CudaSlice<u8>,
     scales: CudaSlice<u8>,
@@ -233,6 +263,7 @@ struct Fp4Buffers {
 }
 
 /// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
+#[derive(Debug)]
 pub struct MoeWorkspace {
     perm: PermuteBuffers,
     act: CudaSlice<bf16>,
@@ -244,12 +275,19 @@ pub struct MoeWorkspace {
 }
 
 /// One MoE feed-forward layer over prepared NVFP4 weights.
+#[derive(Debug)]
 pub struct MoeLayer {
     weights: MoeWeights,
     opts: MoeOptions,
 }
 
 impl MoeLayer {
+    /// A layer over `weights` for forwards of up to `opts.max_tokens` tokens and `opts.max_top_k`
+    /// experts per token.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a `max_top_k` outside `1..=min(E, 32)` or too many rows, and
+    /// [`Error::InvalidDecodeScale`] for a bad NVFP4 intermediate decode scale.
     pub fn new(weights: MoeWeights, opts: MoeOptions) -> Result<Self> {
         if opts.max_top_k == 0 || opts.max_top_k > weights.experts.min(32) {
             return Err(Error::InvalidShape(format!(
@@ -266,11 +304,15 @@ impl MoeLayer {
         Ok(MoeLayer { weights, opts })
     }
 
+    /// The layer's prepared weights.
     pub fn weights(&self) -> &MoeWeights {
         &self.weights
     }
 
     /// The same layer with another intermediate format (allocate a new workspace for it).
+    ///
+    /// # Errors
+    /// As [`MoeLayer::new`].
     pub fn with_intermediate(self, intermediate: Intermediate) -> Result<Self> {
         MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
     }
@@ -279,6 +321,9 @@ impl MoeLayer {
     /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
     /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes
     /// `stream` and reads the intermediate back; meant for set-up and benches, not per forward.
+    ///
+    /// # Errors
+    /// As [`MoeLayer::forward`], or an intermediate with no finite non-zero value.
     pub fn calibrate_nvfp4_scale<H, I>(
         &self,
         stream: &Arc<CudaStream>,
@@ -303,6 +348,9 @@ impl MoeLayer {
     }
 
     /// Allocates the workspace for `max_tokens` x `max_top_k` rows.
+    ///
+    /// # Errors
+    /// A CUDA error (out of memory).
     pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
         let pairs = self.opts.max_tokens * self.opts.max_top_k;
         let (h, i) = (self.weights.hidden, self.weights.intermediate);
@@ -451,6 +499,10 @@ impl MoeLayer {
     }
 
     /// Synchronizes `stream` and reports the first bad expert id seen since the last check.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the token, slot and id of the first bad expert id, or a CUDA error
+    /// (including one from earlier asynchronous work on `stream`).
     pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
         ws.perm.check(stream, top_k)
     }

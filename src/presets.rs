@@ -6,10 +6,15 @@ use crate::error::{Error, Result};
 /// One MoE layer shape: E experts, hidden size H, expert intermediate size I, top-k.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Preset {
+    /// The name the CLI takes (`deepseek-v3`, ...).
     pub name: &'static str,
+    /// Experts E.
     pub experts: usize,
+    /// Hidden size H.
     pub hidden: usize,
+    /// Expert intermediate size I.
     pub intermediate: usize,
+    /// Experts per token k.
     pub top_k: usize,
 }
 
@@ -46,6 +51,9 @@ pub fn preset_names() -> String {
 }
 
 /// The built-in preset `name` (exact, case-sensitive); an error lists the valid names.
+///
+/// # Errors
+/// [`Error::Invalid`] for an unknown name.
 pub fn preset(name: &str) -> Result<Preset> {
     PRESETS
         .iter()

@@ -18,17 +18,27 @@ use crate::reference::{validate_decode_scale, validate_quantize_shape, Nvfp4Host
 /// An NVFP4 tensor `[rows, cols]` in device memory: packed E2M1 codes (`[rows, cols/2]`, element
 /// 2j in the low nibble), E4M3 block-16 scales in `layout`, and the decode scale g
 /// (`value = e2m1 * e4m3 * g`).
+#[derive(Debug)]
 pub struct Nvfp4Tensor {
+    /// Packed E2M1 codes, `rows * cols / 2` bytes (at least 1).
     pub codes: CudaSlice<u8>,
+    /// E4M3 block scales in `layout`, [`scale_len`] bytes (at least 1).
     pub scales: CudaSlice<u8>,
+    /// Rows of the logical `[rows, cols]` tensor.
     pub rows: usize,
+    /// Columns (K), a multiple of 16.
     pub cols: usize,
+    /// Layout of `scales`.
     pub layout: ScaleLayout,
+    /// The decode scale g.
     pub decode_scale: f32,
 }
 
 impl Nvfp4Tensor {
     /// Allocates an uninitialized tensor of this shape.
+    ///
+    /// # Errors
+    /// A bad shape or decode scale, or a CUDA error (out of memory).
     pub fn alloc(
         stream: &Arc<CudaStream>,
         rows: usize,
@@ -50,6 +60,9 @@ impl Nvfp4Tensor {
     }
 
     /// Copies a host tensor to the device.
+    ///
+    /// # Errors
+    /// A bad shape or decode scale, short buffers, or a CUDA error.
     pub fn from_host(stream: &Arc<CudaStream>, h: &Nvfp4Host) -> Result<Self> {
         validate_quantize_shape(h.rows, h.cols)?;
         validate_decode_scale(h.decode_scale)?;
@@ -66,6 +79,9 @@ impl Nvfp4Tensor {
     }
 
     /// Copies the tensor back to the host (synchronizes the stream).
+    ///
+    /// # Errors
+    /// A CUDA error (including one from earlier asynchronous work on `stream`).
     pub fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Nvfp4Host> {
         let n_codes = self.rows * self.cols / 2;
         let n_scales = scale_len(self.layout, self.rows, self.cols);
@@ -87,12 +103,18 @@ impl Nvfp4Tensor {
 /// A device buffer as the checks see it: its address and its length in elements.
 #[derive(Clone, Copy, Debug)]
 pub struct BufferInfo {
+    /// Device address.
     pub addr: u64,
+    /// Length in elements.
     pub len: usize,
 }
 
 /// Validates a quantize call: shape, decode scale, buffer lengths and alignment (x 16 bytes,
 /// codes 8 bytes). Pure: no GPU needed.
+///
+/// # Errors
+/// [`Error::InvalidShape`], [`Error::InvalidDecodeScale`], [`Error::BufferTooSmall`] or
+/// [`Error::Misaligned`], naming the buffer.
 pub fn check_quantize(
     rows: usize,
     cols: usize,
@@ -117,6 +139,9 @@ pub fn check_quantize(
 
 /// Validates a dequantize call: shape, decode scale, buffer lengths and alignment (codes 8 bytes,
 /// out 16 bytes). Pure: no GPU needed.
+///
+/// # Errors
+/// As [`check_quantize`].
 pub fn check_dequantize(
     rows: usize,
     cols: usize,
@@ -219,6 +244,9 @@ where
 }
 
 /// Quantizes `x` (bf16 `[rows, cols]`) into a newly allocated [`Nvfp4Tensor`].
+///
+/// # Errors
+/// As [`quantize_nvfp4_into`], or a CUDA error allocating the output.
 pub fn quantize_nvfp4<X: DevicePtr<bf16>>(
     stream: &Arc<CudaStream>,
     x: &X,
@@ -286,6 +314,9 @@ where
 }
 
 /// Dequantizes a tensor into a newly allocated bf16 `[rows, cols]` buffer.
+///
+/// # Errors
+/// As [`dequantize_nvfp4_into`], or a CUDA error allocating the output.
 pub fn dequantize_nvfp4(stream: &Arc<CudaStream>, t: &Nvfp4Tensor) -> Result<CudaSlice<bf16>> {
     // SAFETY: every element is written by the kernel before any read.
     let mut out = unsafe { stream.alloc::<bf16>((t.rows * t.cols).max(1))? };
@@ -588,6 +619,10 @@ where
 /// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
 /// output of gate/up weights, bf16 `[rows, 2 inter]` in `[gate x8, up x8]` bands; `out` bf16
 /// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.
+///
+/// # Errors
+/// An `inter` that is not a positive multiple of 8, a buffer too small or misaligned, or a failed
+/// launch.
 pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
     stream: &CudaStream,
     gate_up: &X,

@@ -26,6 +26,9 @@ use crate::ffi::raw;
 /// monotonic), so the choice is exact and identical on every device; ties go to the lower expert
 /// id. With `renormalize` the k weights are divided by their sum. Returns
 /// `(topk_ids [T, k], topk_weights [T, k])`.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a `top_k` outside `1..=experts` or logits of the wrong length.
 pub fn softmax_topk(
     logits: &[f32],
     tokens: usize,
@@ -77,6 +80,9 @@ pub struct Permutation {
 /// Sorts the pairs of `topk_ids` (`[T, k]`) by expert, stably. An id outside `[0, experts)` is an
 /// error naming the first such (token, slot, id) in flattened order; the device kernels record
 /// the same one in their error word.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a length not a multiple of `top_k`, [`Error::Invalid`] for a bad id.
 pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permutation> {
     if top_k == 0 || !topk_ids.len().is_multiple_of(top_k) {
         return Err(Error::InvalidShape(format!(
@@ -255,6 +261,7 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
 #[cfg(feature = "cuda")]
 /// Device buffers of the permutation for up to `max_pairs` (token, slot) pairs: sized once, reused
 /// by every forward (no allocation inside a forward).
+#[derive(Debug)]
 pub struct PermuteBuffers {
     /// i32 `[E + 1]`.
     pub expert_offsets: CudaSlice<i32>,
@@ -273,6 +280,12 @@ pub struct PermuteBuffers {
 
 #[cfg(feature = "cuda")]
 impl PermuteBuffers {
+    /// Buffers for up to `max_pairs` (token, slot) pairs over `experts` experts and hidden size
+    /// `hidden`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for `experts` outside 1..=1024 or `hidden` not a positive multiple of 8,
+    /// or a CUDA error (out of memory).
     pub fn new(stream: &Arc<CudaStream>, max_pairs: usize, experts: usize, hidden: usize) -> Result<Self> {
         if experts == 0 || experts > 1024 || hidden == 0 || !hidden.is_multiple_of(8) {
             return Err(Error::InvalidShape(format!(
@@ -296,6 +309,9 @@ impl PermuteBuffers {
     /// Sorts the pairs of `topk_ids` (i32 `[tokens, top_k]`) by expert (stable) and gathers the
     /// rows of `hidden` (bf16 `[tokens, hidden]`) into [`Self::x_perm`]. Ids outside `[0, E)` are
     /// left out and the first one is recorded for [`Self::check`]. No host synchronization.
+    ///
+    /// # Errors
+    /// More pairs than the buffers hold, short or misaligned inputs, or a failed launch.
     pub fn permute<I: DevicePtr<i32>, H: DevicePtr<bf16>>(
         &mut self,
         stream: &CudaStream,
@@ -347,6 +363,9 @@ impl PermuteBuffers {
 
     /// Synchronizes `stream` and reports the first bad expert id a [`Self::permute`] met since the
     /// last check (then clears it): `Error::Invalid` naming the token, slot and id.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a bad id, or a CUDA error.
     pub fn check(&mut self, stream: &Arc<CudaStream>, top_k: usize) -> Result<()> {
         let word = stream.clone_dtoh(&self.error)?[0];
         if word == u64::MAX {

@@ -577,7 +577,7 @@ mod gemm {
         let mut w = random_weights(&mut rng, 2, 64, 128);
         // Expert 1, row 5, block 3.
         w.scales[(64 + 5) * 8 + 3] = 0x7F;
-        let err = Nvfp4Weights::from_host(&s, &w).err().expect("a NaN scale must be rejected");
+        let err = Nvfp4Weights::from_host(&s, &w).expect_err("a NaN scale must be rejected");
         let msg = err.to_string();
         assert!(msg.contains("expert 1 row 5 block 3"), "{msg}");
     }
