@@ -3,7 +3,13 @@
 //! NVFP4 Mixture-of-Experts kernels for NVIDIA Hopper (sm_90a): a Rust crate over a CUTLASS C++
 //! core. This crate holds the NVFP4 format (E2M1 codes + E4M3 block-16 scales + an FP32 decode
 //! scale), its CPU reference (the oracle every GPU kernel is tested against), and safe wrappers
-//! over the CUDA kernels, which take cudarc slices and a [`cudarc::driver::CudaStream`].
+//! over the CUDA kernels, which take cudarc slices and a `cudarc::driver::CudaStream`.
+//!
+//! Features: `cuda` (default) brings the GPU side: cudarc, the cxx bridge and the CUDA core build
+//! (nvcc, CUTLASS and CMake; see the README). `cuda-13000` (default) picks cudarc's CUDA version
+//! and implies `cuda`. Without them the crate is the format ([`mod@format`], [`layout`]), the CPU
+//! reference ([`mod@reference`], [`routing`]'s host side), safetensors and checkpoint I/O ([`io`],
+//! [`checkpoint`]) and the [`presets`], and builds with no CUDA toolkit.
 //!
 //! Naming: the **decode scale** g is the FP32 multiplier with `value = e2m1 x e4m3 x g`
 //! (ModelOpt's `weight_scale_2`). Other libraries' "global scale" is `1/g`.
