@@ -425,7 +425,19 @@ fn run_matches_reference_on_written_checkpoints() {
             ],
         );
         let output = dir.path("out.safetensors");
-        assert_ok(&cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]));
+        let run =
+            cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output, "--json"]);
+        assert_ok(&run);
+        let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+        assert_eq!((v["command"].as_str(), v["prefix"].as_str()), (Some("run"), Some(prefix)));
+        assert_eq!(
+            (v["experts"].as_u64(), v["hidden"].as_u64(), v["intermediate"].as_u64()),
+            (Some(e as u64), Some(h as u64), Some(i as u64))
+        );
+        assert_eq!(
+            (v["tokens"].as_u64(), v["top_k"].as_u64(), v["output"].as_str()),
+            (Some(t as u64), Some(k as u64), Some(output.as_str()))
+        );
         let (got, rows, cols, _) = read_matrix_bf16(&output, "out").unwrap();
         assert_eq!((rows, cols), (t, h));
         let want = nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
@@ -473,6 +485,48 @@ fn check_passes_on_the_gpu() {
     assert!(run.stdout.contains("NVFP4 intermediate, calibrated decode scale"), "{}", run.stdout);
     assert!(run.stdout.contains("(tolerance 0.15 / 0.25)"), "{}", run.stdout);
     assert!(run.stdout.trim_end().ends_with("ok"), "{}", run.stdout);
+    // The same as JSON.
+    let run = cli(&["check", "--preset", "qwen3-30b-a3b", "--tokens", "3", "--intermediate", "nvfp4", "--json"]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    assert_eq!(
+        (v["command"].as_str(), v["preset"].as_str(), v["tokens"].as_u64()),
+        (Some("check"), Some("qwen3-30b-a3b"), Some(3))
+    );
+    assert_eq!((v["intermediate_format"].as_str(), v["passed"].as_bool()), (Some("nvfp4"), Some(true)));
+    assert!(v["nvfp4_decode_scale"].as_f64().is_some_and(|g| g > 0.0), "{v}");
+    let overall = v["error"]["overall"].as_f64().unwrap();
+    assert!(overall <= 0.15 && v["error"]["worst_token_error"].as_f64().unwrap() <= 0.25, "{v}");
+    assert_eq!((v["tolerance"]["overall"].as_f64(), v["tolerance"]["token"].as_f64()), (Some(0.15), Some(0.25)));
+}
+
+/// `bench` on the GPU: the table on stdout, and with `--json` / `--json-file` one document with a
+/// row per (preset, T).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_prints_a_table_and_writes_json() {
+    let dir = TmpDir::new("bench");
+    let file = dir.path("layer.json");
+    let run = cli(&["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,16", "--json-file", &file]);
+    assert_ok(&run);
+    assert_eq!(run.stdout.lines().filter(|l| l.starts_with("qwen3-30b-a3b")).count(), 2, "{}", run.stdout);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let run = cli(&["--json", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,16"]);
+    assert_ok(&run);
+    let w: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    for doc in [&v, &w] {
+        assert_eq!((doc["command"].as_str(), doc["replays"].as_u64()), (Some("bench"), Some(20)), "{doc}");
+        let rows = doc["rows"].as_array().unwrap();
+        assert_eq!(rows.iter().map(|r| r["tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 16]);
+        for r in rows {
+            assert_eq!(
+                (r["preset"].as_str(), r["experts"].as_u64(), r["top_k"].as_u64()),
+                (Some("qwen3-30b-a3b"), Some(128), Some(8))
+            );
+            assert!(r["us"].as_f64().is_some_and(|us| us > 0.0) && r["tbps"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+            assert!(r["tile"].as_str().is_some_and(|t| t.starts_with("M128N")), "{r}");
+        }
+    }
 }
 
 /// `--json` (before or after the command): stdout is one JSON document with the result, the
