@@ -168,9 +168,27 @@ pub fn eprint_line(line: &str) {
     });
 }
 
+/// A progress bar that is cleared when dropped (so an error leaves no bar behind).
+pub struct Bar(ProgressBar);
+
+impl std::ops::Deref for Bar {
+    type Target = ProgressBar;
+    fn deref(&self) -> &ProgressBar {
+        &self.0
+    }
+}
+
+impl Drop for Bar {
+    fn drop(&mut self) {
+        if !self.0.is_finished() {
+            self.0.finish_and_clear();
+        }
+    }
+}
+
 /// A progress bar of `len` units (`unit`: "rows", "tokens", "cases") for `what`, hidden when
-/// stderr is not a terminal. Finish it with [`ProgressBar::finish_and_clear`].
-pub fn progress(what: &str, len: u64, unit: &str) -> ProgressBar {
+/// stderr is not a terminal.
+pub fn progress(what: &str, len: u64, unit: &str) -> Bar {
     let style = ProgressStyle::with_template(&format!(
         "{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} ({{percent}}%, {{elapsed}}, eta {{eta}})"
     ))
@@ -178,17 +196,17 @@ pub fn progress(what: &str, len: u64, unit: &str) -> ProgressBar {
     .progress_chars("=> ");
     let pb = bars().add(ProgressBar::new(len).with_style(style).with_message(what.to_string()));
     pb.enable_steady_tick(Duration::from_millis(200));
-    pb
+    Bar(pb)
 }
 
 /// A spinner for work of unknown length (loading, uploading), hidden when stderr is not a
 /// terminal.
-pub fn spinner(what: &str) -> ProgressBar {
+pub fn spinner(what: &str) -> Bar {
     let style = ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
         .unwrap_or_else(|_| ProgressStyle::default_spinner());
     let pb = bars().add(ProgressBar::new_spinner().with_style(style).with_message(what.to_string()));
     pb.enable_steady_tick(Duration::from_millis(100));
-    pb
+    Bar(pb)
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ use serde_json::json;
 use tracing::info;
 
 use crate::common::{
-    file_ctx, fmt_bytes, fmt_dur, fmt_f32, normalize_prefix, out, print_json, progress, run_chunked, tensor_json,
-    CliResult, Global,
+    file_ctx, fmt_bytes, fmt_dur, fmt_f32, normalize_prefix, out, print_json, progress, run_chunked, spinner,
+    tensor_json, CliResult, Global,
 };
 use crate::gpu::{backend_label, resolve_backend, Backend};
 use crate::quantize::{backend_name, chunk_rows};
@@ -90,7 +90,6 @@ fn dequantize_cpu(w: &ModelOptWeight) -> nvfp4_moe::Result<Vec<bf16>> {
 /// The GPU dequantizer on GPU 0, logging its phases. Returns (values, kernel time).
 #[cfg(feature = "cuda")]
 fn dequantize_cuda(w: &ModelOptWeight) -> nvfp4_moe::Result<(Vec<bf16>, Duration)> {
-    use crate::common::spinner;
     use crate::quantize::phase;
     let n = w.rows * w.cols;
     if n == 0 {
@@ -136,7 +135,9 @@ pub fn run(args: &DequantizeArgs, global: Global) -> CliResult {
     let prefix = normalize_prefix(args.prefix.as_deref());
     let t_all = Instant::now();
 
+    let pb = spinner(&format!("reading `{prefix}weight` from {input}"));
     let w = nio::read_modelopt(input, &prefix).map_err(file_ctx(input))?;
+    pb.finish_and_clear();
     let t_read = t_all.elapsed();
     let (rows, cols) = (w.rows, w.cols);
     info!("read `{prefix}weight` NVFP4 [{rows}, {cols}] from {input} ({})", fmt_dur(t_read));
@@ -156,7 +157,9 @@ pub fn run(args: &DequantizeArgs, global: Global) -> CliResult {
     info!("dequantized on {label} in {}{kernel_text}", fmt_dur(t_dq));
 
     let t = Instant::now();
+    let pb = spinner(&format!("writing {output}"));
     nio::write_bf16(output, out_name, &y, rows, cols)?;
+    pb.finish_and_clear();
     let t_write = t.elapsed();
     let bytes = std::fs::metadata(output).map(|m| m.len() as usize).unwrap_or(y.len() * 2);
     info!("wrote {output} in {}; total {}", fmt_dur(t_write), fmt_dur(t_all.elapsed()));

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use crate::common::{
     file_ctx, fmt_bytes, fmt_dur, fmt_f32, normalize_prefix, out, print_json, progress, run_chunked, shape_text,
-    tensor_json, threads, CliResult, Fail, Global,
+    spinner, tensor_json, threads, CliResult, Fail, Global,
 };
 use crate::gpu::{backend_label, resolve_backend, Backend};
 
@@ -118,7 +118,6 @@ fn quantize_cpu(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Resu
 /// The GPU quantizer on GPU 0, logging its phases. Returns (codes, scales, kernel time).
 #[cfg(feature = "cuda")]
 fn quantize_cuda(x: &[bf16], rows: usize, cols: usize, g: f32) -> nvfp4_moe::Result<(Vec<u8>, Vec<u8>, Duration)> {
-    use crate::common::spinner;
     if rows == 0 {
         return Ok((Vec::new(), Vec::new(), Duration::ZERO));
     }
@@ -160,7 +159,9 @@ pub fn run(args: &QuantizeArgs, global: Global) -> CliResult {
     let prefix = normalize_prefix(args.prefix.as_deref());
     let t_all = Instant::now();
 
+    let pb = spinner(&format!("reading `{name}` from {input}"));
     let (x, rows, cols, src) = nio::read_matrix_bf16(input, name).map_err(file_ctx(input))?;
+    pb.finish_and_clear();
     let t_read = t_all.elapsed();
     let tensor_err = |e: Error| Fail::Run(format!("tensor `{name}` [{rows}, {cols}]: {e}"));
     info!("read `{name}` [{rows}, {cols}] {} from {input} ({})", src.name(), fmt_dur(t_read));
@@ -203,7 +204,9 @@ pub fn run(args: &QuantizeArgs, global: Global) -> CliResult {
 
     let t = Instant::now();
     let w = ModelOptWeight { codes, scales, decode_scale: g, rows, cols };
+    let pb = spinner(&format!("writing {output}"));
     nio::write_modelopt(output, &prefix, &w)?;
+    pb.finish_and_clear();
     let t_write = t.elapsed();
     let bytes = std::fs::metadata(output).map(|m| m.len() as usize).unwrap_or(w.codes.len() + w.scales.len() + 4);
     let tensors = [
