@@ -8,102 +8,140 @@
 //!
 //! The CMake build directory is shared by every cargo profile (`<target>/nvfp4moe-core`, or
 //! `NVFP4MOE_CORE_BUILD_DIR`), so the heavy CUDA files compile once, not once per profile.
-
-use std::env;
-use std::fs::File;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn fail(msg: &str) -> ! {
-    println!("cargo::error={msg}");
-    eprintln!("error: {msg}");
-    std::process::exit(1);
-}
+//! `CMAKE_BUILD_PARALLEL_LEVEL=N` caps the CUDA compile at N jobs (each heavy file takes ~4.6 GB);
+//! otherwise it takes cargo's job slots.
+//!
+//! Nothing is built, and no toolchain is looked for, without the `cuda` feature or under `DOCS_RS`
+//! (docs.rs has no CUDA toolkit; rustdoc needs neither the core nor the bridge).
 
 fn main() {
-    for var in ["CUDA_HOME", "NVCC", "CUTLASS_DIR", "NVFP4MOE_CUDA_ARCHS", "CMAKE", "NVFP4MOE_CORE_BUILD_DIR"] {
-        println!("cargo:rerun-if-env-changed={var}");
+    println!("cargo:rerun-if-changed=build.rs");
+    #[cfg(feature = "cuda")]
+    {
+        println!("cargo:rerun-if-env-changed=DOCS_RS");
+        if std::env::var_os("DOCS_RS").is_none() {
+            cuda::build();
+        }
     }
-    for path in ["build.rs", "cpp", "src/ffi.rs", "third_party/requirements.txt"] {
-        println!("cargo:rerun-if-changed={path}");
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::env;
+    use std::fs::File;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    fn fail(msg: &str) -> ! {
+        println!("cargo::error={msg}");
+        eprintln!("error: {msg}");
+        std::process::exit(1);
     }
 
-    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
-    let third_party = manifest.join("third_party");
-    let fetch_hint = "run `third_party/fetch.sh` to install the pinned CUDA 13.0 toolchain, CUTLASS 4.2 and CMake, \
+    pub fn build() {
+        for var in [
+            "CUDA_HOME",
+            "NVCC",
+            "CUTLASS_DIR",
+            "NVFP4MOE_CUDA_ARCHS",
+            "CMAKE",
+            "NVFP4MOE_CORE_BUILD_DIR",
+            "CMAKE_BUILD_PARALLEL_LEVEL",
+        ] {
+            println!("cargo:rerun-if-env-changed={var}");
+        }
+        for path in ["cpp", "src/ffi.rs", "third_party/requirements.txt"] {
+            println!("cargo:rerun-if-changed={path}");
+        }
+
+        let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+        let third_party = manifest.join("third_party");
+        let fetch_hint =
+            "run `third_party/fetch.sh` to install the pinned CUDA 13.0 toolchain, CUTLASS 4.2 and CMake, \
                       or point NVCC/CUDA_HOME, CUTLASS_DIR and CMAKE at your own";
 
-    let nvcc = match (env::var_os("NVCC"), env::var_os("CUDA_HOME")) {
-        (Some(n), _) => PathBuf::from(n),
-        (None, Some(h)) => PathBuf::from(h).join("bin/nvcc"),
-        (None, None) => third_party.join("cuda/bin/nvcc"),
-    };
-    if !nvcc.is_file() {
-        fail(&format!("nvfp4-moe: nvcc not found at {}: {fetch_hint}", nvcc.display()));
-    }
-    let cuda_root = nvcc.parent().and_then(Path::parent).unwrap().to_path_buf();
-    let cutlass = env::var_os("CUTLASS_DIR").map(PathBuf::from).unwrap_or_else(|| third_party.join("cutlass"));
-    if !cutlass.join("include/cutlass/cutlass.h").is_file() {
-        fail(&format!("nvfp4-moe: CUTLASS headers not found under {}: {fetch_hint}", cutlass.display()));
-    }
-    let cmake_bin = env::var_os("CMAKE").map(PathBuf::from).or_else(|| {
-        let ok = Command::new("cmake").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
-        if ok {
-            None
-        } else {
-            Some(third_party.join("cmake/bin/cmake"))
+        let nvcc = match (env::var_os("NVCC"), env::var_os("CUDA_HOME")) {
+            (Some(n), _) => PathBuf::from(n),
+            (None, Some(h)) => PathBuf::from(h).join("bin/nvcc"),
+            (None, None) => third_party.join("cuda/bin/nvcc"),
+        };
+        if !nvcc.is_file() {
+            fail(&format!("nvfp4-moe: nvcc not found at {}: {fetch_hint}", nvcc.display()));
         }
-    });
-    if let Some(c) = &cmake_bin {
-        if !c.is_file() {
-            fail(&format!("nvfp4-moe: cmake not found: {fetch_hint}"));
+        let cuda_root = nvcc.parent().and_then(Path::parent).unwrap().to_path_buf();
+        let cutlass = env::var_os("CUTLASS_DIR").map(PathBuf::from).unwrap_or_else(|| third_party.join("cutlass"));
+        if !cutlass.join("include/cutlass/cutlass.h").is_file() {
+            fail(&format!("nvfp4-moe: CUTLASS headers not found under {}: {fetch_hint}", cutlass.display()));
         }
-        // The `cmake` crate runs $CMAKE when set.
-        env::set_var("CMAKE", c);
-    }
-    let archs = env::var("NVFP4MOE_CUDA_ARCHS").unwrap_or_else(|_| "90a-real".to_string());
-
-    // One CMake build for all profiles: OUT_DIR is <target>/<profile>/build/<pkg>-<hash>/out.
-    let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
-    let core_dir = env::var_os("NVFP4MOE_CORE_BUILD_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        out_dir.ancestors().nth(4).map(|t| t.join("nvfp4moe-core")).unwrap_or_else(|| out_dir.join("core"))
-    });
-    std::fs::create_dir_all(&core_dir).unwrap();
-    // Two profiles building at once must not run CMake in the same folder together.
-    let lock = File::create(core_dir.join(".lock")).unwrap();
-    lock.lock().unwrap();
-
-    let dst = cmake::Config::new(manifest.join("cpp"))
-        .out_dir(&core_dir)
-        .profile("Release")
-        .no_default_flags(true)
-        .define("CMAKE_CUDA_COMPILER", &nvcc)
-        .define("CUTLASS_DIR", &cutlass)
-        .define("NVFP4MOE_CUDA_ARCHS", &archs)
-        .define("CMAKE_INSTALL_LIBDIR", "lib")
-        .build();
-    drop(lock);
-
-    cxx_build::bridge("src/ffi.rs")
-        .file("cpp/bridge/shim.cc")
-        .include(manifest.join("cpp/include"))
-        .std("c++17")
-        .flag_if_supported("-Wno-unused-parameter")
-        .compile("nvfp4moe_bridge");
-
-    println!("cargo:rustc-link-search=native={}", dst.join("lib").display());
-    println!("cargo:rustc-link-lib=static=nvfp4moe_core");
-    for lib in ["lib64", "lib"] {
-        let d = cuda_root.join(lib);
-        if d.join("libcudart_static.a").is_file() {
-            println!("cargo:rustc-link-search=native={}", d.display());
-            break;
+        let cmake_bin = env::var_os("CMAKE").map(PathBuf::from).or_else(|| {
+            let ok = Command::new("cmake").arg("--version").output().map(|o| o.status.success()).unwrap_or(false);
+            if ok {
+                None
+            } else {
+                Some(third_party.join("cmake/bin/cmake"))
+            }
+        });
+        if let Some(c) = &cmake_bin {
+            if !c.is_file() {
+                fail(&format!("nvfp4-moe: cmake not found: {fetch_hint}"));
+            }
+            // The `cmake` crate runs $CMAKE when set.
+            env::set_var("CMAKE", c);
         }
+        let archs = env::var("NVFP4MOE_CUDA_ARCHS").unwrap_or_else(|_| "90a-real".to_string());
+
+        // One CMake build for all profiles: OUT_DIR is <target>/<profile>/build/<pkg>-<hash>/out.
+        let out_dir = PathBuf::from(env::var("OUT_DIR").unwrap());
+        let core_dir = env::var_os("NVFP4MOE_CORE_BUILD_DIR").map(PathBuf::from).unwrap_or_else(|| {
+            out_dir.ancestors().nth(4).map(|t| t.join("nvfp4moe-core")).unwrap_or_else(|| out_dir.join("core"))
+        });
+        std::fs::create_dir_all(&core_dir).unwrap();
+        // Two profiles building at once must not run CMake in the same folder together.
+        let lock = File::create(core_dir.join(".lock")).unwrap();
+        lock.lock().unwrap();
+
+        // An explicit CMAKE_BUILD_PARALLEL_LEVEL wins over cargo's jobserver: the `cmake` crate hands
+        // make the jobserver (as many jobs as cargo has) when CARGO_MAKEFLAGS is set, and passes
+        // `--parallel NUM_JOBS` otherwise.
+        if let Some(level) =
+            env::var("CMAKE_BUILD_PARALLEL_LEVEL").ok().filter(|l| l.parse::<u32>().is_ok_and(|n| n > 0))
+        {
+            env::remove_var("CARGO_MAKEFLAGS");
+            env::set_var("NUM_JOBS", level);
+        }
+
+        let dst = cmake::Config::new(manifest.join("cpp"))
+            .out_dir(&core_dir)
+            .profile("Release")
+            .no_default_flags(true)
+            .define("CMAKE_CUDA_COMPILER", &nvcc)
+            .define("CUTLASS_DIR", &cutlass)
+            .define("NVFP4MOE_CUDA_ARCHS", &archs)
+            .define("CMAKE_INSTALL_LIBDIR", "lib")
+            .build();
+        drop(lock);
+
+        cxx_build::bridge("src/ffi.rs")
+            .file("cpp/bridge/shim.cc")
+            .include(manifest.join("cpp/include"))
+            .std("c++17")
+            .flag_if_supported("-Wno-unused-parameter")
+            .compile("nvfp4moe_bridge");
+
+        println!("cargo:rustc-link-search=native={}", dst.join("lib").display());
+        println!("cargo:rustc-link-lib=static=nvfp4moe_core");
+        for lib in ["lib64", "lib"] {
+            let d = cuda_root.join(lib);
+            if d.join("libcudart_static.a").is_file() {
+                println!("cargo:rustc-link-search=native={}", d.display());
+                break;
+            }
+        }
+        // The static CUDA runtime loads the driver (libcuda) with dlopen at run time, like cudarc.
+        println!("cargo:rustc-link-lib=static=cudart_static");
+        for lib in ["stdc++", "dl", "rt", "pthread"] {
+            println!("cargo:rustc-link-lib=dylib={lib}");
+        }
+        println!("cargo:rustc-env=NVFP4MOE_CUDA_ARCHS={archs}");
     }
-    // The static CUDA runtime loads the driver (libcuda) with dlopen at run time, like cudarc.
-    println!("cargo:rustc-link-lib=static=cudart_static");
-    for lib in ["stdc++", "dl", "rt", "pthread"] {
-        println!("cargo:rustc-link-lib=dylib={lib}");
-    }
-    println!("cargo:rustc-env=NVFP4MOE_CUDA_ARCHS={archs}");
 }

@@ -14,8 +14,8 @@ use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, PlainBf16};
-use nvfp4_moe::presets::random_device_weights;
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::random_device_weights;
+use nvfp4_moe::testing::Rng;
 
 fn benches(c: &mut Criterion) {
     let ctx = CudaContext::new(0).expect("a CUDA GPU");

@@ -14,8 +14,10 @@ use criterion::{criterion_group, Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use nvfp4_moe::layout::grouped_scale_len;
 use nvfp4_moe::layout::{scale_len, ScaleLayout};
-use nvfp4_moe::quantize::{dequantize_nvfp4_into, quantize_nvfp4_grouped_into, quantize_nvfp4_into, GroupedSource};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::quantize::{
+    dequantize_nvfp4_into, quantize_nvfp4_grouped_into, quantize_nvfp4_into, GroupedDesc, GroupedSource, Nvfp4Desc,
+};
+use nvfp4_moe::testing::Rng;
 
 const SHAPES: [(usize, usize); 4] = [(8192, 7168), (65536, 2048), (16384, 14336), (128, 7168)];
 /// Grouped activations (rows, cols, experts): deepseek-v3's SwiGLU intermediate at T = 8192 (top-8),
@@ -46,6 +48,7 @@ fn benches(c: &mut Criterion) {
             let mut scales = s.alloc_zeros::<u8>(scale_len(layout, rows, cols)).unwrap();
             let mut out = s.alloc_zeros::<half::bf16>(n).unwrap();
             let bytes = n as f64 * 2.5625;
+            let desc = Nvfp4Desc { rows, cols, layout, decode_scale: g };
             let lname = match layout {
                 ScaleLayout::Linear => "linear",
                 ScaleLayout::Swizzled128x4 => "swizzled",
@@ -53,7 +56,7 @@ fn benches(c: &mut Criterion) {
 
             let qname = format!("quantize/{rows}x{cols}/{lname}");
             if selected(&qname) {
-                let mut run = || quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+                let mut run = || quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
                 let mut grp = c.benchmark_group("quantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
                 grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {
@@ -67,8 +70,8 @@ fn benches(c: &mut Criterion) {
 
             let dname = format!("dequantize/{rows}x{cols}/{lname}");
             if selected(&dname) {
-                quantize_nvfp4_into(&s, &x, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
-                let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
+                quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
+                let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, desc, &mut out).unwrap();
                 let mut grp = c.benchmark_group("dequantize");
                 grp.throughput(Throughput::Bytes(bytes as u64));
                 grp.bench_function(format!("{rows}x{cols}/{lname}"), |b| {
@@ -97,8 +100,8 @@ fn benches(c: &mut Criterion) {
             let g = s.clone_htod(&vec![2.5e-3f32; experts]).unwrap();
             let mut codes = s.alloc_zeros::<u8>(rows * cols / 2).unwrap();
             let mut scales = s.alloc_zeros::<u8>(grouped_scale_len(rows, experts, cols)).unwrap();
-            let mut run =
-                || quantize_nvfp4_grouped_into(&s, source, &x, rows, cols, &off, &g, &mut codes, &mut scales).unwrap();
+            let desc = GroupedDesc { rows, cols, expert_offsets: &off, decode_scales: &g };
+            let mut run = || quantize_nvfp4_grouped_into(&s, source, &x, &desc, &mut codes, &mut scales).unwrap();
             let single = median_us(&s, 5, 41, &mut run);
             let flushed = flushed_pairs_us(&s, &mut flush, 20, 5, &mut run);
             push(&mut rows_out, name, flushed, single, rows as f64 * cols as f64 * 2.5625);

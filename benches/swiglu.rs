@@ -25,11 +25,11 @@ use common::{balanced_offsets, flushed_us, median, report, selected, Row, BF16_T
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
-use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16, SwigluNvfp4};
+use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
 use nvfp4_moe::layout::grouped_scale_len;
-use nvfp4_moe::presets::random_device_weights;
-use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedSource};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, swiglu_bf16_into, GroupedDesc, GroupedSource};
+use nvfp4_moe::testing::random_device_weights;
+use nvfp4_moe::testing::Rng;
 
 const TOKENS: [usize; 3] = [16, 1024, 8192];
 
@@ -102,13 +102,28 @@ fn benches(c: &mut Criterion) {
                         None
                     }
                     _ => {
-                        swiglu_fp4.launch_nvfp4(&s, &x, rows, &off, &act_g, &mut codes, &mut scales).unwrap();
+                        swiglu_fp4
+                            .launch_nvfp4(
+                                &s,
+                                &x,
+                                rows,
+                                &off,
+                                SwigluNvfp4Out { act_decode_scales: &act_g, codes: &mut codes, scales: &mut scales },
+                            )
+                            .unwrap();
                         None
                     }
                 };
                 if let Some((source, input)) = quantize {
-                    quantize_nvfp4_grouped_into(&s, source, input, rows, inter, &off, &act_g, &mut codes, &mut scales)
-                        .unwrap();
+                    quantize_nvfp4_grouped_into(
+                        &s,
+                        source,
+                        input,
+                        &GroupedDesc { rows, cols: inter, expert_offsets: &off, decode_scales: &act_g },
+                        &mut codes,
+                        &mut scales,
+                    )
+                    .unwrap();
                 }
             };
             let mut once = |fi: usize| flushed_us(&s, &mut flush, || step(fi));

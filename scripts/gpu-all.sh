@@ -26,9 +26,9 @@ for pt in qwen3-30b-a3b:256 mixtral-8x7b:64 deepseek-v3:32; do
 done >"$out/check.log" 2>&1
 timeout 150 "$here/benches/swiglu" --bench /T >"$out/bench-swiglu-all.log" 2>&1
 timeout 150 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,128,1024,8192 \
-  --json "$out/layer.json" >"$out/layer.log" 2>"$out/layer.err"
+  --json-file "$out/layer.json" >"$out/layer.log" 2>"$out/layer.err"
 timeout 100 "$here/nvfp4-moe" bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b --tokens 1,16,1024,8192 \
-  --intermediate nvfp4 --json "$out/layer-nvfp4.json" >"$out/layer-nvfp4.log" 2>"$out/layer-nvfp4.err"
+  --intermediate nvfp4 --json-file "$out/layer-nvfp4.json" >"$out/layer-nvfp4.log" 2>"$out/layer-nvfp4.err"
 timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >"$out/torch_moe.log" 2>"$out/torch_moe.err"
 # The summary, also kept as one file (named to sort first: the device tool brings back only the first few files).
 {

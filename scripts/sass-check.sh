@@ -16,7 +16,8 @@ check_one() {
     -Xptxas -v -c "$src" -o "$obj" >"$log" 2>&1
 }
 export -f check_one; export out cuda
-ls cpp/src/*.cu | xargs -P 2 -I{} bash -c 'check_one {}'
+# Two at a time (each heavy file takes ~4.6 GB); CMAKE_BUILD_PARALLEL_LEVEL caps it as it caps the core build.
+ls cpp/src/*.cu | xargs -P "${CMAKE_BUILD_PARALLEL_LEVEL:-2}" -I{} bash -c 'check_one {}'
 for log in "$out"/*.log; do
   name=$(basename "$log" .log)
   if grep -E "C75[0-9][0-9]" "$log"; then echo "sass-check: $name: ptxas C75xx warning"; fail=1; fi

@@ -688,6 +688,11 @@ fn checked_len(dims: &[usize]) -> Result<usize> {
 /// `input_scale` (F32 `[]` or `[1]`, finite and >= 0: an uncalibrated expert's 0 is kept). Gate
 /// and up are `[I, H/2]` (fused: `[2I, H/2]`), down `[H, I/2]`, with H and I positive multiples of
 /// 16 and the same in every expert. Any other tensor under the prefix is an error.
+///
+/// # Errors
+/// An unreadable or malformed file or index ([`Error::Io`], [`Error::Safetensors`], [`Error::Json`]), no
+/// experts under `prefix`, or a tensor missing, of the wrong dtype or shape, or unexpected
+/// ([`Error::Tensor`], naming it).
 pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoint> {
     let p = expert_prefix(prefix);
     let cat = Catalog::open(path.as_ref())?;
@@ -837,6 +842,10 @@ impl MoeCheckpoint {
     /// Checks that the sizes agree (E, H, I with every buffer and vector; H and I positive
     /// multiples of 16; at least one expert), that every decode scale is finite and > 0, and that
     /// every input scale is finite and >= 0.
+    ///
+    /// # Errors
+    /// The first disagreement found, as [`Error::InvalidShape`], [`Error::InvalidDecodeScale`] or
+    /// [`Error::Invalid`].
     pub fn validate(&self) -> Result<()> {
         let (e, h, i) = (self.experts, self.hidden, self.intermediate);
         let shape = |what: String| Err(Error::InvalidShape(format!("MoE checkpoint: {what}")));
@@ -1012,6 +1021,10 @@ fn write_tensors(path: &Path, tensors: Vec<(String, TensorView<'_>)>) -> Result<
 ///
 /// `ckpt` must pass [`MoeCheckpoint::validate`]. A fused naming stores one `weight_scale_2` (and one
 /// `input_scale`) for gate and up, so it is refused, naming the tensor, when an expert's differ.
+///
+/// # Errors
+/// A checkpoint that fails [`MoeCheckpoint::validate`], gate and up scales that a fused naming
+/// cannot store, or an i/o error writing `path`.
 pub fn write_modelopt_experts(
     path: impl AsRef<Path>,
     prefix: &str,

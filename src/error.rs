@@ -10,10 +10,24 @@ pub enum Error {
     InvalidShape(String),
     /// A buffer holds fewer elements than the call needs.
     #[error("buffer `{name}` too small: needs {needed} elements, has {actual}")]
-    BufferTooSmall { name: &'static str, needed: usize, actual: usize },
+    BufferTooSmall {
+        /// The buffer, as the function's argument names it.
+        name: &'static str,
+        /// Elements the call needs.
+        needed: usize,
+        /// Elements the buffer holds.
+        actual: usize,
+    },
     /// A device pointer is not aligned as the kernel requires.
     #[error("buffer `{name}` is not {align}-byte aligned (address {addr:#x})")]
-    Misaligned { name: &'static str, align: usize, addr: u64 },
+    Misaligned {
+        /// The buffer, as the function's argument names it.
+        name: &'static str,
+        /// The alignment the kernel needs, in bytes.
+        align: usize,
+        /// The buffer's device address.
+        addr: u64,
+    },
     /// A decode scale (the per-tensor multiplier g, value = e2m1 x e4m3 x g) is not finite and > 0.
     #[error("decode scale must be finite and > 0, got {0}")]
     InvalidDecodeScale(f32),
@@ -22,8 +36,14 @@ pub enum Error {
     UnsupportedLayout(String),
     /// A tensor in a file has a missing name, a wrong dtype or a wrong shape.
     #[error("tensor `{name}`: {what}")]
-    Tensor { name: String, what: String },
+    Tensor {
+        /// The tensor's full name in the file.
+        name: String,
+        /// What is wrong with it.
+        what: String,
+    },
     /// An error from the CUDA driver (through cudarc).
+    #[cfg(feature = "cuda")]
     #[error("CUDA driver: {0}")]
     Driver(#[from] cudarc::driver::DriverError),
     /// An error reported by the C++ core (a CUDA runtime error or a failed launch).
@@ -43,6 +63,7 @@ pub enum Error {
     Invalid(String),
 }
 
+#[cfg(feature = "cuda")]
 impl From<cxx::Exception> for Error {
     fn from(e: cxx::Exception) -> Self {
         Error::Core(e.what().to_string())

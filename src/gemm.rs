@@ -22,6 +22,7 @@ use crate::reference::ExpertWeightsHost;
 ///
 /// The weight chunks are contiguous, so the kernel moves them with bulk copies and needs no tensor
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
+#[derive(Debug)]
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,
     /// [E, 2]: decode scale of output features f with f % 16 < 8, then of the others.
@@ -58,6 +59,10 @@ pub fn gate_up_source_row(p: usize, n: usize) -> usize {
 }
 
 /// Checks the shape rules of the grouped GEMM (pure; no GPU).
+///
+/// # Errors
+/// [`Error::InvalidShape`]: `experts` outside 1..=1024, `n` or `k` not a positive multiple of 64, or
+/// an overflowing size.
 pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     if experts == 0 || experts > 1024 {
         return Err(Error::InvalidShape(format!("experts must be in 1..=1024, got {experts}")));
@@ -71,24 +76,46 @@ pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
+/// The shape of a set of expert weights: `experts` matrices `[n, k]` (n output features, k the
+/// reduction dimension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertShape {
+    /// Number of experts E.
+    pub experts: usize,
+    /// Output features (rows) per expert.
+    pub n: usize,
+    /// Input features (columns, K) per expert.
+    pub k: usize,
+}
+
+impl ExpertShape {
+    /// `experts` matrices `[n, k]`.
+    pub fn new(experts: usize, n: usize, k: usize) -> Self {
+        ExpertShape { experts, n, k }
+    }
+}
+
 impl Nvfp4Weights {
     /// Prepares checkpoint-layout weights already on the device: `codes` u8 `[E, n, k/2]`, `scales`
     /// E4M3 `[E, n, k/16]` (linear), and one decode scale per expert (host). Synchronizes `stream`
     /// once to report a bad scale (NaN or negative) as an error naming the expert, row and block.
+    ///
+    /// # Errors
+    /// A shape the GEMM does not take ([`check_gemm_shape`]), a decode scale count other than E or
+    /// a bad decode scale, short buffers, a bad scale byte, or a CUDA error.
     pub fn prepare<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         decode_scales: &[f32],
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let experts = shape.experts;
         if decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!("{} decode scales for {experts} experts", decode_scales.len())));
         }
         let pairs: Vec<f32> = decode_scales.iter().flat_map(|&g| [g, g]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, experts, n, k)
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, shape)
     }
 
     /// Prepares fused first-layer weights: per expert the gate rows then the up rows (`n = 2I`
@@ -96,17 +123,18 @@ impl Nvfp4Weights {
     /// decode scales of each expert (ModelOpt checkpoints may give them different
     /// `weight_scale_2`; both are applied exactly). Output features come in
     /// [`RowOrder::GateUpBands8`] order.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// As [`Nvfp4Weights::prepare`].
     pub fn prepare_gate_up<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         gate_decode_scales: &[f32],
         up_decode_scales: &[f32],
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let experts = shape.experts;
         if gate_decode_scales.len() != experts || up_decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!(
                 "{} gate and {} up decode scales for {experts} experts",
@@ -115,20 +143,18 @@ impl Nvfp4Weights {
             )));
         }
         let pairs: Vec<f32> = gate_decode_scales.iter().zip(up_decode_scales).flat_map(|(&g, &u)| [g, u]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, experts, n, k)
+        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, shape)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn prepare_ordered<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
         scale_pairs: Vec<f32>,
         row_order: RowOrder,
-        experts: usize,
-        n: usize,
-        k: usize,
+        shape: ExpertShape,
     ) -> Result<Self> {
+        let ExpertShape { experts, n, k } = shape;
         check_gemm_shape(experts, n, k)?;
         for &g in &scale_pairs {
             crate::reference::validate_decode_scale(g)?;
@@ -176,21 +202,27 @@ impl Nvfp4Weights {
     }
 
     /// Uploads host weights and prepares them.
+    ///
+    /// # Errors
+    /// As [`Nvfp4Weights::prepare`].
     pub fn from_host(stream: &Arc<CudaStream>, w: &ExpertWeightsHost) -> Result<Self> {
         check_gemm_shape(w.experts, w.n, w.k)?;
         check_len("codes", w.codes.len(), w.experts * w.n * w.k / 2)?;
         check_len("scales", w.scales.len(), w.experts * w.n * w.k / 16)?;
         let codes = stream.clone_htod(&w.codes)?;
         let scales = stream.clone_htod(&w.scales)?;
-        Self::prepare(stream, &codes, &scales, &w.decode_scales, w.experts, w.n, w.k)
+        Self::prepare(stream, &codes, &scales, &w.decode_scales, ExpertShape::new(w.experts, w.n, w.k))
     }
 
+    /// Number of experts E.
     pub fn experts(&self) -> usize {
         self.experts
     }
+    /// Output features (rows) per expert.
     pub fn n(&self) -> usize {
         self.n
     }
+    /// Input features (K) per expert.
     pub fn k(&self) -> usize {
         self.k
     }
@@ -247,6 +279,7 @@ pub trait Epilogue {
 
 /// The plain epilogue: `out = acc * g`, rounded once to BF16, `[rows, n]` in the weights' row
 /// order.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct PlainBf16;
 
 impl Epilogue for PlainBf16 {
@@ -260,6 +293,7 @@ impl Epilogue for PlainBf16 {
 /// The old MoE flow, kept as a measured baseline: SwiGLU in the epilogue, but the full width
 /// `[rows, 2I]` is written as `[gate 8b..8b+7, silu(gate)*up 8b..8b+7]` for b = 0..I/8 (gate
 /// columns: the decoded gate values rounded to BF16). Needs gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Interleaved;
 
 impl Epilogue for Interleaved {
@@ -273,6 +307,7 @@ impl Epilogue for Interleaved {
 /// The target MoE flow: `silu(gate * g_gate) * (up * g_up)` in FP32 from the accumulators,
 /// rounded once to BF16, written compact as `[rows, I]` (half the accumulator width). Needs
 /// gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SwigluBf16;
 
 impl Epilogue for SwigluBf16 {
@@ -294,6 +329,7 @@ impl Bf16Output for SwigluBf16 {}
 /// per-expert regions ([`crate::layout::grouped_scale_len`]), with an activation decode scale per
 /// expert or one for all. The bytes equal `quantize_nvfp4_grouped` of the `SwigluBf16` output.
 /// Launched with [`GroupedGemm::launch_nvfp4`]. Needs gate/up weights.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct SwigluNvfp4;
 
 impl Epilogue for SwigluNvfp4 {
@@ -306,6 +342,7 @@ impl Epilogue for SwigluNvfp4 {
 }
 
 /// A launch plan for one weight set: validated once, launched many times.
+#[derive(Debug)]
 pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,
     tile: GemmTile,
@@ -315,6 +352,9 @@ pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
 impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// A plan over `weights` with tile configuration `tile` (`GemmTile::Auto` decides per launch).
     /// The SwiGLU epilogues need weights prepared with [`Nvfp4Weights::prepare_gate_up`].
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a SwiGLU epilogue over weights not prepared as gate/up.
     pub fn new(weights: &'w Nvfp4Weights, tile: GemmTile) -> Result<Self> {
         if E::NEEDS_GATE_UP && weights.row_order != RowOrder::GateUpBands8 {
             return Err(Error::Invalid(
@@ -338,22 +378,16 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 
     /// Validates a launch (pure; no GPU): buffer lengths and alignment.
+    ///
+    /// # Errors
+    /// As [`check_gemm_launch`].
     pub fn check(&self, total_rows: usize, x: BufferInfo, offsets_len: usize, out: BufferInfo) -> Result<()> {
         let w = self.weights;
         check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn launch_raw(
-        &self,
-        stream: &CudaStream,
-        x_ptr: u64,
-        total_rows: usize,
-        off_ptr: u64,
-        out_ptr: u64,
-        out_scales: u64,
-        act_scales: (u64, usize),
-    ) -> Result<()> {
+    fn launch_raw(&self, stream: &CudaStream, l: RawLaunch) -> Result<()> {
+        let RawLaunch { x: x_ptr, total_rows, expert_offsets: off_ptr, out: out_ptr, out_scales, act_scales } = l;
         let w = self.weights;
         let (p_ptr, _gp) = w.prepared.device_ptr(stream);
         let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
@@ -381,22 +415,45 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 }
 
+/// The device addresses of one launch, checked by the caller.
+struct RawLaunch {
+    x: u64,
+    total_rows: usize,
+    expert_offsets: u64,
+    out: u64,
+    out_scales: u64,
+    /// Activation decode scales: address and count (0 and 0 unless [`SwigluNvfp4`]).
+    act_scales: (u64, usize),
+}
+
+/// Where [`GroupedGemm::launch_nvfp4`] writes: the NVFP4 output of [`SwigluNvfp4`] and the decode
+/// scales it is quantized with.
+#[derive(Debug)]
+pub struct SwigluNvfp4Out<'a, G, C, S> {
+    /// f32 `[1]` or `[E]` (device): the activation decode scale of every expert, or one for all.
+    pub act_decode_scales: &'a G,
+    /// u8 `[total_rows, I/2]`: the packed E2M1 codes.
+    pub codes: &'a mut C,
+    /// [`grouped_scale_len`](crate::layout::grouped_scale_len)`(total_rows, E, I)` bytes of E4M3
+    /// scales (zeroed first, so padding reads 0).
+    pub scales: &'a mut S,
+}
+
 impl GroupedGemm<'_, SwigluNvfp4> {
-    /// Enqueues the first MoE GEMM with SwiGLU and NVFP4 quantization in the epilogue: `codes` u8
-    /// `[total_rows, I/2]`, `scales` [`grouped_scale_len`](crate::layout::grouped_scale_len)`(
-    /// total_rows, E, I)` bytes (zeroed first, so padding reads 0), `act_decode_scales` f32 `[1]`
-    /// or `[E]` (device). Rows past `expert_offsets[E]` are not written. No host synchronization;
-    /// valid inside CUDA-graph capture.
-    #[allow(clippy::too_many_arguments)]
+    /// Enqueues the first MoE GEMM with SwiGLU and NVFP4 quantization in the epilogue into `out`
+    /// (see [`SwigluNvfp4Out`]). Rows past `expert_offsets[E]` are not written. No host
+    /// synchronization; valid inside CUDA-graph capture.
+    ///
+    /// # Errors
+    /// A buffer too small or misaligned, a decode scale count other than 1 or E, or a failed
+    /// launch.
     pub fn launch_nvfp4<X, O, G, C, S>(
         &self,
         stream: &CudaStream,
         x: &X,
         total_rows: usize,
         expert_offsets: &O,
-        act_decode_scales: &G,
-        codes: &mut C,
-        scales: &mut S,
+        out: SwigluNvfp4Out<'_, G, C, S>,
     ) -> Result<()>
     where
         X: DevicePtr<bf16>,
@@ -406,6 +463,7 @@ impl GroupedGemm<'_, SwigluNvfp4> {
         S: DevicePtrMut<u8>,
     {
         let w = self.weights;
+        let SwigluNvfp4Out { act_decode_scales, codes, scales } = out;
         let (x_len, o_len, g_len, c_len, s_len) =
             (x.len(), expert_offsets.len(), act_decode_scales.len(), codes.len(), scales.len());
         let (x_ptr, _gx) = x.device_ptr(stream);
@@ -422,13 +480,25 @@ impl GroupedGemm<'_, SwigluNvfp4> {
             )));
         }
         // Launched even with no rows: the core zeroes the scale buffer (its padding) either way.
-        self.launch_raw(stream, x_ptr, total_rows, off_ptr, c_ptr, s_ptr, (g_ptr, g_len))
+        let l = RawLaunch {
+            x: x_ptr,
+            total_rows,
+            expert_offsets: off_ptr,
+            out: c_ptr,
+            out_scales: s_ptr,
+            act_scales: (g_ptr, g_len),
+        };
+        self.launch_raw(stream, l)
     }
 }
 
 /// Validates a grouped GEMM launch (pure; no GPU): `x` holds `total_rows x k` bf16, `out`
 /// `total_rows x out_cols`, `expert_offsets` `experts + 1` entries, and both `x` and `out` are
 /// 16-byte aligned (the kernel's TMA loads and vector stores need it).
+///
+/// # Errors
+/// [`Error::InvalidShape`] (too many rows, wrong offset count), [`Error::BufferTooSmall`] or
+/// [`Error::Misaligned`].
 pub fn check_gemm_launch(
     experts: usize,
     k: usize,
@@ -462,6 +532,9 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
     /// `[off[e], off[e+1])`, clamped to `[0, total_rows]`), `out` bf16 `[total_rows, out_cols]`
     /// ([`Epilogue::out_cols`]). Rows past `off[E]` are not written. No host synchronization;
     /// valid inside CUDA-graph capture.
+    ///
+    /// # Errors
+    /// As [`GroupedGemm::check`], or a failed launch ([`Error::Core`]).
     pub fn launch<X, O, F>(
         &self,
         stream: &CudaStream,
@@ -488,7 +561,15 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
         if total_rows == 0 {
             return Ok(());
         }
-        self.launch_raw(stream, x_ptr, total_rows, off_ptr, out_ptr, 0, (0, 0))
+        let l = RawLaunch {
+            x: x_ptr,
+            total_rows,
+            expert_offsets: off_ptr,
+            out: out_ptr,
+            out_scales: 0,
+            act_scales: (0, 0),
+        };
+        self.launch_raw(stream, l)
     }
 }
 

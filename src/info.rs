@@ -17,7 +17,7 @@ pub struct BuildInfo {
     pub driver_version: i32,
 }
 
-/// Reads the core's build information (no GPU needed).
+/// Reads the core's build information (no GPU needed; the driver version is 0 without a driver).
 pub fn build_info() -> BuildInfo {
     let b = raw::core_build_info();
     BuildInfo {
@@ -40,10 +40,15 @@ pub fn cuda_version_string(v: i32) -> String {
 /// One visible GPU.
 #[derive(Clone, Debug)]
 pub struct GpuInfo {
+    /// The device ordinal (as `CudaContext::new` takes it).
     pub ordinal: usize,
+    /// The device name (e.g. `NVIDIA H200`).
     pub name: String,
+    /// Compute capability (major, minor), e.g. (9, 0).
     pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
     pub total_mem: usize,
+    /// Streaming multiprocessors.
     pub multiprocessors: i32,
 }
 

@@ -96,6 +96,10 @@ fn check_dtype(t: &TensorView<'_>, name: &str, want: &[Dtype]) -> Result<()> {
 /// Reads the 2-D tensor `name` as BF16 `(data, rows, cols, source dtype)`. BF16 is read as is; F32
 /// is rounded to BF16 (round-to-nearest-even, NaN kept) and reported as [`SourceDtype::F32`]. Any
 /// other dtype, or a tensor that is not 2-D, is an [`Error::Tensor`].
+///
+/// # Errors
+/// An unreadable file ([`Error::Io`]), a malformed one ([`Error::Safetensors`]), or a missing, non-2-D
+/// or non-BF16/F32 tensor ([`Error::Tensor`]).
 pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>, usize, usize, SourceDtype)> {
     let path = path.as_ref();
     let bytes = read_file(path)?;
@@ -173,6 +177,10 @@ fn bf16_le_bytes(data: &[bf16]) -> Cow<'_, [u8]> {
 }
 
 /// Writes one BF16 tensor `name` `[rows, cols]` to a new safetensors file at `path`.
+///
+/// # Errors
+/// `data` not of `rows * cols` elements ([`Error::Tensor`]) or a failed write ([`Error::Io`]); a failed
+/// write leaves `path` as it was.
 pub fn write_bf16(path: impl AsRef<Path>, name: &str, data: &[bf16], rows: usize, cols: usize) -> Result<()> {
     let n = rows.checked_mul(cols).ok_or_else(|| tensor_err(name, format!("shape [{rows}, {cols}] overflows")))?;
     if data.len() != n {
@@ -186,6 +194,10 @@ pub fn write_bf16(path: impl AsRef<Path>, name: &str, data: &[bf16], rows: usize
 /// Writes one NVFP4 weight in the ModelOpt layout: `{prefix}weight` (U8 `[N, K/2]`),
 /// `{prefix}weight_scale` (F8_E4M3 `[N, K/16]`) and `{prefix}weight_scale_2` (F32, shape `[]`).
 /// The prefix is used verbatim (pass `"model.layers.0.mlp.gate_proj."` with its final dot).
+///
+/// # Errors
+/// Buffers that disagree with `rows` and `cols` ([`Error::Tensor`]) or a failed write
+/// ([`Error::Io`]); a failed write leaves `path` as it was.
 pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) -> Result<()> {
     let (n_w, n_s, n_g) =
         (format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2"));
@@ -219,6 +231,10 @@ pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) 
 /// Reads one ModelOpt NVFP4 weight `{prefix}weight` / `weight_scale` / `weight_scale_2`, checking
 /// dtypes (U8, F8_E4M3, F32) and shapes (`[N, K/2]`, `[N, K/16]`, scalar or `[1]`) and that the
 /// decode scale is finite and > 0.
+///
+/// # Errors
+/// An unreadable or malformed file, or a missing tensor, a wrong dtype or shape, or a bad decode
+/// scale ([`Error::Tensor`], naming the tensor).
 pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWeight> {
     let path = path.as_ref();
     let (n_w, n_s, n_g) =

@@ -27,6 +27,9 @@ impl ScaleLayout {
     }
 
     /// Parses `linear`, or `swizzled` / `128x4` / `swizzled128x4` (case-insensitive).
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedLayout`] for any other name.
     pub fn parse(s: &str) -> Result<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "linear" => Ok(ScaleLayout::Linear),
@@ -125,6 +128,9 @@ pub fn grouped_scale_len(total_rows: usize, num_experts: usize, cols: usize) -> 
 }
 
 /// Checks per-expert row offsets (length E+1): first 0, nondecreasing, last `total_rows`.
+///
+/// # Errors
+/// [`Error::InvalidShape`] naming the first offset that breaks a rule.
 pub fn validate_expert_offsets(expert_offsets: &[i32], total_rows: usize) -> Result<()> {
     let (first, last) = match (expert_offsets.first(), expert_offsets.last()) {
         (Some(&first), Some(&last)) if expert_offsets.len() >= 2 => (first, last),

@@ -3,7 +3,13 @@
 //! NVFP4 Mixture-of-Experts kernels for NVIDIA Hopper (sm_90a): a Rust crate over a CUTLASS C++
 //! core. This crate holds the NVFP4 format (E2M1 codes + E4M3 block-16 scales + an FP32 decode
 //! scale), its CPU reference (the oracle every GPU kernel is tested against), and safe wrappers
-//! over the CUDA kernels, which take cudarc slices and a [`cudarc::driver::CudaStream`].
+//! over the CUDA kernels, which take cudarc slices and a `cudarc::driver::CudaStream`.
+//!
+//! Features: `cuda` (default) brings the GPU side: cudarc, the cxx bridge and the CUDA core build
+//! (nvcc, CUTLASS and CMake; see the README). `cuda-13000` (default) picks cudarc's CUDA version
+//! and implies `cuda`. Without them the crate is the format ([`mod@format`], [`layout`]), the CPU
+//! reference ([`mod@reference`], [`routing`]'s host side), safetensors and checkpoint I/O ([`io`],
+//! [`checkpoint`]) and the [`presets`], and builds with no CUDA toolkit.
 //!
 //! Naming: the **decode scale** g is the FP32 multiplier with `value = e2m1 x e4m3 x g`
 //! (ModelOpt's `weight_scale_2`). Other libraries' "global scale" is `1/g`.
@@ -24,25 +30,40 @@
 //! assert_eq!(reference::dequantize(&q), x); // these values are exact in NVFP4
 //! ```
 
+#![warn(missing_docs, missing_debug_implementations, clippy::missing_errors_doc, clippy::missing_safety_doc)]
+
+// Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
+pub mod checkpoint;
 pub mod error;
 pub mod format;
-pub mod layout;
-pub mod reference;
-pub mod rng;
-pub mod routing;
-
-pub mod checkpoint;
-mod checks;
-mod ffi;
-pub mod gemm;
-pub mod info;
 pub mod io;
-pub mod moe;
+pub mod layout;
 pub mod presets;
+pub mod reference;
+mod rng;
+pub mod routing;
+#[doc(hidden)]
+pub mod testing;
+
+// The GPU side (the `cuda` feature): the CUDA core through the cxx bridge, over cudarc.
+#[cfg(feature = "cuda")]
+mod checks;
+#[cfg(feature = "cuda")]
+mod ffi;
+#[cfg(feature = "cuda")]
+pub mod gemm;
+#[cfg(feature = "cuda")]
+pub mod info;
+#[cfg(feature = "cuda")]
+pub mod moe;
+#[cfg(feature = "cuda")]
 pub mod quantize;
 
 pub use error::{Error, Result};
+#[cfg(feature = "cuda")]
 pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16, SwigluNvfp4};
 pub use layout::ScaleLayout;
+#[cfg(feature = "cuda")]
 pub use moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWeightsBf16, MoeWorkspace};
+#[cfg(feature = "cuda")]
 pub use quantize::{dequantize_nvfp4, quantize_nvfp4, Nvfp4Tensor};

@@ -11,24 +11,35 @@ use half::bf16;
 use crate::checkpoint::{load_modelopt, MoeCheckpoint};
 use crate::checks::check_len;
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4};
+use crate::gemm::{
+    ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out,
+};
 use crate::layout::{grouped_scale_len, ScaleLayout};
-use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4};
+use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4, GroupedDesc};
 use crate::reference::{weight_decode_scale, ExpertWeightsHost};
-use crate::routing::{combine_into, softmax_topk_into, PermuteBuffers};
+use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
 
 /// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
 /// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
+#[derive(Debug)]
 pub struct MoeWeights {
+    /// Gate and up, `[E, 2I, H]`, prepared in [`crate::RowOrder::GateUpBands8`] order.
     pub w13: Nvfp4Weights,
+    /// Down, `[E, H, I]`.
     pub w2: Nvfp4Weights,
+    /// Experts E.
     pub experts: usize,
+    /// Hidden size H.
     pub hidden: usize,
+    /// Expert intermediate size I.
     pub intermediate: usize,
 }
 
 impl MoeWeights {
     /// Uploads and prepares a checkpoint's experts (gate and up keep their own decode scales).
+    ///
+    /// # Errors
+    /// A shape the grouped GEMM does not take, a bad scale byte or decode scale, or a CUDA error.
     pub fn from_checkpoint(stream: &Arc<CudaStream>, ckpt: &MoeCheckpoint) -> Result<Self> {
         let (e, h, i) = (ckpt.experts, ckpt.hidden, ckpt.intermediate);
         if !h.is_multiple_of(64) || !i.is_multiple_of(32) {
@@ -38,15 +49,14 @@ impl MoeWeights {
         }
         let codes = stream.clone_htod(&ckpt.w13.codes)?;
         let scales = stream.clone_htod(&ckpt.w13.scales)?;
+        let shape = ExpertShape::new(e, 2 * i, h);
         let w13 = Nvfp4Weights::prepare_gate_up(
             stream,
             &codes,
             &scales,
             &ckpt.w13.decode_scales,
             &ckpt.up_decode_scales,
-            e,
-            2 * i,
-            h,
+            shape,
         )?;
         let w2 = Nvfp4Weights::from_host(stream, &ckpt.w2)?;
         Ok(MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i })
@@ -55,12 +65,18 @@ impl MoeWeights {
     /// Quantizes BF16 expert weights with the crate's GPU quantizer (the ModelOpt recipe: one
     /// decode scale `amax / (6 * 448)` per expert and projection, E4M3 scales per 16 weights) and
     /// prepares them. See [`quantize_bf16_experts`].
+    ///
+    /// # Errors
+    /// As [`quantize_bf16_experts`] and [`MoeWeights::from_checkpoint`].
     pub fn from_bf16(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<Self> {
         Self::from_checkpoint(stream, &quantize_bf16_experts(stream, w)?)
     }
 
     /// Loads `prefix` (e.g. `model.layers.3.mlp.experts`) from a ModelOpt NVFP4 checkpoint (a
     /// `.safetensors` file, a sharded index `.json`, or a directory holding one) and prepares it.
+    ///
+    /// # Errors
+    /// As [`load_modelopt`] and [`MoeWeights::from_checkpoint`].
     pub fn from_modelopt(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
         Self::from_checkpoint(stream, &load_modelopt(path, prefix)?)
     }
@@ -68,12 +84,19 @@ impl MoeWeights {
 
 /// BF16 expert weights of one MoE layer, in PyTorch's `[out, in]` orientation: `gate` and `up`
 /// `[E, I, H]`, `down` `[E, H, I]`.
+#[derive(Clone, Copy, Debug)]
 pub struct MoeWeightsBf16<'a> {
+    /// `[E, I, H]`.
     pub gate: &'a [bf16],
+    /// `[E, I, H]`.
     pub up: &'a [bf16],
+    /// `[E, H, I]`.
     pub down: &'a [bf16],
+    /// Experts E.
     pub experts: usize,
+    /// Hidden size H, a multiple of 16.
     pub hidden: usize,
+    /// Expert intermediate size I, a multiple of 16.
     pub intermediate: usize,
 }
 
@@ -81,6 +104,10 @@ pub struct MoeWeightsBf16<'a> {
 /// per expert and projection, each with its own decode scale `amax / (6 * 448)` over the finite
 /// weights (gate and up keep separate scales, as ModelOpt's exporter writes them). The bytes equal
 /// [`crate::reference::quantize`]'s. Synchronizes `stream` (the codes are read back).
+///
+/// # Errors
+/// A bad shape or short slices ([`Error::InvalidShape`], [`Error::BufferTooSmall`]), a projection with
+/// no finite non-zero weight ([`Error::Invalid`], naming it), or a CUDA error.
 pub fn quantize_bf16_experts(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<MoeCheckpoint> {
     let (e, h, i) = (w.experts, w.hidden, w.intermediate);
     if e == 0 || h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) {
@@ -142,7 +169,10 @@ pub enum Intermediate {
     /// `dequantize_nvfp4_grouped` for the second GEMM (Hopper has no FP4 MMA). This is the path
     /// FP4 consumers (Blackwell GEMMs, expert-parallel transfers) take; it adds NVFP4's
     /// quantization error to the layer.
-    Nvfp4 { decode_scale: f32 },
+    Nvfp4 {
+        /// The activation decode scale g of the intermediate (finite, > 0).
+        decode_scale: f32,
+    },
 }
 
 /// Options of a [`MoeLayer`].
@@ -165,7 +195,65 @@ impl MoeOptions {
     }
 }
 
+/// The input of one [`MoeLayer::forward`], on the device: `hidden` bf16 `[tokens, H]` and the
+/// routing, `topk_ids` i32 `[tokens, top_k]` (expert ids) and `topk_weights` f32
+/// `[tokens, top_k]`.
+#[derive(Debug)]
+pub struct MoeInput<'a, H, I, W> {
+    /// bf16 `[tokens, H]`.
+    pub hidden: &'a H,
+    /// Tokens T in this forward (at most the layer's `max_tokens`).
+    pub tokens: usize,
+    /// i32 `[T, top_k]`: the experts of each token.
+    pub topk_ids: &'a I,
+    /// f32 `[T, top_k]`: the weight of each chosen expert.
+    pub topk_weights: &'a W,
+    /// Experts per token k (at most the layer's `max_top_k`).
+    pub top_k: usize,
+}
+
+impl<H, I, W> Clone for MoeInput<'_, H, I, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H, I, W> Copy for MoeInput<'_, H, I, W> {}
+
+/// The input of one [`MoeLayer::forward_with_router`], on the device: `hidden` bf16
+/// `[tokens, H]` and `router_logits` f32 `[tokens, E]`, routed by softmax top-k.
+#[derive(Debug)]
+pub struct RouterInput<'a, H, L> {
+    /// bf16 `[tokens, H]`.
+    pub hidden: &'a H,
+    /// Tokens T in this forward (at most the layer's `max_tokens`).
+    pub tokens: usize,
+    /// f32 `[T, E]`.
+    pub router_logits: &'a L,
+    /// Experts per token k (at most the layer's `max_top_k`).
+    pub top_k: usize,
+    /// Whether the k routing weights of a token are divided by their sum.
+    pub renormalize: bool,
+}
+
+impl<H, L> Clone for RouterInput<'_, H, L> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H, L> Copy for RouterInput<'_, H, L> {}
+
+/// The workspace buffers a forward writes (all but the router's).
+struct Scratch<'a> {
+    perm: &'a mut PermuteBuffers,
+    act: &'a mut CudaSlice<bf16>,
+    y: &'a mut CudaSlice<bf16>,
+    fp4: Option<&'a mut Fp4Buffers>,
+}
+
 /// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
+#[derive(Debug)]
 struct Fp4Buffers {
     codes: CudaSlice<u8>,
     scales: CudaSlice<u8>,
@@ -175,6 +263,7 @@ struct Fp4Buffers {
 }
 
 /// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
+#[derive(Debug)]
 pub struct MoeWorkspace {
     perm: PermuteBuffers,
     act: CudaSlice<bf16>,
@@ -186,12 +275,19 @@ pub struct MoeWorkspace {
 }
 
 /// One MoE feed-forward layer over prepared NVFP4 weights.
+#[derive(Debug)]
 pub struct MoeLayer {
     weights: MoeWeights,
     opts: MoeOptions,
 }
 
 impl MoeLayer {
+    /// A layer over `weights` for forwards of up to `opts.max_tokens` tokens and `opts.max_top_k`
+    /// experts per token.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a `max_top_k` outside `1..=min(E, 32)` or too many rows, and
+    /// [`Error::InvalidDecodeScale`] for a bad NVFP4 intermediate decode scale.
     pub fn new(weights: MoeWeights, opts: MoeOptions) -> Result<Self> {
         if opts.max_top_k == 0 || opts.max_top_k > weights.experts.min(32) {
             return Err(Error::InvalidShape(format!(
@@ -208,11 +304,15 @@ impl MoeLayer {
         Ok(MoeLayer { weights, opts })
     }
 
+    /// The layer's prepared weights.
     pub fn weights(&self) -> &MoeWeights {
         &self.weights
     }
 
     /// The same layer with another intermediate format (allocate a new workspace for it).
+    ///
+    /// # Errors
+    /// As [`MoeLayer::new`].
     pub fn with_intermediate(self, intermediate: Intermediate) -> Result<Self> {
         MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
     }
@@ -221,7 +321,9 @@ impl MoeLayer {
     /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
     /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes
     /// `stream` and reads the intermediate back; meant for set-up and benches, not per forward.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// As [`MoeLayer::forward`], or an intermediate with no finite non-zero value.
     pub fn calibrate_nvfp4_scale<H, I>(
         &self,
         stream: &Arc<CudaStream>,
@@ -246,6 +348,9 @@ impl MoeLayer {
     }
 
     /// Allocates the workspace for `max_tokens` x `max_top_k` rows.
+    ///
+    /// # Errors
+    /// A CUDA error (out of memory).
     pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
         let pairs = self.opts.max_tokens * self.opts.max_top_k;
         let (h, i) = (self.weights.hidden, self.weights.intermediate);
@@ -295,19 +400,18 @@ impl MoeLayer {
         Ok(())
     }
 
-    /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` with
-    /// `hidden` bf16 `[T, H]`, `topk_ids` i32 `[T, k]`, `topk_weights` f32 `[T, k]` (device).
+    /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` over the
+    /// tokens and routing of `input` (device buffers, see [`MoeInput`]) into `out` bf16 `[T, H]`.
     /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
     /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// More tokens or a larger top-k than the layer was made for, a workspace of another layer,
+    /// a buffer too small, or a failed launch.
     pub fn forward<H, I, W, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        topk_ids: &I,
-        topk_weights: &W,
-        top_k: usize,
+        input: &MoeInput<'_, H, I, W>,
         out: &mut O,
         ws: &mut MoeWorkspace,
     ) -> Result<()>
@@ -317,27 +421,19 @@ impl MoeLayer {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
-        self.check_tokens(tokens, top_k, ws)?;
+        self.check_tokens(input.tokens, input.top_k, ws)?;
         let MoeWorkspace { perm, act, y, fp4, .. } = ws;
-        self.run(stream, hidden, tokens, topk_ids, topk_weights, top_k, out, perm, act, y, fp4.as_mut())
+        self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// The forward's launches over the workspace's parts (split so that the router path can
     /// read its own workspace buffers while the rest are written).
-    #[allow(clippy::too_many_arguments)]
     fn run<H, I, W, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        topk_ids: &I,
-        topk_weights: &W,
-        top_k: usize,
+        input: &MoeInput<'_, H, I, W>,
         out: &mut O,
-        perm: &mut PermuteBuffers,
-        act: &mut CudaSlice<bf16>,
-        y: &mut CudaSlice<bf16>,
-        fp4: Option<&mut Fp4Buffers>,
+        scratch: Scratch<'_>,
     ) -> Result<()>
     where
         H: DevicePtr<bf16>,
@@ -345,6 +441,8 @@ impl MoeLayer {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
+        let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
+        let Scratch { perm, act, y, fp4 } = scratch;
         let (h, pairs) = (self.weights.hidden, tokens * top_k);
         check_len("hidden", hidden.len(), tokens * h)?;
         check_len("topk_ids", topk_ids.len(), pairs)?;
@@ -357,43 +455,32 @@ impl MoeLayer {
             None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
             Some(b) => {
                 let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?;
-                l1.launch_nvfp4(
-                    stream,
-                    &perm.x_perm,
-                    pairs,
-                    &perm.expert_offsets,
-                    &b.decode_scale,
-                    &mut b.codes,
-                    &mut b.scales,
-                )?;
-                let i = self.weights.intermediate;
-                dequantize_nvfp4_grouped_into(
-                    stream,
-                    &b.codes,
-                    &b.scales,
-                    pairs,
-                    i,
-                    &perm.expert_offsets,
-                    &b.decode_scale,
-                    act,
-                )?;
+                let nvfp4 =
+                    SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
+                l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
+                let desc = GroupedDesc {
+                    rows: pairs,
+                    cols: self.weights.intermediate,
+                    expert_offsets: &perm.expert_offsets,
+                    decode_scales: &b.decode_scale,
+                };
+                dequantize_nvfp4_grouped_into(stream, &b.codes, &b.scales, &desc, act)?;
             }
         }
         l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
-        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, tokens, top_k, h, out)
+        let shape = CombineShape { tokens, top_k, hidden: h };
+        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, shape, out)
     }
 
-    /// Routes with softmax top-k over `router_logits` f32 `[T, E]` (renormalized if asked), then
+    /// Routes with softmax top-k over the router logits of `input` (renormalized if asked), then
     /// [`MoeLayer::forward`].
-    #[allow(clippy::too_many_arguments)]
+    ///
+    /// # Errors
+    /// As [`MoeLayer::forward`], or bad routing arguments ([`softmax_topk_into`]).
     pub fn forward_with_router<H, L, O>(
         &self,
         stream: &CudaStream,
-        hidden: &H,
-        tokens: usize,
-        router_logits: &L,
-        top_k: usize,
-        renormalize: bool,
+        input: &RouterInput<'_, H, L>,
         out: &mut O,
         ws: &mut MoeWorkspace,
     ) -> Result<()>
@@ -402,13 +489,20 @@ impl MoeLayer {
         L: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
+        let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
         self.check_tokens(tokens, top_k, ws)?;
         let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
-        softmax_topk_into(stream, router_logits, tokens, self.weights.experts, top_k, renormalize, ids, weights)?;
-        self.run(stream, hidden, tokens, &*ids, &*weights, top_k, out, perm, act, y, fp4.as_mut())
+        let spec = TopK { tokens, experts: self.weights.experts, top_k, renormalize };
+        softmax_topk_into(stream, router_logits, spec, ids, weights)?;
+        let input = MoeInput { hidden, tokens, topk_ids: &*ids, topk_weights: &*weights, top_k };
+        self.run(stream, &input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// Synchronizes `stream` and reports the first bad expert id seen since the last check.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the token, slot and id of the first bad expert id, or a CUDA error
+    /// (including one from earlier asynchronous work on `stream`).
     pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
         ws.perm.check(stream, top_k)
     }

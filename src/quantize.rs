@@ -18,17 +18,27 @@ use crate::reference::{validate_decode_scale, validate_quantize_shape, Nvfp4Host
 /// An NVFP4 tensor `[rows, cols]` in device memory: packed E2M1 codes (`[rows, cols/2]`, element
 /// 2j in the low nibble), E4M3 block-16 scales in `layout`, and the decode scale g
 /// (`value = e2m1 * e4m3 * g`).
+#[derive(Debug)]
 pub struct Nvfp4Tensor {
+    /// Packed E2M1 codes, `rows * cols / 2` bytes (at least 1).
     pub codes: CudaSlice<u8>,
+    /// E4M3 block scales in `layout`, [`scale_len`] bytes (at least 1).
     pub scales: CudaSlice<u8>,
+    /// Rows of the logical `[rows, cols]` tensor.
     pub rows: usize,
+    /// Columns (K), a multiple of 16.
     pub cols: usize,
+    /// Layout of `scales`.
     pub layout: ScaleLayout,
+    /// The decode scale g.
     pub decode_scale: f32,
 }
 
 impl Nvfp4Tensor {
     /// Allocates an uninitialized tensor of this shape.
+    ///
+    /// # Errors
+    /// A bad shape or decode scale, or a CUDA error (out of memory).
     pub fn alloc(
         stream: &Arc<CudaStream>,
         rows: usize,
@@ -44,7 +54,15 @@ impl Nvfp4Tensor {
         Ok(Nvfp4Tensor { codes, scales, rows, cols, layout, decode_scale })
     }
 
+    /// The tensor's shape, scale layout and decode scale.
+    pub fn desc(&self) -> Nvfp4Desc {
+        Nvfp4Desc { rows: self.rows, cols: self.cols, layout: self.layout, decode_scale: self.decode_scale }
+    }
+
     /// Copies a host tensor to the device.
+    ///
+    /// # Errors
+    /// A bad shape or decode scale, short buffers, or a CUDA error.
     pub fn from_host(stream: &Arc<CudaStream>, h: &Nvfp4Host) -> Result<Self> {
         validate_quantize_shape(h.rows, h.cols)?;
         validate_decode_scale(h.decode_scale)?;
@@ -61,6 +79,9 @@ impl Nvfp4Tensor {
     }
 
     /// Copies the tensor back to the host (synchronizes the stream).
+    ///
+    /// # Errors
+    /// A CUDA error (including one from earlier asynchronous work on `stream`).
     pub fn to_host(&self, stream: &Arc<CudaStream>) -> Result<Nvfp4Host> {
         let n_codes = self.rows * self.cols / 2;
         let n_scales = scale_len(self.layout, self.rows, self.cols);
@@ -82,12 +103,18 @@ impl Nvfp4Tensor {
 /// A device buffer as the checks see it: its address and its length in elements.
 #[derive(Clone, Copy, Debug)]
 pub struct BufferInfo {
+    /// Device address.
     pub addr: u64,
+    /// Length in elements.
     pub len: usize,
 }
 
 /// Validates a quantize call: shape, decode scale, buffer lengths and alignment (x 16 bytes,
 /// codes 8 bytes). Pure: no GPU needed.
+///
+/// # Errors
+/// [`Error::InvalidShape`], [`Error::InvalidDecodeScale`], [`Error::BufferTooSmall`] or
+/// [`Error::Misaligned`], naming the buffer.
 pub fn check_quantize(
     rows: usize,
     cols: usize,
@@ -112,6 +139,9 @@ pub fn check_quantize(
 
 /// Validates a dequantize call: shape, decode scale, buffer lengths and alignment (codes 8 bytes,
 /// out 16 bytes). Pure: no GPU needed.
+///
+/// # Errors
+/// As [`check_quantize`].
 pub fn check_dequantize(
     rows: usize,
     cols: usize,
@@ -145,17 +175,32 @@ fn check_kernel_limits(rows: usize, cols: usize) -> Result<()> {
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What an NVFP4 tensor `[rows, cols]` is, apart from its bytes: its shape, the layout of its
+/// scales and its decode scale g (`value = e2m1 * e4m3 * g`; the "global scale" of other libraries
+/// is 1/g).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Nvfp4Desc {
+    /// Rows of the logical `[rows, cols]` tensor.
+    pub rows: usize,
+    /// Columns (K, the block direction), a multiple of 16.
+    pub cols: usize,
+    /// Layout of the E4M3 block scales.
+    pub layout: ScaleLayout,
+    /// The per-tensor decode scale g.
+    pub decode_scale: f32,
+}
+
 /// Quantizes `x` (bf16 `[rows, cols]`) into caller-provided buffers: `codes` (`rows * cols / 2`
-/// bytes) and `scales` ([`scale_len`]`(layout, rows, cols)` bytes, padding written as 0), with
-/// the decode scale `decode_scale` (g; the "global scale" of other libraries is 1/g).
+/// bytes) and `scales` ([`scale_len`]`(layout, rows, cols)` bytes, padding written as 0), as
+/// `desc` says.
+///
+/// # Errors
+/// A bad shape or decode scale, a buffer too small or misaligned ([`check_quantize`]), or a
+/// failed launch.
 pub fn quantize_nvfp4_into<X, C, S>(
     stream: &CudaStream,
     x: &X,
-    rows: usize,
-    cols: usize,
-    decode_scale: f32,
-    layout: ScaleLayout,
+    desc: Nvfp4Desc,
     codes: &mut C,
     scales: &mut S,
 ) -> Result<()>
@@ -164,6 +209,7 @@ where
     C: DevicePtrMut<u8>,
     S: DevicePtrMut<u8>,
 {
+    let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
     let (x_len, c_len, s_len) = (x.len(), codes.len(), scales.len());
     // The guards must live until the launch is enqueued (they record the buffers' use on drop).
     let (x_ptr, _gx) = x.device_ptr(stream);
@@ -198,6 +244,9 @@ where
 }
 
 /// Quantizes `x` (bf16 `[rows, cols]`) into a newly allocated [`Nvfp4Tensor`].
+///
+/// # Errors
+/// As [`quantize_nvfp4_into`], or a CUDA error allocating the output.
 pub fn quantize_nvfp4<X: DevicePtr<bf16>>(
     stream: &Arc<CudaStream>,
     x: &X,
@@ -209,21 +258,22 @@ pub fn quantize_nvfp4<X: DevicePtr<bf16>>(
     validate_quantize_shape(rows, cols)?;
     check_len("x", x.len(), rows * cols)?;
     let mut t = Nvfp4Tensor::alloc(stream, rows, cols, layout, decode_scale)?;
-    quantize_nvfp4_into(stream, x, rows, cols, decode_scale, layout, &mut t.codes, &mut t.scales)?;
+    let desc = t.desc();
+    quantize_nvfp4_into(stream, x, desc, &mut t.codes, &mut t.scales)?;
     Ok(t)
 }
 
 /// Dequantizes into a caller-provided bf16 buffer `out` (`rows * cols`):
 /// `out = bf16_rne((e2m1 * e4m3) * g)`, bit-identical to [`crate::reference::dequantize`].
-#[allow(clippy::too_many_arguments)]
+///
+/// # Errors
+/// A bad shape or decode scale, a buffer too small or misaligned ([`check_dequantize`]), or a
+/// failed launch.
 pub fn dequantize_nvfp4_into<C, S, O>(
     stream: &CudaStream,
     codes: &C,
     scales: &S,
-    rows: usize,
-    cols: usize,
-    decode_scale: f32,
-    layout: ScaleLayout,
+    desc: Nvfp4Desc,
     out: &mut O,
 ) -> Result<()>
 where
@@ -231,6 +281,7 @@ where
     S: DevicePtr<u8>,
     O: DevicePtrMut<bf16>,
 {
+    let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
     let (c_len, s_len, o_len) = (codes.len(), scales.len(), out.len());
     let (c_ptr, _gc) = codes.device_ptr(stream);
     let (s_ptr, _gs) = scales.device_ptr(stream);
@@ -263,10 +314,13 @@ where
 }
 
 /// Dequantizes a tensor into a newly allocated bf16 `[rows, cols]` buffer.
+///
+/// # Errors
+/// As [`dequantize_nvfp4_into`], or a CUDA error allocating the output.
 pub fn dequantize_nvfp4(stream: &Arc<CudaStream>, t: &Nvfp4Tensor) -> Result<CudaSlice<bf16>> {
     // SAFETY: every element is written by the kernel before any read.
     let mut out = unsafe { stream.alloc::<bf16>((t.rows * t.cols).max(1))? };
-    dequantize_nvfp4_into(stream, &t.codes, &t.scales, t.rows, t.cols, t.decode_scale, t.layout, &mut out)?;
+    dequantize_nvfp4_into(stream, &t.codes, &t.scales, t.desc(), &mut out)?;
     Ok(out)
 }
 
@@ -391,18 +445,29 @@ pub enum GroupedSource {
     InterleavedSwiglu = 1,
 }
 
+/// The device buffers of a grouped quantize or dequantize call as the checks see them (`x` is the
+/// BF16 side: the input of a quantize, the output of a dequantize).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupedBuffers {
+    /// BF16 `[rows, cols]` (or `[rows, 2 cols]` for [`GroupedSource::InterleavedSwiglu`]).
+    pub x: BufferInfo,
+    /// i32 `[E + 1]`.
+    pub expert_offsets: BufferInfo,
+    /// f32 `[E]` or `[1]`.
+    pub decode_scales: BufferInfo,
+    /// Packed E2M1 codes, `[rows, cols / 2]` bytes.
+    pub codes: BufferInfo,
+    /// Grouped 128x4 E4M3 scales, [`crate::layout::grouped_scale_len`] bytes.
+    pub scales: BufferInfo,
+}
+
 /// Validates a grouped quantize call (pure; no GPU).
-#[allow(clippy::too_many_arguments)]
-pub fn check_quantize_grouped(
-    source: GroupedSource,
-    rows: usize,
-    cols: usize,
-    offsets_len: usize,
-    decode_scales_len: usize,
-    x: BufferInfo,
-    codes: BufferInfo,
-    scales: BufferInfo,
-) -> Result<()> {
+///
+/// # Errors
+/// A bad shape, fewer than 2 expert offsets, a decode scale count that is neither 1 nor E, or a
+/// buffer too small or misaligned.
+pub fn check_quantize_grouped(source: GroupedSource, rows: usize, cols: usize, bufs: &GroupedBuffers) -> Result<()> {
+    let (offsets_len, decode_scales_len) = (bufs.expert_offsets.len, bufs.decode_scales.len);
     validate_quantize_shape(rows, cols)?;
     if offsets_len < 2 {
         return Err(Error::InvalidShape("expert_offsets needs at least 2 entries (E + 1, E >= 1)".into()));
@@ -420,30 +485,42 @@ pub fn check_quantize_grouped(
         GroupedSource::Contiguous => cols,
         GroupedSource::InterleavedSwiglu => 2 * cols,
     };
-    check_len("x", x.len, rows * width)?;
-    check_len("codes", codes.len, rows * cols / 2)?;
-    check_len("scales", scales.len, crate::layout::grouped_scale_len(rows, experts, cols))?;
+    check_len("x", bufs.x.len, rows * width)?;
+    check_len("codes", bufs.codes.len, rows * cols / 2)?;
+    check_len("scales", bufs.scales.len, crate::layout::grouped_scale_len(rows, experts, cols))?;
     if rows > 0 {
-        check_align("x", x.addr, 16)?;
-        check_align("codes", codes.addr, 8)?;
+        check_align("x", bufs.x.addr, 16)?;
+        check_align("codes", bufs.codes.addr, 8)?;
     }
     Ok(())
 }
 
-/// Quantizes grouped activations (rows permuted by expert, `expert_offsets` i32 `[E+1]` on the
-/// device) into codes `[rows, cols/2]` and 128x4 scales with one region per expert
-/// ([`crate::layout::grouped_scale_len`] bytes, padding written 0), with the device decode scales
-/// `decode_scales` (one per expert, or one shared). Bit-exact with
-/// [`crate::reference::quantize_grouped`]. No host synchronization.
-#[allow(clippy::too_many_arguments)]
+/// A grouped NVFP4 tensor's rows and how they are grouped: `rows` rows of `cols` columns permuted
+/// by expert (rows of expert e are `expert_offsets[e]..expert_offsets[e + 1]`, i32 `[E + 1]` on
+/// the device), with one decode scale per expert or one for all (f32 `[E]` or `[1]`, device).
+#[derive(Debug)]
+pub struct GroupedDesc<'a, O, G> {
+    /// Rows of the `[rows, cols]` tensor (the permuted (token, slot) pairs).
+    pub rows: usize,
+    /// Columns (K), a multiple of 16.
+    pub cols: usize,
+    /// i32 `[E + 1]` on the device.
+    pub expert_offsets: &'a O,
+    /// f32 `[E]` or `[1]` on the device.
+    pub decode_scales: &'a G,
+}
+
+/// Quantizes grouped activations `x` (as `desc` says) into codes `[rows, cols/2]` and 128x4 scales
+/// with one region per expert ([`crate::layout::grouped_scale_len`] bytes, padding written 0).
+/// Bit-exact with [`crate::reference::quantize_grouped`]. No host synchronization.
+///
+/// # Errors
+/// As [`check_quantize_grouped`], or a failed launch.
 pub fn quantize_nvfp4_grouped_into<X, O, G, C, S>(
     stream: &CudaStream,
     source: GroupedSource,
     x: &X,
-    rows: usize,
-    cols: usize,
-    expert_offsets: &O,
-    decode_scales: &G,
+    desc: &GroupedDesc<'_, O, G>,
     codes: &mut C,
     scales: &mut S,
 ) -> Result<()>
@@ -456,69 +533,60 @@ where
 {
     let (c_len, s_len) = (codes.len(), scales.len());
     let (x_ptr, _gx) = x.device_ptr(stream);
-    let (o_ptr, _go) = expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = decode_scales.device_ptr(stream);
+    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
+    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
     let (c_ptr, _gc) = codes.device_ptr_mut(stream);
     let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    let p = grouped_params(
-        stream,
-        source,
-        rows,
-        cols,
-        BufferInfo { addr: x_ptr, len: x.len() },
-        BufferInfo { addr: o_ptr, len: expert_offsets.len() },
-        BufferInfo { addr: g_ptr, len: decode_scales.len() },
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
-    )?;
+    let bufs = GroupedBuffers {
+        x: BufferInfo { addr: x_ptr, len: x.len() },
+        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
+        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
+        codes: BufferInfo { addr: c_ptr, len: c_len },
+        scales: BufferInfo { addr: s_ptr, len: s_len },
+    };
+    let p = grouped_params(stream, source, desc.rows, desc.cols, &bufs)?;
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
     unsafe { raw::quantize_nvfp4_grouped(&p)? };
     Ok(())
 }
 
-/// The parameters of a grouped quantize or dequantize call (`x` is the BF16 side, input or
-/// output), after [`check_quantize_grouped`] has proved every length and alignment.
-#[allow(clippy::too_many_arguments)]
+/// The parameters of a grouped quantize or dequantize call, after [`check_quantize_grouped`] has
+/// proved every length and alignment.
 fn grouped_params(
     stream: &CudaStream,
     source: GroupedSource,
     rows: usize,
     cols: usize,
-    x: BufferInfo,
-    offsets: BufferInfo,
-    decode_scales: BufferInfo,
-    codes: BufferInfo,
-    scales: BufferInfo,
+    bufs: &GroupedBuffers,
 ) -> Result<raw::QuantizeGroupedParams> {
-    check_quantize_grouped(source, rows, cols, offsets.len, decode_scales.len, x, codes, scales)?;
+    check_quantize_grouped(source, rows, cols, bufs)?;
     Ok(raw::QuantizeGroupedParams {
-        x: x.addr,
+        x: bufs.x.addr,
         source: source as i32,
         rows: rows as i64,
         cols: cols as i64,
-        expert_offsets: offsets.addr,
-        experts: (offsets.len - 1) as i64,
-        decode_scales: decode_scales.addr,
-        num_decode_scales: decode_scales.len as i64,
-        codes: codes.addr,
-        scales: scales.addr,
+        expert_offsets: bufs.expert_offsets.addr,
+        experts: (bufs.expert_offsets.len - 1) as i64,
+        decode_scales: bufs.decode_scales.addr,
+        num_decode_scales: bufs.decode_scales.len as i64,
+        codes: bufs.codes.addr,
+        scales: bufs.scales.addr,
         stream: stream_handle(stream)?,
     })
 }
 
 /// Dequantizes grouped activations (the inverse of [`quantize_nvfp4_grouped_into`], e.g. the
-/// output of [`crate::gemm::SwigluNvfp4`]): codes `[rows, cols/2]` + grouped scales + decode
-/// scales (one per expert, or one) -> `out` bf16 `[rows, cols]` = `bf16_rne((e2m1 * e4m3) * g)`.
-/// Rows past `expert_offsets[E]` are not written. No host synchronization.
-#[allow(clippy::too_many_arguments)]
+/// output of [`crate::gemm::SwigluNvfp4`]): codes `[rows, cols/2]` + grouped scales + the decode
+/// scales of `desc` -> `out` bf16 `[rows, cols]` = `bf16_rne((e2m1 * e4m3) * g)`. Rows past
+/// `expert_offsets[E]` are not written. No host synchronization.
+///
+/// # Errors
+/// As [`check_quantize_grouped`] (with `out` in the place of `x`), or a failed launch.
 pub fn dequantize_nvfp4_grouped_into<C, S, O, G, X>(
     stream: &CudaStream,
     codes: &C,
     scales: &S,
-    rows: usize,
-    cols: usize,
-    expert_offsets: &O,
-    decode_scales: &G,
+    desc: &GroupedDesc<'_, O, G>,
     out: &mut X,
 ) -> Result<()>
 where
@@ -530,22 +598,19 @@ where
 {
     let x_len = out.len();
     let (x_ptr, _gx) = out.device_ptr_mut(stream);
-    let (o_ptr, _go) = expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = decode_scales.device_ptr(stream);
+    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
+    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
     let (c_ptr, _gc) = codes.device_ptr(stream);
     let (s_ptr, _gs) = scales.device_ptr(stream);
     // The same lengths and alignment as the quantizer's, with `out` in the place of `x`.
-    let p = grouped_params(
-        stream,
-        GroupedSource::Contiguous,
-        rows,
-        cols,
-        BufferInfo { addr: x_ptr, len: x_len },
-        BufferInfo { addr: o_ptr, len: expert_offsets.len() },
-        BufferInfo { addr: g_ptr, len: decode_scales.len() },
-        BufferInfo { addr: c_ptr, len: codes.len() },
-        BufferInfo { addr: s_ptr, len: scales.len() },
-    )?;
+    let bufs = GroupedBuffers {
+        x: BufferInfo { addr: x_ptr, len: x_len },
+        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
+        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
+        codes: BufferInfo { addr: c_ptr, len: codes.len() },
+        scales: BufferInfo { addr: s_ptr, len: scales.len() },
+    };
+    let p = grouped_params(stream, GroupedSource::Contiguous, desc.rows, desc.cols, &bufs)?;
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
     unsafe { raw::dequantize_nvfp4_grouped(&p)? };
     Ok(())
@@ -554,6 +619,10 @@ where
 /// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
 /// output of gate/up weights, bf16 `[rows, 2 inter]` in `[gate x8, up x8]` bands; `out` bf16
 /// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.
+///
+/// # Errors
+/// An `inter` that is not a positive multiple of 8, a buffer too small or misaligned, or a failed
+/// launch.
 pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
     stream: &CudaStream,
     gate_up: &X,
@@ -595,33 +664,35 @@ mod grouped_tests {
         let (rows, cols, e) = (300usize, 2048usize, 8usize);
         let sl = crate::layout::grouped_scale_len(rows, e, cols);
         let (x, c, s) = (b(0x1000, rows * cols), b(0x2000, rows * cols / 2), b(0x3001, sl));
-        assert!(check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, s).is_ok());
-        assert!(check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, 1, x, c, s).is_ok());
+        // (source, rows, cols, expert offsets, decode scales, x, codes, scales)
+        let check = |source, rows, cols, n_offsets, n_scales, x, codes, scales| {
+            let bufs = GroupedBuffers {
+                x,
+                expert_offsets: b(0x5000, n_offsets),
+                decode_scales: b(0x6000, n_scales),
+                codes,
+                scales,
+            };
+            check_quantize_grouped(source, rows, cols, &bufs)
+        };
+        assert!(check(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, s).is_ok());
+        assert!(check(GroupedSource::Contiguous, rows, cols, e + 1, 1, x, c, s).is_ok());
         // The interleaved source is twice as wide.
         assert!(matches!(
-            check_quantize_grouped(GroupedSource::InterleavedSwiglu, rows, cols, e + 1, 1, x, c, s),
+            check(GroupedSource::InterleavedSwiglu, rows, cols, e + 1, 1, x, c, s),
             Err(Error::BufferTooSmall { name: "x", .. })
         ));
+        assert!(matches!(check(GroupedSource::Contiguous, rows, cols, e + 1, 3, x, c, s), Err(Error::InvalidShape(_))));
+        assert!(matches!(check(GroupedSource::Contiguous, rows, cols, 1, 1, x, c, s), Err(Error::InvalidShape(_))));
         assert!(matches!(
-            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, 3, x, c, s),
-            Err(Error::InvalidShape(_))
-        ));
-        assert!(matches!(
-            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, 1, 1, x, c, s),
-            Err(Error::InvalidShape(_))
-        ));
-        assert!(matches!(
-            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, b(0x3000, sl - 1)),
+            check(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, b(0x3000, sl - 1)),
             Err(Error::BufferTooSmall { name: "scales", .. })
         ));
         assert!(matches!(
-            check_quantize_grouped(GroupedSource::Contiguous, rows, cols, e + 1, e, b(0x1004, rows * cols), c, s),
+            check(GroupedSource::Contiguous, rows, cols, e + 1, e, b(0x1004, rows * cols), c, s),
             Err(Error::Misaligned { name: "x", .. })
         ));
-        assert!(matches!(
-            check_quantize_grouped(GroupedSource::Contiguous, rows, 40, e + 1, e, x, c, s),
-            Err(Error::InvalidShape(_))
-        ));
+        assert!(matches!(check(GroupedSource::Contiguous, rows, 40, e + 1, e, x, c, s), Err(Error::InvalidShape(_))));
         for rows in [0usize, 1, 127, 128, 5000] {
             for (e, cols) in [(1usize, 16usize), (8, 2048), (256, 768)] {
                 assert_eq!(core_grouped_scale_bytes(rows, e, cols), crate::layout::grouped_scale_len(rows, e, cols));

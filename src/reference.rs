@@ -97,6 +97,10 @@ pub struct Nvfp4Host {
 impl Nvfp4Host {
     /// Checks that the fields agree with each other (shape, buffer lengths, decode scale), so
     /// that [`dequantize`] can index without going out of bounds.
+    ///
+    /// # Errors
+    /// As [`validate_quantize_shape`] and [`validate_decode_scale`], or [`Error::BufferTooSmall`] /
+    /// [`Error::InvalidShape`] for a buffer shorter or longer than the shape needs.
     pub fn validate(&self) -> Result<()> {
         validate_quantize_shape(self.rows, self.cols)?;
         validate_decode_scale(self.decode_scale)?;
@@ -109,6 +113,9 @@ impl Nvfp4Host {
 
 /// Checks a shape for quantization: `cols` must be a positive multiple of 16 (one block is 16
 /// elements along K); `rows` may be 0.
+///
+/// # Errors
+/// [`Error::InvalidShape`].
 pub fn validate_quantize_shape(rows: usize, cols: usize) -> Result<()> {
     if cols == 0 || !cols.is_multiple_of(BLOCK_SIZE) {
         return Err(Error::InvalidShape(format!(
@@ -124,6 +131,9 @@ pub fn validate_quantize_shape(rows: usize, cols: usize) -> Result<()> {
 }
 
 /// Checks a decode scale g: it must be finite and > 0 (subnormal is allowed).
+///
+/// # Errors
+/// [`Error::InvalidDecodeScale`].
 pub fn validate_decode_scale(decode_scale: f32) -> Result<()> {
     if decode_scale.is_finite() && decode_scale > 0.0 {
         Ok(())
@@ -167,6 +177,9 @@ fn quantize_row(row: &[bf16], decode_scale: f32, row_codes: &mut [u8], mut store
 
 /// Quantizes a row-major BF16 `[rows, cols]` tensor with decode scale g, writing the scales in
 /// `layout` (padding bytes 0).
+///
+/// # Errors
+/// A bad shape or decode scale, or `x` not of `rows * cols` elements.
 pub fn quantize(x: &[bf16], rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout) -> Result<Nvfp4Host> {
     validate_quantize_shape(rows, cols)?;
     validate_decode_scale(decode_scale)?;
@@ -183,6 +196,9 @@ pub fn quantize(x: &[bf16], rows: usize, cols: usize, decode_scale: f32, layout:
 
 /// Quantizes an f32 tensor: the quantizer takes BF16, so each element is first rounded to BF16
 /// (round-to-nearest-even), then [`quantize`]d.
+///
+/// # Errors
+/// As [`quantize`].
 pub fn quantize_f32(x: &[f32], rows: usize, cols: usize, decode_scale: f32, layout: ScaleLayout) -> Result<Nvfp4Host> {
     let rounded: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     quantize(&rounded, rows, cols, decode_scale, layout)
@@ -215,6 +231,9 @@ pub fn dequantize(q: &Nvfp4Host) -> Vec<bf16> {
 }
 
 /// [`dequantize`] that checks the fields of `q` first ([`Nvfp4Host::validate`]).
+///
+/// # Errors
+/// As [`Nvfp4Host::validate`].
 pub fn try_dequantize(q: &Nvfp4Host) -> Result<Vec<bf16>> {
     q.validate()?;
     let (rows, cols) = (q.rows, q.cols);
@@ -235,8 +254,10 @@ pub fn try_dequantize(q: &Nvfp4Host) -> Result<Vec<bf16>> {
 /// PyTorch computes it on CUDA, where ModelOpt checkpoints are exported: a tensor divided by a
 /// Python scalar is multiplied by the scalar's f32 reciprocal, so `g = amax * RN_f32(1/2688)`
 /// (a true division differs by one ulp for about a fifth of all amax values). amax is taken over
-/// the finite elements only (so one stray Inf/NaN does not flatten the whole tensor). Errors if no
-/// finite non-zero element exists, since no positive g follows from it.
+/// the finite elements only (so one stray Inf/NaN does not flatten the whole tensor).
+///
+/// # Errors
+/// [`Error::Invalid`] when `x` has no finite non-zero element (no positive g follows from it).
 pub fn weight_decode_scale(x: &[bf16]) -> Result<f32> {
     let amax = x.iter().map(|v| v.to_f32()).filter(|v| v.is_finite()).fold(0.0f32, |m, v| m.max(v.abs()));
     if amax == 0.0 {
@@ -255,6 +276,10 @@ pub fn weight_decode_scale(x: &[bf16]) -> Result<f32> {
 /// of [`grouped_scale_len`] bytes (padding 0), one 128-row-aligned region per expert
 /// (TensorRT-LLM's convention). Rows of expert e use `decode_scales[e]`, or `decode_scales[0]`
 /// for all experts when one shared scale is given.
+///
+/// # Errors
+/// Bad expert offsets, shape or decode scales, a decode scale count neither 1 nor E, or `x` of the
+/// wrong length.
 pub fn quantize_grouped(
     x: &[bf16],
     expert_offsets: &[i32],
@@ -995,11 +1020,17 @@ mod tests {
 /// scale per expert.
 #[derive(Clone, Debug)]
 pub struct ExpertWeightsHost {
+    /// Experts E.
     pub experts: usize,
+    /// Output features (rows) per expert.
     pub n: usize,
+    /// Input features (K) per expert, a multiple of 16.
     pub k: usize,
+    /// Packed E2M1 codes, `[E, n, k/2]`.
     pub codes: Vec<u8>,
+    /// Linear E4M3 block scales, `[E, n, k/16]`.
     pub scales: Vec<u8>,
+    /// One decode scale g per expert.
     pub decode_scales: Vec<f32>,
 }
 

@@ -33,6 +33,7 @@ impl Rng {
         self.state
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
@@ -41,6 +42,7 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// The next 32 random bits (the high half of [`Rng::next_u64`]).
     pub fn next_u32(&mut self) -> u32 {
         (self.next_u64() >> 32) as u32
     }

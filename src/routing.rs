@@ -7,21 +7,28 @@
 //!   `(t, j)` (flattened `t * k + j`) goes before every later pair of the same expert;
 //! - combine sums `topk_weights[t, j] * y[pos(t, j)]` over `j = 0..k` in that order.
 
+#[cfg(feature = "cuda")]
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use crate::checkpoint::MoeCheckpoint;
+#[cfg(feature = "cuda")]
 use crate::checks::{check_align, check_len, stream_handle};
 use crate::error::{Error, Result};
+#[cfg(feature = "cuda")]
 use crate::ffi::raw;
-use crate::reference::ExpertWeightsHost;
 
 /// Softmax over each token's `experts` router logits (FP32, max-subtracted), then the `top_k`
 /// largest probabilities. The experts are chosen by comparing the logits themselves (softmax is
 /// monotonic), so the choice is exact and identical on every device; ties go to the lower expert
 /// id. With `renormalize` the k weights are divided by their sum. Returns
 /// `(topk_ids [T, k], topk_weights [T, k])`.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a `top_k` outside `1..=experts` or logits of the wrong length.
 pub fn softmax_topk(
     logits: &[f32],
     tokens: usize,
@@ -73,6 +80,9 @@ pub struct Permutation {
 /// Sorts the pairs of `topk_ids` (`[T, k]`) by expert, stably. An id outside `[0, experts)` is an
 /// error naming the first such (token, slot, id) in flattened order; the device kernels record
 /// the same one in their error word.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a length not a multiple of `top_k`, [`Error::Invalid`] for a bad id.
 pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permutation> {
     if top_k == 0 || !topk_ids.len().is_multiple_of(top_k) {
         return Err(Error::InvalidShape(format!(
@@ -137,19 +147,21 @@ pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: 
 /// One MoE feed-forward layer in f64: route, `silu(x W_gate^T g_gate) * (x W_up^T g_up)` per
 /// chosen expert, `W_down`, and the weighted sum over the k experts. `w13` holds per expert the
 /// gate rows then the up rows (`n = 2I`, `k = H`), its decode scales the gate's; `w2` is `n = H`,
-/// `k = I`. The oracle for the device layer (which rounds the SwiGLU output to BF16 between the
-/// GEMMs, well inside the 1e-2 tolerance).
-#[allow(clippy::too_many_arguments)]
+/// `k = I` (the fields of a [`MoeCheckpoint`] `experts`). The oracle for the device layer (which
+/// rounds the SwiGLU output to BF16 between the GEMMs, well inside the 1e-2 tolerance).
+///
+/// # Errors
+/// Weights that do not make one layer, inputs of the wrong length, or an expert id outside
+/// `[0, E)`.
 pub fn moe_layer(
     hidden: &[bf16],
     tokens: usize,
     topk_ids: &[i32],
     topk_weights: &[f32],
     top_k: usize,
-    w13: &ExpertWeightsHost,
-    up_decode_scales: &[f32],
-    w2: &ExpertWeightsHost,
+    experts: &MoeCheckpoint,
 ) -> Result<Vec<f64>> {
+    let (w13, up_decode_scales, w2) = (&experts.w13, &experts.up_decode_scales, &experts.w2);
     let (h, inter, experts) = (w13.k, w13.n / 2, w13.experts);
     if w2.n != h || w2.k != inter || w2.experts != experts || up_decode_scales.len() != experts {
         return Err(Error::InvalidShape("w13, up scales and w2 do not describe one MoE layer".into()));
@@ -186,20 +198,35 @@ pub fn moe_layer(
 // ------------------------------------------------------------------------------------------------
 // Device side
 
+/// The shape of a softmax top-k routing: `tokens` rows of `experts` router logits, `top_k` experts
+/// chosen per token, their weights renormalized to sum 1 if asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TopK {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Experts E (logits per token).
+    pub experts: usize,
+    /// Experts chosen per token k.
+    pub top_k: usize,
+    /// Whether the k weights of a token are divided by their sum.
+    pub renormalize: bool,
+}
+
+#[cfg(feature = "cuda")]
 /// Softmax top-k routing on the device: `logits` f32 `[tokens, experts]` -> `ids` i32 and
 /// `weights` f32 `[tokens, top_k]`, choosing as [`softmax_topk`] does (ids identical, weights to
 /// FP32 rounding). `1 <= top_k <= min(experts, 32)`, `experts <= 1024`.
-#[allow(clippy::too_many_arguments)]
+///
+/// # Errors
+/// A shape out of those ranges, a buffer too small, or a failed launch.
 pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMut<f32>>(
     stream: &CudaStream,
     logits: &L,
-    tokens: usize,
-    experts: usize,
-    top_k: usize,
-    renormalize: bool,
+    spec: TopK,
     ids: &mut I,
     weights: &mut W,
 ) -> Result<()> {
+    let TopK { tokens, experts, top_k, renormalize } = spec;
     if experts == 0 || experts > 1024 || top_k == 0 || top_k > experts.min(32) {
         return Err(Error::InvalidShape(format!(
             "need 1 <= top_k ({top_k}) <= min(experts ({experts}), 32), experts <= 1024"
@@ -231,8 +258,10 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
     Ok(())
 }
 
+#[cfg(feature = "cuda")]
 /// Device buffers of the permutation for up to `max_pairs` (token, slot) pairs: sized once, reused
 /// by every forward (no allocation inside a forward).
+#[derive(Debug)]
 pub struct PermuteBuffers {
     /// i32 `[E + 1]`.
     pub expert_offsets: CudaSlice<i32>,
@@ -249,7 +278,14 @@ pub struct PermuteBuffers {
     hidden: usize,
 }
 
+#[cfg(feature = "cuda")]
 impl PermuteBuffers {
+    /// Buffers for up to `max_pairs` (token, slot) pairs over `experts` experts and hidden size
+    /// `hidden`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for `experts` outside 1..=1024 or `hidden` not a positive multiple of 8,
+    /// or a CUDA error (out of memory).
     pub fn new(stream: &Arc<CudaStream>, max_pairs: usize, experts: usize, hidden: usize) -> Result<Self> {
         if experts == 0 || experts > 1024 || hidden == 0 || !hidden.is_multiple_of(8) {
             return Err(Error::InvalidShape(format!(
@@ -273,6 +309,9 @@ impl PermuteBuffers {
     /// Sorts the pairs of `topk_ids` (i32 `[tokens, top_k]`) by expert (stable) and gathers the
     /// rows of `hidden` (bf16 `[tokens, hidden]`) into [`Self::x_perm`]. Ids outside `[0, E)` are
     /// left out and the first one is recorded for [`Self::check`]. No host synchronization.
+    ///
+    /// # Errors
+    /// More pairs than the buffers hold, short or misaligned inputs, or a failed launch.
     pub fn permute<I: DevicePtr<i32>, H: DevicePtr<bf16>>(
         &mut self,
         stream: &CudaStream,
@@ -324,6 +363,9 @@ impl PermuteBuffers {
 
     /// Synchronizes `stream` and reports the first bad expert id a [`Self::permute`] met since the
     /// last check (then clears it): `Error::Invalid` naming the token, slot and id.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a bad id, or a CUDA error.
     pub fn check(&mut self, stream: &Arc<CudaStream>, top_k: usize) -> Result<()> {
         let word = stream.clone_dtoh(&self.error)?[0];
         if word == u64::MAX {
@@ -340,17 +382,30 @@ impl PermuteBuffers {
     }
 }
 
+/// The shape of a combine: `tokens` tokens of `top_k` expert rows of `hidden` features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineShape {
+    /// Tokens T.
+    pub tokens: usize,
+    /// Expert rows per token k.
+    pub top_k: usize,
+    /// Features per row H.
+    pub hidden: usize,
+}
+
+#[cfg(feature = "cuda")]
 /// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair[t, j]]` (j in order, FP32, bad slots
 /// skipped) rounded to bf16 `[tokens, hidden]`: bit-identical across runs.
-#[allow(clippy::too_many_arguments)]
+///
+/// # Errors
+/// A zero top-k, a hidden size that is not a positive multiple of 8, a buffer too small or
+/// misaligned, or a failed launch.
 pub fn combine_into<Y, R, W, O>(
     stream: &CudaStream,
     y: &Y,
     row_of_pair: &R,
     topk_weights: &W,
-    tokens: usize,
-    top_k: usize,
-    hidden: usize,
+    shape: CombineShape,
     out: &mut O,
 ) -> Result<()>
 where
@@ -359,6 +414,7 @@ where
     W: DevicePtr<f32>,
     O: DevicePtrMut<bf16>,
 {
+    let CombineShape { tokens, top_k, hidden } = shape;
     if top_k == 0 || hidden == 0 || !hidden.is_multiple_of(8) {
         return Err(Error::InvalidShape(format!("need top_k > 0 and hidden ({hidden}) a positive multiple of 8")));
     }
@@ -479,7 +535,7 @@ mod tests {
 
     #[test]
     fn layer_reference_agrees_with_the_element_references() {
-        use crate::reference::swiglu_element;
+        use crate::reference::{swiglu_element, ExpertWeightsHost};
         let mut rng = Rng::from_entropy();
         let seed = rng.seed();
         let (t, e, h, inter, k) = (5usize, 3usize, 32usize, 16usize, 2usize);
@@ -497,7 +553,8 @@ mod tests {
         let hidden = rng.normal_bf16(t * h, 1.0);
         let ids: Vec<i32> = (0..t * k).map(|i| ((i * 7 + 1) % e) as i32).collect();
         let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
-        let out = moe_layer(&hidden, t, &ids, &w, k, &w13, &up, &w2).unwrap();
+        let layer = MoeCheckpoint::from_experts(w13.clone(), up.clone(), w2.clone());
+        let out = moe_layer(&hidden, t, &ids, &w, k, &layer).unwrap();
         for tok in 0..t {
             for o in 0..h {
                 let mut want = 0f64;

@@ -1,50 +1,17 @@
 //! The `nvfp4-moe` binary end to end, on small safetensors files written here with random data.
 //! Every test prints its seed (`Rng::new(seed)` replays it).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod common;
 
+use std::path::Path;
+
+use common::{assert_ok, cli, Run, TmpDir};
 use half::bf16;
 use nvfp4_moe::io::{read_matrix_bf16, read_modelopt, write_bf16};
 use nvfp4_moe::layout::ScaleLayout;
 use nvfp4_moe::reference;
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::Rng;
 use safetensors::tensor::{Dtype, TensorView};
-
-/// The CLI under test: the one cargo built, or `$NVFP4MOE_CLI` (the GPU bundle runs the binaries
-/// on another machine, where cargo's build path does not exist).
-fn bin() -> String {
-    std::env::var("NVFP4MOE_CLI").unwrap_or_else(|_| env!("CARGO_BIN_EXE_nvfp4-moe").to_string())
-}
-
-/// A fresh temporary directory, removed on drop.
-struct TmpDir(PathBuf);
-
-impl TmpDir {
-    fn new(tag: &str) -> Self {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let nanos =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-        let p = std::env::temp_dir().join(format!(
-            "nvfp4moe-cli-{}-{nanos}-{}-{tag}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        TmpDir(p)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.0.join(name).to_string_lossy().into_owned()
-    }
-}
-
-impl Drop for TmpDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn rng() -> Rng {
     let r = Rng::from_entropy();
@@ -52,35 +19,19 @@ fn rng() -> Rng {
     r
 }
 
-struct Run {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn cli(args: &[&str]) -> Run {
-    let Output { status, stdout, stderr } = Command::new(bin()).args(args).output().expect("run nvfp4-moe");
-    let r = Run {
-        code: status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&stderr).into_owned(),
-    };
-    eprintln!("$ nvfp4-moe {}\n-> exit {}\n{}{}", args.join(" "), r.code, r.stdout, r.stderr);
-    r
-}
-
-fn assert_ok(r: &Run) {
-    assert_eq!(r.code, 0, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
-}
-
-/// Exit `code`, stderr holds an `error:` line containing every one of `parts`, and no panic trace.
+/// Exit `code`; a usage error (2) has a first stderr line `error: ...` and a `Usage:` line, a
+/// runtime error (1) exactly one `error: ...` line (after any notes); that line contains every one
+/// of `parts`; no panic trace.
 fn assert_fails(r: &Run, code: i32, parts: &[&str]) {
     assert_eq!(r.code, code, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
-    let line = r
-        .stderr
-        .lines()
-        .find(|l| l.starts_with("error: "))
-        .unwrap_or_else(|| panic!("no `error:` line in:\n{}", r.stderr));
+    let errors: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(errors.len(), 1, "not one `error:` line:\n{}", r.stderr);
+    let line = errors[0];
+    assert!(line.starts_with("error: "), "{line}");
+    if code == 2 {
+        assert_eq!(r.stderr.lines().next(), Some(line), "a usage error starts with its `error:` line:\n{}", r.stderr);
+        assert!(r.stderr.lines().any(|l| l.starts_with("Usage: nvfp4-moe")), "no `Usage:` line:\n{}", r.stderr);
+    }
     for p in parts {
         assert!(line.contains(p), "`{line}` lacks `{p}`");
     }
@@ -198,7 +149,9 @@ fn f32_input_is_rounded_with_a_message() {
     write_raw(&input, &[("w32", Dtype::F32, vec![rows, cols], x.iter().flat_map(|v| v.to_le_bytes()).collect())]);
     let run = cli(&["quantize", "--input", &input, "--tensor", "w32", "--output", &q, "--backend", "cpu"]);
     assert_ok(&run);
-    assert!(run.stdout.contains("F32") && run.stdout.contains("rounded to BF16"), "{}", run.stdout);
+    // The result (stdout) names the source dtype; the note about rounding is a diagnostic (stderr).
+    assert!(run.stdout.contains("F32") && !run.stdout.contains("rounded to BF16"), "{}", run.stdout);
+    assert!(run.stderr.lines().any(|l| l.starts_with("note: ") && l.contains("rounded to BF16")), "{}", run.stderr);
 
     let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
     let g = reference::weight_decode_scale(&xb).unwrap();
@@ -218,7 +171,10 @@ fn usage_errors_exit_2() {
         (&["quantize", "--input", "a", "--tensor", "t", "--output", "b", "--bogus", "1"], "unknown flag `--bogus`"),
         (&["quantize", "--input", "a", "--tensor", "t", "--output"], "`--output` needs a value"),
         (&["quantize", "--input", "a", "--input", "b", "--tensor", "t", "--output", "c"], "`--input` given twice"),
-        (&["quantize", "--input", "a", "--tensor", "t", "--output", "b", "--backend", "tpu"], "unknown backend `tpu`"),
+        (
+            &["quantize", "--input", "a", "--tensor", "t", "--output", "b", "--backend", "tpu"],
+            "`--backend` is cpu or cuda (got `tpu`)",
+        ),
         (&["quantize", "stray", "--input", "a"], "unexpected argument `stray`"),
         (&["dequantize", "--input", "a"], "missing required flag --output"),
         (&["dequantize", "--input", "a", "--output", "b", "--tensor", "x"], "unknown flag `--tensor`"),
@@ -231,6 +187,7 @@ fn usage_errors_exit_2() {
         let r = cli(args);
         assert_fails(&r, 2, &[msg]);
         assert!(r.stderr.contains("Usage:"), "{}", r.stderr);
+        assert!(r.stdout.is_empty(), "{}", r.stdout);
     }
 }
 
@@ -246,11 +203,19 @@ fn help_and_version() {
     for args in [&["quantize", "--help"][..], &["help", "quantize"], &["quantize", "--input", "x", "-h"]] {
         let r = cli(args);
         assert_ok(&r);
-        assert!(r.stdout.contains("--tensor NAME") && r.stdout.contains("weight_scale_2"), "{}", r.stdout);
+        assert!(r.stdout.contains("--tensor <NAME>") && r.stdout.contains("weight_scale_2"), "{}", r.stdout);
+        assert!(r.stdout.contains("Example:\n  nvfp4-moe quantize --input"), "{}", r.stdout);
     }
     let r = cli(&["dequantize", "--help"]);
     assert_ok(&r);
-    assert!(r.stdout.contains("--name NAME"), "{}", r.stdout);
+    assert!(r.stdout.contains("--name <NAME>"), "{}", r.stdout);
+    // `help CMD` is `CMD --help`, for every command, each with an example.
+    for cmd in ["quantize", "dequantize", "check", "run", "bench", "info"] {
+        let (a, b) = (cli(&["help", cmd]), cli(&[cmd, "--help"]));
+        assert_ok(&a);
+        assert_eq!(a.stdout, b.stdout, "{cmd}");
+        assert!(a.stdout.contains("Example:") && a.stdout.contains("--json"), "{cmd}: {}", a.stdout);
+    }
     let r = cli(&["--version"]);
     assert_ok(&r);
     assert_eq!(r.stdout.trim(), format!("nvfp4-moe {}", env!("CARGO_PKG_VERSION")));
@@ -261,10 +226,28 @@ fn info_runs() {
     let r = cli(&["info"]);
     assert_ok(&r);
     assert!(r.stdout.contains(env!("CARGO_PKG_VERSION")), "{}", r.stdout);
-    for w in ["CUDA compiled against", "target archs", "CUTLASS", "CUDA runtime", "CUDA driver"] {
-        assert!(r.stdout.contains(w), "{w}: {}", r.stdout);
+    #[cfg(feature = "cuda")]
+    {
+        for w in ["CUDA compiled against", "target archs", "CUTLASS", "CUDA runtime", "CUDA driver"] {
+            assert!(r.stdout.contains(w), "{w}: {}", r.stdout);
+        }
+        assert!(r.stdout.contains("no CUDA GPU visible") || r.stdout.contains("compute capability"), "{}", r.stdout);
     }
-    assert!(r.stdout.contains("no CUDA GPU visible") || r.stdout.contains("compute capability"), "{}", r.stdout);
+    #[cfg(not(feature = "cuda"))]
+    assert!(r.stdout.contains("without CUDA"), "{}", r.stdout);
+
+    let r = cli(&["--json", "info"]);
+    assert_ok(&r);
+    let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("one JSON document on stdout");
+    assert_eq!(v["command"], "info");
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(v["cuda"], cfg!(feature = "cuda"));
+    assert!(v["gpus"].is_array(), "{v}");
+    if cfg!(feature = "cuda") {
+        assert!(v["build"]["cuda_archs"].is_string() && v["build"]["cutlass"].is_string(), "{v}");
+    } else {
+        assert!(v["build"].is_null(), "{v}");
+    }
 }
 
 #[test]
@@ -350,9 +333,17 @@ fn bad_tensors_exit_1() {
     assert_fails(&run, 1, &["`weight_scale`", "[4, 2]"]);
 }
 
+/// Whether this build can see a GPU (never without the `cuda` feature).
+fn gpu_visible() -> bool {
+    #[cfg(feature = "cuda")]
+    return !nvfp4_moe::info::gpus().is_empty();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 #[test]
 fn cuda_without_gpu_is_a_clear_error() {
-    if !nvfp4_moe::info::gpus().is_empty() {
+    if gpu_visible() {
         eprintln!("a GPU is visible: skipped");
         return;
     }
@@ -362,7 +353,10 @@ fn cuda_without_gpu_is_a_clear_error() {
     let out = dir.path("q.safetensors");
     write_bf16(&input, "w", &r.varied_bf16(64), 2, 32).unwrap();
     let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &out, "--backend", "cuda"]);
-    assert_fails(&run, 1, &["no CUDA GPU"]);
+    #[cfg(feature = "cuda")]
+    assert_fails(&run, 1, &["--backend cuda", "no CUDA GPU"]);
+    #[cfg(not(feature = "cuda"))]
+    assert_fails(&run, 1, &["--backend cuda", "built without CUDA support"]);
     // Without --backend, the CPU is used.
     let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &out]);
     assert_ok(&run);
@@ -408,7 +402,7 @@ fn run_matches_reference_on_written_checkpoints() {
         (ExpertNaming::GateUpDown, "model.layers.3.mlp.experts"),
         (ExpertNaming::W1W3W2, "model.layers.0.block_sparse_moe.experts"),
     ] {
-        let mut ck = nvfp4_moe::presets::random_moe_checkpoint(&mut r, e, h, i);
+        let mut ck = nvfp4_moe::testing::random_moe_checkpoint(&mut r, e, h, i);
         ck.naming = naming;
         let weights = dir.path(&format!("{naming:?}.safetensors"));
         write_modelopt_experts(&weights, prefix, naming, &ck).unwrap();
@@ -431,11 +425,22 @@ fn run_matches_reference_on_written_checkpoints() {
             ],
         );
         let output = dir.path("out.safetensors");
-        assert_ok(&cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]));
+        let run =
+            cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output, "--json"]);
+        assert_ok(&run);
+        let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+        assert_eq!((v["command"].as_str(), v["prefix"].as_str()), (Some("run"), Some(prefix)));
+        assert_eq!(
+            (v["experts"].as_u64(), v["hidden"].as_u64(), v["intermediate"].as_u64()),
+            (Some(e as u64), Some(h as u64), Some(i as u64))
+        );
+        assert_eq!(
+            (v["tokens"].as_u64(), v["top_k"].as_u64(), v["output"].as_str()),
+            (Some(t as u64), Some(k as u64), Some(output.as_str()))
+        );
         let (got, rows, cols, _) = read_matrix_bf16(&output, "out").unwrap();
         assert_eq!((rows, cols), (t, h));
-        let want =
-            nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let want = nvfp4_moe::routing::moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
         let (mut num, mut den) = (0f64, 0f64);
         for tok in 0..t {
             let (mut n, mut d) = (0f64, 0f64);
@@ -480,4 +485,157 @@ fn check_passes_on_the_gpu() {
     assert!(run.stdout.contains("NVFP4 intermediate, calibrated decode scale"), "{}", run.stdout);
     assert!(run.stdout.contains("(tolerance 0.15 / 0.25)"), "{}", run.stdout);
     assert!(run.stdout.trim_end().ends_with("ok"), "{}", run.stdout);
+    // The same as JSON.
+    let run = cli(&["check", "--preset", "qwen3-30b-a3b", "--tokens", "3", "--intermediate", "nvfp4", "--json"]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    assert_eq!(
+        (v["command"].as_str(), v["preset"].as_str(), v["tokens"].as_u64()),
+        (Some("check"), Some("qwen3-30b-a3b"), Some(3))
+    );
+    assert_eq!((v["intermediate_format"].as_str(), v["passed"].as_bool()), (Some("nvfp4"), Some(true)));
+    assert!(v["nvfp4_decode_scale"].as_f64().is_some_and(|g| g > 0.0), "{v}");
+    let overall = v["error"]["overall"].as_f64().unwrap();
+    assert!(overall <= 0.15 && v["error"]["worst_token_error"].as_f64().unwrap() <= 0.25, "{v}");
+    assert_eq!((v["tolerance"]["overall"].as_f64(), v["tolerance"]["token"].as_f64()), (Some(0.15), Some(0.25)));
+}
+
+/// `bench` on the GPU: the table on stdout, and with `--json` / `--json-file` one document with a
+/// row per (preset, T).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bench_prints_a_table_and_writes_json() {
+    let dir = TmpDir::new("bench");
+    let file = dir.path("layer.json");
+    let run = cli(&["bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,16", "--json-file", &file]);
+    assert_ok(&run);
+    assert_eq!(run.stdout.lines().filter(|l| l.starts_with("qwen3-30b-a3b")).count(), 2, "{}", run.stdout);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let run = cli(&["--json", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "1,16"]);
+    assert_ok(&run);
+    let w: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    for doc in [&v, &w] {
+        assert_eq!((doc["command"].as_str(), doc["replays"].as_u64()), (Some("bench"), Some(20)), "{doc}");
+        let rows = doc["rows"].as_array().unwrap();
+        assert_eq!(rows.iter().map(|r| r["tokens"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 16]);
+        for r in rows {
+            assert_eq!(
+                (r["preset"].as_str(), r["experts"].as_u64(), r["top_k"].as_u64()),
+                (Some("qwen3-30b-a3b"), Some(128), Some(8))
+            );
+            assert!(r["us"].as_f64().is_some_and(|us| us > 0.0) && r["tbps"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+            assert!(r["tile"].as_str().is_some_and(|t| t.starts_with("M128N")), "{r}");
+        }
+    }
+}
+
+/// `--json` (before or after the command): stdout is one JSON document with the result, the
+/// diagnostics stay on stderr; the text result is short and names what was written.
+#[test]
+fn json_and_text_results_on_stdout_diagnostics_on_stderr() {
+    let mut r = rng();
+    let dir = TmpDir::new("json");
+    let (rows, cols) = (20usize, 48usize);
+    let x = r.varied_bf16(rows * cols);
+    let (input, q, d) = (dir.path("in.safetensors"), dir.path("q.safetensors"), dir.path("d.safetensors"));
+    write_bf16(&input, "w", &x, rows, cols).unwrap();
+    let g = reference::weight_decode_scale(&x).unwrap();
+
+    let run = cli(&["--json", "quantize", "--input", &input, "--tensor", "w", "--output", &q, "--backend", "cpu"]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    assert_eq!(v["command"], "quantize");
+    assert_eq!((v["rows"].as_u64(), v["cols"].as_u64()), (Some(rows as u64), Some(cols as u64)));
+    assert_eq!(
+        (v["tensor"].as_str(), v["source_dtype"].as_str(), v["backend"].as_str()),
+        (Some("w"), Some("BF16"), Some("cpu"))
+    );
+    assert!(v["gpu"].is_null() && v["seconds"]["kernel"].is_null(), "{v}");
+    assert_eq!(v["decode_scale"].as_f64().map(|d| d as f32), Some(g));
+    assert_eq!(v["output"].as_str(), Some(q.as_str()));
+    assert_eq!(v["bytes"].as_u64(), Some(std::fs::metadata(&q).unwrap().len()));
+    let names: Vec<&str> = v["tensors"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["weight", "weight_scale", "weight_scale_2"]);
+    assert_eq!(v["tensors"][0]["shape"], serde_json::json!([rows, cols / 2]));
+    assert_eq!(v["tensors"][1]["dtype"], "F8_E4M3");
+    assert!(v["seconds"]["total"].as_f64().is_some_and(|t| t >= 0.0), "{v}");
+    assert!(run.stderr.contains("read `w`"), "timings go to stderr: {}", run.stderr);
+
+    let run = cli(&["dequantize", "--input", &q, "--output", &d, "--backend", "cpu", "--json", "--name", "y"]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    assert_eq!(
+        (v["command"].as_str(), v["prefix"].as_str(), v["backend"].as_str()),
+        (Some("dequantize"), Some(""), Some("cpu"))
+    );
+    assert_eq!(v["decode_scale"].as_f64().map(|d| d as f32), Some(g));
+    assert_eq!(v["tensors"], serde_json::json!([{ "name": "y", "dtype": "BF16", "shape": [rows, cols] }]));
+
+    // Text: two result lines on stdout; `-q` keeps stderr to warnings and errors (none here).
+    let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &q, "--backend", "cpu"]);
+    assert_ok(&run);
+    assert_eq!(run.stdout.lines().count(), 2, "{}", run.stdout);
+    assert!(run.stdout.contains("decode scale g =") && run.stdout.contains(&format!("wrote {q}")), "{}", run.stdout);
+    assert!(!run.stderr.is_empty());
+    let quiet = cli(&["-q", "quantize", "--input", &input, "--tensor", "w", "--output", &q, "--backend", "cpu"]);
+    assert_ok(&quiet);
+    assert_eq!(quiet.stdout, run.stdout);
+    assert!(quiet.stderr.is_empty(), "{}", quiet.stderr);
+    // A warning survives -q.
+    let mut xn = x.clone();
+    xn[5] = bf16::INFINITY;
+    write_bf16(&input, "w", &xn, rows, cols).unwrap();
+    let run = cli(&["--quiet", "quantize", "--input", &input, "--tensor", "w", "--output", &q, "--backend", "cpu"]);
+    assert_ok(&run);
+    assert!(run.stderr.starts_with("warning: `w` holds 1 non-finite element"), "{}", run.stderr);
+}
+
+/// `--prefix ""` is no prefix, and `--flag=value` works like `--flag value`.
+#[test]
+fn empty_prefix_and_equals_values() {
+    let mut r = rng();
+    let dir = TmpDir::new("prefix");
+    let (rows, cols) = (3usize, 32usize);
+    let x = r.varied_bf16(rows * cols);
+    let (input, q1, q2) = (dir.path("in.safetensors"), dir.path("q1.safetensors"), dir.path("q2.safetensors"));
+    write_bf16(&input, "w", &x, rows, cols).unwrap();
+    assert_ok(&cli(&[
+        "quantize",
+        "--input",
+        &input,
+        "--tensor",
+        "w",
+        "--output",
+        &q1,
+        "--backend",
+        "cpu",
+        "--prefix",
+        "",
+    ]));
+    let (i, o) = (format!("--input={input}"), format!("--output={q2}"));
+    assert_ok(&cli(&["quantize", &i, "--tensor=w", &o, "--backend=cpu", "--prefix="]));
+    assert!(std::fs::read(&q1).unwrap() == std::fs::read(&q2).unwrap());
+    let w = read_modelopt(&q1, "").unwrap();
+    assert_eq!((w.rows, w.cols), (rows, cols));
+}
+
+/// The GPU commands on a machine without a usable GPU: one `error:` line, exit 1 (their usage
+/// errors are still exit 2, checked in `usage_errors_exit_2`).
+#[test]
+fn gpu_commands_without_a_gpu_fail_cleanly() {
+    if gpu_visible() {
+        eprintln!("a GPU is visible: skipped");
+        return;
+    }
+    let dir = TmpDir::new("nogpu-cmds");
+    let (w, x, y) = (dir.path("w.safetensors"), dir.path("x.safetensors"), dir.path("y.safetensors"));
+    for args in [
+        vec!["check", "--tokens", "2"],
+        vec!["bench", "--tokens", "1"],
+        vec!["--json", "run", "--weights", &w, "--prefix", "p", "--input", &x, "--output", &y],
+    ] {
+        let run = cli(&args);
+        assert_fails(&run, 1, &["needs a CUDA GPU"]);
+        assert!(run.stdout.is_empty(), "{}", run.stdout);
+    }
 }

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use half::bf16;
 use nvfp4_moe::layout::{scale_len, ScaleLayout};
-use nvfp4_moe::quantize::{dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Tensor};
+use nvfp4_moe::quantize::{
+    dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Desc, Nvfp4Tensor,
+};
 use nvfp4_moe::reference::{self, Nvfp4Host};
-use nvfp4_moe::rng::Rng;
+use nvfp4_moe::testing::Rng;
 use nvfp4_moe::Error;
 
 mod modelopt_fixture;
@@ -142,7 +144,7 @@ fn check_case(
     let x_dev = s.clone_htod(&x).unwrap();
     let mut codes = poisoned_u8(s, rows * cols / 2);
     let mut scales = poisoned_u8(s, scale_len(layout, rows, cols));
-    quantize_nvfp4_into(s, &x_dev, rows, cols, g, layout, &mut codes, &mut scales).unwrap();
+    quantize_nvfp4_into(s, &x_dev, Nvfp4Desc { rows, cols, layout, decode_scale: g }, &mut codes, &mut scales).unwrap();
     let got_codes = s.clone_dtoh(&codes).unwrap();
     let got_scales = s.clone_dtoh(&scales).unwrap();
     assert!(
@@ -158,7 +160,7 @@ fn check_case(
 
     let want_deq = reference::dequantize(&want);
     let mut out = poisoned_bf16(s, rows * cols);
-    dequantize_nvfp4_into(s, &codes, &scales, rows, cols, g, layout, &mut out).unwrap();
+    dequantize_nvfp4_into(s, &codes, &scales, Nvfp4Desc { rows, cols, layout, decode_scale: g }, &mut out).unwrap();
     let got_deq = s.clone_dtoh(&out).unwrap();
     let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
     let (gb, wb) = (bits(&got_deq), bits(&want_deq));
@@ -309,25 +311,20 @@ fn bad_input_is_rejected_before_launch() {
     let x = s.clone_htod(&rng.normal_bf16(rows * cols + 8, 1.0)).unwrap();
     let mut codes = poisoned_u8(&s, rows * cols / 2 + 8);
     let mut scales = poisoned_u8(&s, 512);
+    let lin = |rows, cols, decode_scale| Nvfp4Desc { rows, cols, layout: ScaleLayout::Linear, decode_scale };
     // x shifted by one bf16: 2-byte aligned only.
-    let e = quantize_nvfp4_into(&s, &x.slice(1..), rows, cols, 1.0, ScaleLayout::Linear, &mut codes, &mut scales)
-        .unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x.slice(1..), lin(rows, cols, 1.0), &mut codes, &mut scales).unwrap_err();
     assert!(matches!(e, Error::Misaligned { name: "x", .. }), "{e}");
-    let e = quantize_nvfp4_into(&s, &x, rows, cols, 1.0, ScaleLayout::Linear, &mut codes.slice_mut(4..), &mut scales)
-        .unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x, lin(rows, cols, 1.0), &mut codes.slice_mut(4..), &mut scales).unwrap_err();
     assert!(matches!(e, Error::Misaligned { name: "codes", .. }), "{e}");
-    let e = quantize_nvfp4_into(&s, &x, rows, 40, 1.0, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x, lin(rows, 40, 1.0), &mut codes, &mut scales).unwrap_err();
     assert!(matches!(e, Error::InvalidShape(_)), "{e}");
-    let e =
-        quantize_nvfp4_into(&s, &x, rows, cols, f32::NAN, ScaleLayout::Linear, &mut codes, &mut scales).unwrap_err();
+    let e = quantize_nvfp4_into(&s, &x, lin(rows, cols, f32::NAN), &mut codes, &mut scales).unwrap_err();
     assert!(matches!(e, Error::InvalidDecodeScale(_)), "{e}");
     let e = quantize_nvfp4_into(
         &s,
         &x,
-        rows,
-        cols,
-        1.0,
-        ScaleLayout::Swizzled128x4,
+        Nvfp4Desc { rows, cols, layout: ScaleLayout::Swizzled128x4, decode_scale: 1.0 },
         &mut codes,
         &mut scales.slice_mut(..100),
     )
@@ -358,7 +355,7 @@ fn host_round_trip_through_device() {
 
 mod gemm {
     use super::*;
-    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+    use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
     use nvfp4_moe::reference::{dequantize_element, grouped_gemm_element, ExpertWeightsHost};
 
     const OUT_POISON: u16 = 0x7FBF; // a NaN payload the kernel never produces
@@ -545,7 +542,7 @@ mod gemm {
         let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
         let codes = s.clone_htod(&w.codes).unwrap();
         let scales = s.clone_htod(&w.scales).unwrap();
-        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, ExpertShape::new(e, n, k)).unwrap();
         let off = random_offsets(&mut rng, e, 90);
         let rows = *off.last().unwrap() as usize;
         let x = rng.normal_bf16(rows * k, 1.0);
@@ -582,7 +579,7 @@ mod gemm {
         let mut w = random_weights(&mut rng, 2, 64, 128);
         // Expert 1, row 5, block 3.
         w.scales[(64 + 5) * 8 + 3] = 0x7F;
-        let err = Nvfp4Weights::from_host(&s, &w).err().expect("a NaN scale must be rejected");
+        let err = Nvfp4Weights::from_host(&s, &w).expect_err("a NaN scale must be rejected");
         let msg = err.to_string();
         assert!(msg.contains("expert 1 row 5 block 3"), "{msg}");
     }
@@ -635,7 +632,8 @@ mod graph {
 mod swiglu {
     use super::gemm::{random_offsets, random_weights};
     use super::*;
-    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
+    use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
+    use nvfp4_moe::quantize::GroupedDesc;
     use nvfp4_moe::reference::{swiglu_element, ExpertWeightsHost};
 
     /// `quantize_nvfp4_grouped` of a compact SwiGLU output and `swiglu_quantize` of an interleaved
@@ -657,7 +655,15 @@ mod swiglu {
         let sl = grouped_scale_len(rows, experts, inter);
         [(GroupedSource::Contiguous, compact), (GroupedSource::InterleavedSwiglu, interleaved)].map(|(source, x)| {
             let (mut c, mut sc) = (poisoned_u8(s, rows * inter / 2), poisoned_u8(s, sl));
-            quantize_nvfp4_grouped_into(s, source, x, rows, inter, offsets, act_scales, &mut c, &mut sc).unwrap();
+            quantize_nvfp4_grouped_into(
+                s,
+                source,
+                x,
+                &GroupedDesc { rows, cols: inter, expert_offsets: offsets, decode_scales: act_scales },
+                &mut c,
+                &mut sc,
+            )
+            .unwrap();
             (s.clone_dtoh(&c).unwrap(), s.clone_dtoh(&sc).unwrap())
         })
     }
@@ -677,7 +683,7 @@ mod swiglu {
         let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
         let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
         let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-        let wd = Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &gate_g, &up_g, e, n, k).unwrap();
+        let wd = Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &gate_g, &up_g, ExpertShape::new(e, n, k)).unwrap();
         (w, gate_g, up_g, wd)
     }
 
@@ -787,10 +793,7 @@ mod swiglu {
                     &s,
                     GroupedSource::Contiguous,
                     &xd,
-                    total,
-                    cols,
-                    &offd,
-                    &gd,
+                    &GroupedDesc { rows: total, cols, expert_offsets: &offd, decode_scales: &gd },
                     &mut codes,
                     &mut scales,
                 )
@@ -876,7 +879,7 @@ mod swiglu {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn swiglu_nvfp4_equals_quantized_compact() {
-        use nvfp4_moe::gemm::SwigluNvfp4;
+        use nvfp4_moe::gemm::{SwigluNvfp4, SwigluNvfp4Out};
         use nvfp4_moe::layout::grouped_scale_len;
         let s = stream();
         let mut rng = Rng::from_entropy();
@@ -926,7 +929,13 @@ mod swiglu {
                 let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
                 GroupedGemm::<SwigluNvfp4>::new(&wd, tile)
                     .unwrap()
-                    .launch_nvfp4(&s, &xd, rows, &offd, &gd, &mut c3, &mut s3)
+                    .launch_nvfp4(
+                        &s,
+                        &xd,
+                        rows,
+                        &offd,
+                        SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
+                    )
                     .unwrap();
                 let (h1, h2, h3) = (c1, c2, s.clone_dtoh(&c3).unwrap());
                 assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?} (seed {seed})", first_diff(&h3, &h1));
@@ -951,22 +960,51 @@ mod swiglu {
         let w = random_weights(&mut rng, 2, 128, 64);
         let g = [1e-3f32, 1e-3];
         let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &g, &g, 2, 128, 64).unwrap();
+        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &g, &g, ExpertShape::new(2, 128, 64)).unwrap();
         let plan = GroupedGemm::<SwigluNvfp4>::new(&wd, GemmTile::Auto).unwrap();
         let (xd, offd) = (s.clone_htod(&rng.normal_bf16(8 * 64, 1.0)).unwrap(), s.clone_htod(&[0i32, 3, 8]).unwrap());
         let mut c = s.alloc_zeros::<u8>(8 * 32).unwrap();
         let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64) - 1).unwrap();
         let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
-        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err(), "short scale buffer");
+        assert!(
+            plan.launch_nvfp4(
+                &s,
+                &xd,
+                8,
+                &offd,
+                SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc }
+            )
+            .is_err(),
+            "short scale buffer"
+        );
         let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64)).unwrap();
-        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_ok());
+        assert!(plan
+            .launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
+            .is_ok());
         let gd = s.clone_htod(&[0.01f32; 3]).unwrap();
-        assert!(plan.launch_nvfp4(&s, &xd, 8, &offd, &gd, &mut c, &mut sc).is_err(), "3 scales for 2 experts");
+        assert!(
+            plan.launch_nvfp4(
+                &s,
+                &xd,
+                8,
+                &offd,
+                SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc }
+            )
+            .is_err(),
+            "3 scales for 2 experts"
+        );
         // No rows: the scale buffer is still zeroed (its padding), as the grouped quantizer does.
         let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
         let off0 = s.clone_htod(&[0i32, 0, 0]).unwrap();
         let mut sc0 = poisoned_u8(&s, grouped_scale_len(0, 2, 64));
-        plan.launch_nvfp4(&s, &xd, 0, &off0, &gd, &mut c, &mut sc0).unwrap();
+        plan.launch_nvfp4(
+            &s,
+            &xd,
+            0,
+            &off0,
+            SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc0 },
+        )
+        .unwrap();
         assert!(s.clone_dtoh(&sc0).unwrap().iter().all(|&b| b == 0), "scales not zeroed with no rows");
     }
 
@@ -992,10 +1030,10 @@ mod swiglu {
             let (xd, offd, gd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap(), s.clone_htod(&g).unwrap());
             let sl = grouped_scale_len(rows, e, cols);
             let (mut c, mut sc) = (poisoned_u8(&s, rows * cols / 2), poisoned_u8(&s, sl));
-            quantize_nvfp4_grouped_into(&s, GroupedSource::Contiguous, &xd, rows, cols, &offd, &gd, &mut c, &mut sc)
-                .unwrap();
+            let desc = GroupedDesc { rows, cols, expert_offsets: &offd, decode_scales: &gd };
+            quantize_nvfp4_grouped_into(&s, GroupedSource::Contiguous, &xd, &desc, &mut c, &mut sc).unwrap();
             let mut out = poisoned_bf16(&s, rows * cols);
-            dequantize_nvfp4_grouped_into(&s, &c, &sc, rows, cols, &offd, &gd, &mut out).unwrap();
+            dequantize_nvfp4_grouped_into(&s, &c, &sc, &desc, &mut out).unwrap();
             let (ch, sh, got) = (s.clone_dtoh(&c).unwrap(), s.clone_dtoh(&sc).unwrap(), s.clone_dtoh(&out).unwrap());
             for row in 0..rows {
                 for col in 0..cols {
@@ -1032,7 +1070,7 @@ mod swiglu {
 
 mod routing {
     use super::*;
-    use nvfp4_moe::routing::{self as r, combine_into, softmax_topk_into, PermuteBuffers};
+    use nvfp4_moe::routing::{self as r, combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
 
     #[test]
     #[ignore = "needs a CUDA GPU"]
@@ -1048,7 +1086,8 @@ mod routing {
             let ld = s.clone_htod(&logits).unwrap();
             let mut ids = s.alloc_zeros::<i32>(t * k).unwrap();
             let mut w = s.alloc_zeros::<f32>(t * k).unwrap();
-            softmax_topk_into(&s, &ld, t, e, k, renorm, &mut ids, &mut w).unwrap();
+            softmax_topk_into(&s, &ld, TopK { tokens: t, experts: e, top_k: k, renormalize: renorm }, &mut ids, &mut w)
+                .unwrap();
             assert_eq!(s.clone_dtoh(&ids).unwrap(), want_ids, "t={t} e={e} k={k} seed={seed}");
             for (g, x) in s.clone_dtoh(&w).unwrap().iter().zip(&want_w) {
                 assert!((g - x).abs() <= 1e-5 * x.abs().max(1e-3), "{g} vs {x}: t={t} e={e} k={k} seed={seed}");
@@ -1124,9 +1163,9 @@ mod routing {
         let (yd, rd, wd) =
             (s.clone_htod(&y).unwrap(), s.clone_htod(&perm.row_of_pair).unwrap(), s.clone_htod(&w).unwrap());
         let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
-        combine_into(&s, &yd, &rd, &wd, t, k, h, &mut out).unwrap();
+        combine_into(&s, &yd, &rd, &wd, CombineShape { tokens: t, top_k: k, hidden: h }, &mut out).unwrap();
         let a = s.clone_dtoh(&out).unwrap();
-        combine_into(&s, &yd, &rd, &wd, t, k, h, &mut out).unwrap();
+        combine_into(&s, &yd, &rd, &wd, CombineShape { tokens: t, top_k: k, hidden: h }, &mut out).unwrap();
         let b = s.clone_dtoh(&out).unwrap();
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
         let mut err = RelErr::default();
@@ -1144,6 +1183,7 @@ mod layer {
     use super::gemm::random_weights;
     use super::*;
     use nvfp4_moe::checkpoint::MoeCheckpoint;
+    use nvfp4_moe::moe::{MoeInput, RouterInput};
     use nvfp4_moe::routing;
     use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
 
@@ -1170,11 +1210,18 @@ mod layer {
                 .collect();
             let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
             let hidden = rng.normal_bf16(t * h, 1.0);
-            let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+            let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
             let (hd, idd, wd) =
                 (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
             let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
-            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            layer
+                .forward(
+                    &s,
+                    &MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k },
+                    &mut out,
+                    &mut ws,
+                )
+                .unwrap();
             layer.check(&s, &mut ws, k).unwrap();
             let got = s.clone_dtoh(&out).unwrap();
             let mut all = RelErr::default();
@@ -1188,7 +1235,14 @@ mod layer {
             }
             assert!(all.rel() <= 1e-2, "overall {:.3e} (E={e} T={t} k={k} seed={seed})", all.rel());
             // Deterministic: the same bits again.
-            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            layer
+                .forward(
+                    &s,
+                    &MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k },
+                    &mut out,
+                    &mut ws,
+                )
+                .unwrap();
             assert!(s.clone_dtoh(&out).unwrap().iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
@@ -1236,10 +1290,17 @@ mod layer {
         let layer = MoeLayer::new(MoeWeights::from_bf16(&s, &w).unwrap(), MoeOptions::new(t, k)).unwrap();
         let mut ws = layer.workspace(&s).unwrap();
         let (hidden, ids, wts) = two_expert_inputs(&mut rng, t, h, e);
-        let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck).unwrap();
         let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&wts).unwrap());
         let mut out = poisoned_bf16(&s, t * h);
-        layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+        layer
+            .forward(
+                &s,
+                &MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k },
+                &mut out,
+                &mut ws,
+            )
+            .unwrap();
         layer.check(&s, &mut ws, k).unwrap();
         let got = s.clone_dtoh(&out).unwrap();
         let mut all = RelErr::default();
@@ -1279,7 +1340,7 @@ mod layer {
         let (e, h, i, t, k) = (8usize, 256usize, 192usize, 50usize, 2usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let (hidden, ids, wts) = two_expert_inputs(&mut rng, t, h, e);
-        let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let want = routing::moe_layer(&hidden, t, &ids, &wts, k, &ck).unwrap();
         let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&wts).unwrap());
         // The activation decode scale from the intermediate's amax (f64 SwiGLU of every routed
         // pair), as a calibrated checkpoint's `down_proj.input_scale` would be.
@@ -1303,10 +1364,24 @@ mod layer {
             let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), opts).unwrap();
             let mut ws = layer.workspace(&s).unwrap();
             let mut out = poisoned_bf16(&s, t * h);
-            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            layer
+                .forward(
+                    &s,
+                    &MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k },
+                    &mut out,
+                    &mut ws,
+                )
+                .unwrap();
             layer.check(&s, &mut ws, k).unwrap();
             let got = s.clone_dtoh(&out).unwrap();
-            layer.forward(&s, &hd, t, &idd, &wd, k, &mut out, &mut ws).unwrap();
+            layer
+                .forward(
+                    &s,
+                    &MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k },
+                    &mut out,
+                    &mut ws,
+                )
+                .unwrap();
             let again = s.clone_dtoh(&out).unwrap();
             assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{inter:?} not deterministic");
             let mut all = RelErr::default();
@@ -1338,10 +1413,23 @@ mod layer {
         let hidden = rng.normal_bf16(t * h, 1.0);
         let logits: Vec<f32> = (0..t * e).map(|_| rng.normal()).collect();
         let (ids, w) = routing::softmax_topk(&logits, t, e, k, true).unwrap();
-        let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck.w13, &ck.up_decode_scales, &ck.w2).unwrap();
+        let want = routing::moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
         let hd = s.clone_htod(&hidden).unwrap();
         let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
-        layer.forward_with_router(&s, &hd, t, &s.clone_htod(&logits).unwrap(), k, true, &mut out, &mut ws).unwrap();
+        layer
+            .forward_with_router(
+                &s,
+                &RouterInput {
+                    hidden: &hd,
+                    tokens: t,
+                    router_logits: &s.clone_htod(&logits).unwrap(),
+                    top_k: k,
+                    renormalize: true,
+                },
+                &mut out,
+                &mut ws,
+            )
+            .unwrap();
         let got = s.clone_dtoh(&out).unwrap();
         let mut err = RelErr::default();
         for (g, x) in got.iter().zip(&want) {
@@ -1350,13 +1438,31 @@ mod layer {
         assert!(err.rel() <= 1e-2, "router path {:.3e}", err.rel());
         // Too many tokens and a bad id.
         assert!(matches!(
-            layer.forward_with_router(&s, &hd, 65, &s.clone_htod(&logits).unwrap(), k, true, &mut out, &mut ws),
+            layer.forward_with_router(
+                &s,
+                &RouterInput {
+                    hidden: &hd,
+                    tokens: 65,
+                    router_logits: &s.clone_htod(&logits).unwrap(),
+                    top_k: k,
+                    renormalize: true
+                },
+                &mut out,
+                &mut ws
+            ),
             Err(Error::InvalidShape(_))
         ));
         let mut bad = ids.clone();
         bad[6] = e as i32;
         let (bd, wd) = (s.clone_htod(&bad).unwrap(), s.clone_htod(&w).unwrap());
-        layer.forward(&s, &hd, t, &bd, &wd, k, &mut out, &mut ws).unwrap();
+        layer
+            .forward(
+                &s,
+                &MoeInput { hidden: &hd, tokens: t, topk_ids: &bd, topk_weights: &wd, top_k: k },
+                &mut out,
+                &mut ws,
+            )
+            .unwrap();
         let msg = layer.check(&s, &mut ws, k).unwrap_err().to_string();
         assert!(msg.contains("topk_ids[1, 2] = 16"), "{msg}");
     }
@@ -1377,12 +1483,26 @@ mod layer {
         let hd = s.clone_htod(&rng.normal_bf16(t * h, 1.0)).unwrap();
         let logits = s.clone_htod(&(0..t * e).map(|_| rng.normal()).collect::<Vec<f32>>()).unwrap();
         let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
-        layer.forward_with_router(&s, &hd, t, &logits, k, true, &mut out, &mut ws).unwrap();
+        layer
+            .forward_with_router(
+                &s,
+                &RouterInput { hidden: &hd, tokens: t, router_logits: &logits, top_k: k, renormalize: true },
+                &mut out,
+                &mut ws,
+            )
+            .unwrap();
         let eager = s.clone_dtoh(&out).unwrap();
         s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); t * h], &mut out).unwrap();
         s.synchronize().unwrap();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-        layer.forward_with_router(&s, &hd, t, &logits, k, true, &mut out, &mut ws).unwrap();
+        layer
+            .forward_with_router(
+                &s,
+                &RouterInput { hidden: &hd, tokens: t, router_logits: &logits, top_k: k, renormalize: true },
+                &mut out,
+                &mut ws,
+            )
+            .unwrap();
         let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
         for _ in 0..3 {
             graph.launch().unwrap();
@@ -1400,10 +1520,10 @@ mod modelopt {
     use crate::modelopt_fixture::{
         cases_from, describe_diff, fixture, linear_from_grouped, linear_scales, three_way_offsets, Case,
     };
-    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, SwigluBf16, SwigluNvfp4};
+    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
     use nvfp4_moe::layout::grouped_scale_len;
     use nvfp4_moe::moe::{quantize_bf16_experts, MoeWeightsBf16};
-    use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+    use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedDesc, GroupedSource};
 
     /// Compares every CUDA quantizer with ModelOpt's bytes for one case; returns the bytes compared.
     fn cuda_paths_equal(s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> usize {
@@ -1418,7 +1538,8 @@ mod modelopt {
         for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
             let mut codes = poisoned_u8(s, c.rows * c.cols / 2);
             let mut scales = poisoned_u8(s, scale_len(layout, c.rows, c.cols));
-            quantize_nvfp4_into(s, &xd, c.rows, c.cols, c.g, layout, &mut codes, &mut scales).unwrap();
+            let desc = Nvfp4Desc { rows: c.rows, cols: c.cols, layout, decode_scale: c.g };
+            quantize_nvfp4_into(s, &xd, desc, &mut codes, &mut scales).unwrap();
             let sc = linear_scales(layout, c.rows, c.cols, &s.clone_dtoh(&scales).unwrap());
             check(&format!("quantize_nvfp4 {layout:?}"), &s.clone_dtoh(&codes).unwrap(), &sc);
         }
@@ -1437,13 +1558,14 @@ mod modelopt {
         for (source, src) in [(GroupedSource::Contiguous, &xd), (GroupedSource::InterleavedSwiglu, &interd)] {
             let mut codes = poisoned_u8(s, c.rows * c.cols / 2);
             let mut scales = poisoned_u8(s, grouped_scale_len(c.rows, 3, c.cols));
-            quantize_nvfp4_grouped_into(s, source, src, c.rows, c.cols, &offd, &gd, &mut codes, &mut scales).unwrap();
+            let desc = GroupedDesc { rows: c.rows, cols: c.cols, expert_offsets: &offd, decode_scales: &gd };
+            quantize_nvfp4_grouped_into(s, source, src, &desc, &mut codes, &mut scales).unwrap();
             let sc = linear_from_grouped(&offsets, c.rows, c.cols, &s.clone_dtoh(&scales).unwrap());
             check(&format!("quantize_nvfp4_grouped {source:?}"), &s.clone_dtoh(&codes).unwrap(), &sc);
         }
         // Weight quantization from BF16 (ModelOpt's weight path: g derived from the tensor), with x as
         // the gate projection of a one-expert layer [I, H] = [rows, cols].
-        if !c.given && c.rows % 16 == 0 {
+        if !c.given && c.rows.is_multiple_of(16) {
             let (i, h) = (c.rows, c.cols);
             let up = rng.normal_bf16(i * h, 0.02);
             let down = rng.normal_bf16(h * i, 0.02);
@@ -1465,7 +1587,10 @@ mod modelopt {
         eprintln!("{} ModelOpt fixture cases ({meta:?}): {bytes} bytes compared, 0 differ", cases.len());
     }
 
-    fn write_inputs(path: &std::path::Path, inputs: &[(String, usize, usize, Vec<bf16>, Option<f32>)]) {
+    /// One oracle input: name, rows, cols, the bf16 data and a given decode scale (None: derived).
+    type OracleInput = (String, usize, usize, Vec<bf16>, Option<f32>);
+
+    fn write_inputs(path: &std::path::Path, inputs: &[OracleInput]) {
         use safetensors::tensor::TensorView;
         use safetensors::Dtype;
         let mut raw: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = Vec::new();
@@ -1491,7 +1616,7 @@ mod modelopt {
         let s = stream();
         let mut rng = Rng::from_entropy();
         let seed = rng.seed();
-        let mut inputs: Vec<(String, usize, usize, Vec<bf16>, Option<f32>)> = Vec::new();
+        let mut inputs: Vec<OracleInput> = Vec::new();
         for (i, &(rows, cols)) in
             [(1usize, 16usize), (7, 2880), (64, 7168), (300, 2048), (129, 1536)].iter().enumerate()
         {
@@ -1527,7 +1652,13 @@ mod modelopt {
         let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, grouped_scale_len(rows, e, inter)));
         GroupedGemm::<SwigluNvfp4>::new(&wd, GemmTile::Auto)
             .unwrap()
-            .launch_nvfp4(&s, &xd, rows, &offd, &gd, &mut c3, &mut s3)
+            .launch_nvfp4(
+                &s,
+                &xd,
+                rows,
+                &offd,
+                SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
+            )
             .unwrap();
         let (c3, s3) = (s.clone_dtoh(&c3).unwrap(), s.clone_dtoh(&s3).unwrap());
         for ex in 0..e {

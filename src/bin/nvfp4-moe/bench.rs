@@ -1,0 +1,413 @@
+//! `nvfp4-moe bench`: the MoE layer forward timed (CUDA-graph replays, L2 flushed) over preset
+//! shapes and token counts.
+
+use nvfp4_moe::presets::{self, Preset};
+use serde_json::json;
+
+use crate::check::{parse_count, parse_preset, IntermediateArg};
+use crate::common::{out, print_json, usage, CliResult, Fail, Global};
+
+pub const ABOUT: &str = "Time the MoE layer forward (CUDA graph, L2 flushed) over preset shapes and token counts";
+
+pub const AFTER_HELP: &str = "\
+For each preset: random NVFP4 weights made on the device (a 64 MiB random block replicated:
+nothing large on the host), a MoeLayer sized for the largest T, and for each T balanced routing
+(token t's slot j goes to expert (t * k + j) % E, weights 1/k) and random hidden states. The
+forward is captured into a CUDA graph on its own stream; each of 20 replays runs after a 256 MiB
+memset that flushes L2, and only the replay is timed (CUDA events). Reports the median:
+  TB/s     weight bytes read / time: min(E, T x k) active experts x 3 x H x I x 0.5625 B
+  TFLOP/s  2 x T x k x 3 x H x I / time
+  floor/t  max(bytes / 4.3 TB/s, flops / 795 TFLOP/s) / time (H200 measured ceilings)
+Progress goes to stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
+
+Example:
+  nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json";
+
+/// Replays timed per (preset, T).
+pub const BENCH_REPS: usize = 20;
+
+/// Bytes of the L2 flush before each timed replay.
+pub const FLUSH_BYTES: usize = 256 << 20;
+
+/// Measured H200 ceilings (shared/design/BENCHMARKS.md), as the benches use them.
+const HBM_BYTES_PER_S: f64 = 4.3e12;
+const BF16_FLOPS_PER_S: f64 = 795e12;
+
+/// `--preset LIST`: distinct built-in presets.
+#[derive(Clone, Debug)]
+pub struct PresetList(pub Vec<Preset>);
+
+/// `--tokens LIST`: positive token counts.
+#[derive(Clone, Debug)]
+pub struct TokenList(pub Vec<usize>);
+
+/// A comma-separated list of preset names (each at most once).
+pub fn parse_preset_list(s: &str) -> Result<PresetList, String> {
+    let mut out: Vec<Preset> = Vec::new();
+    for name in s.split(',').map(str::trim) {
+        let p = parse_preset(name)?;
+        if out.iter().any(|q| q.name == p.name) {
+            return Err(format!("preset `{name}` given twice"));
+        }
+        out.push(p);
+    }
+    Ok(PresetList(out))
+}
+
+/// A comma-separated list of positive token counts.
+pub fn parse_token_list(s: &str) -> Result<TokenList, String> {
+    s.split(',').map(|v| parse_count(v).map_err(|e| format!("`{v}`: {e}"))).collect::<Result<_, _>>().map(TokenList)
+}
+
+/// The flags of `bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Comma-separated presets (see `nvfp4-moe check --help`)
+    #[arg(long, value_name = "LIST", default_value = "qwen3-30b-a3b", value_parser = parse_preset_list)]
+    pub preset: PresetList,
+    /// Comma-separated token counts
+    #[arg(long, value_name = "LIST", default_value = "1,16,128,1024,8192", value_parser = parse_token_list)]
+    pub tokens: TokenList,
+    /// What the first GEMM hands the second: nvfp4 is packed in its epilogue and dequantized for
+    /// the second (its decode scale calibrated first on up to 64 tokens)
+    #[arg(long, value_enum, value_name = "F", default_value = "bf16")]
+    pub intermediate: IntermediateArg,
+    /// Also write the JSON document (as --json prints it) to FILE
+    #[arg(long, value_name = "FILE")]
+    pub json_file: Option<String>,
+}
+
+/// Balanced routing of `tokens` tokens: slot j of token t goes to expert `(t * k + j) % E` (the
+/// k ids of a token are distinct when k <= E, and every expert gets the same count +- 1).
+pub fn balanced_ids(tokens: usize, top_k: usize, experts: usize) -> Vec<i32> {
+    (0..tokens * top_k).map(|p| (p % experts) as i32).collect()
+}
+
+/// Weight bytes read and FLOPs of one forward of `tokens` tokens over preset `p`.
+pub fn bench_work(p: &Preset, tokens: usize) -> (f64, f64) {
+    let pairs = tokens * p.top_k;
+    let active = p.experts.min(pairs) as f64;
+    let hi = (p.hidden * p.intermediate) as f64;
+    (active * 3.0 * hi * 0.5625, 2.0 * pairs as f64 * 3.0 * hi)
+}
+
+/// The roofline floor of `(bytes, flops)` in microseconds.
+pub fn floor_us(bytes: f64, flops: f64) -> f64 {
+    (bytes / HBM_BYTES_PER_S).max(flops / BF16_FLOPS_PER_S) * 1e6
+}
+
+/// One timed (preset, T) of `bench`.
+#[derive(Debug)]
+pub struct BenchRow {
+    pub preset: &'static str,
+    pub tokens: usize,
+    /// The tile the forward used (`M128N16`, ...).
+    pub tile: String,
+    pub us: f64,
+    pub bytes: f64,
+    pub flops: f64,
+}
+
+impl BenchRow {
+    pub fn tbps(&self) -> f64 {
+        self.bytes / (self.us * 1e-6) / 1e12
+    }
+    pub fn tflops(&self) -> f64 {
+        self.flops / (self.us * 1e-6) / 1e12
+    }
+    pub fn floor_ratio(&self) -> f64 {
+        floor_us(self.bytes, self.flops) / self.us
+    }
+}
+
+/// The median (the upper one for an even count); NaN for none.
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The JSON document of a bench (`--json` and `--json-file`).
+pub fn bench_json(gpu: &str, intermediate: IntermediateArg, rows: &[BenchRow]) -> serde_json::Value {
+    let items: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            let p = presets::preset(r.preset).ok();
+            json!({
+                "preset": r.preset,
+                "experts": p.map(|p| p.experts),
+                "hidden": p.map(|p| p.hidden),
+                "intermediate": p.map(|p| p.intermediate),
+                "top_k": p.map(|p| p.top_k),
+                "tokens": r.tokens,
+                "tile": r.tile,
+                "us": r.us,
+                "weight_bytes": r.bytes,
+                "flops": r.flops,
+                "tbps": r.tbps(),
+                "tflops": r.tflops(),
+                "floor_ratio": r.floor_ratio(),
+            })
+        })
+        .collect();
+    json!({
+        "command": "bench",
+        "gpu": gpu,
+        "intermediate_format": intermediate.name(),
+        "replays": BENCH_REPS,
+        "l2_flush_bytes": FLUSH_BYTES,
+        "rows": items,
+    })
+}
+
+pub fn run(args: &BenchArgs, global: Global) -> CliResult {
+    let (presets, tokens) = (&args.preset.0, &args.tokens.0);
+    let max_t = tokens.iter().copied().max().unwrap_or(1);
+    for p in presets {
+        if max_t.checked_mul(p.top_k).is_none_or(|v| v > i32::MAX as usize) {
+            return Err(usage("bench", format!("{max_t} tokens x top-k {} is too many for {}", p.top_k, p.name)));
+        }
+    }
+    let (gpu, rows) = gpu_run::bench(args, max_t)?;
+    let doc = bench_json(&gpu, args.intermediate, &rows);
+    if global.json {
+        print_json(&doc);
+    } else {
+        out!("{:<16} {:>6} {:>9} {:>11} {:>8} {:>9} {:>8}", "preset", "T", "tile", "us", "TB/s", "TFLOP/s", "floor/t");
+        for r in &rows {
+            out!(
+                "{:<16} {:>6} {:>9} {:>11.2} {:>8.3} {:>9.1} {:>8.2}",
+                r.preset,
+                r.tokens,
+                r.tile,
+                r.us,
+                r.tbps(),
+                r.tflops(),
+                r.floor_ratio()
+            );
+        }
+        out!("(median of {BENCH_REPS} CUDA-graph replays, L2 flushed; floor/t = max(bytes / 4.3 TB/s, flops / 795 TFLOP/s) / time)");
+    }
+    if let Some(path) = &args.json_file {
+        let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        s.push('\n');
+        std::fs::write(path, s).map_err(|e| Fail::Run(format!("cannot write `{path}`: {e}")))?;
+        tracing::info!("wrote {path} ({} rows)", rows.len());
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+mod gpu_run {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use cudarc::driver::{CudaSlice, CudaStream};
+    use half::bf16;
+    use nvfp4_moe::moe::MoeInput;
+    use nvfp4_moe::testing::{random_device_weights, Rng};
+    use nvfp4_moe::{Error, GemmTile, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
+    use tracing::info;
+
+    use super::{balanced_ids, bench_work, median, BenchArgs, BenchRow, BENCH_REPS, FLUSH_BYTES};
+    use crate::check::IntermediateArg;
+    use crate::common::{fmt_bytes, fmt_dur, progress, CliResult};
+    use crate::gpu::require_gpu;
+
+    /// One forward to time: the layer, its workspace and buffers, and the L2 flush buffer.
+    struct Timed<'a> {
+        stream: &'a Arc<CudaStream>,
+        layer: &'a MoeLayer,
+        ws: &'a mut MoeWorkspace,
+        hidden: &'a CudaSlice<bf16>,
+        ids: &'a CudaSlice<i32>,
+        weights: &'a CudaSlice<f32>,
+        out: &'a mut CudaSlice<bf16>,
+        flush: &'a mut CudaSlice<u8>,
+    }
+
+    /// Captures one forward of `tokens` tokens into a CUDA graph and returns the median replay
+    /// time (us) over [`BENCH_REPS`] replays, each after an L2 flush.
+    fn time_forward(f: &mut Timed<'_>, tokens: usize, top_k: usize) -> nvfp4_moe::Result<f64> {
+        use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let stream = f.stream;
+        let input = MoeInput { hidden: f.hidden, tokens, topk_ids: f.ids, topk_weights: f.weights, top_k };
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = f.layer.forward(stream, &input, f.out, f.ws);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = graph?.ok_or_else(|| Error::Invalid("capturing the forward gave an empty CUDA graph".into()))?;
+        graph.upload()?;
+        for _ in 0..3 {
+            graph.launch()?;
+        }
+        f.layer.check(stream, f.ws, top_k)?;
+        let ctx = stream.context();
+        let (start, end) = (
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        let mut times = Vec::with_capacity(BENCH_REPS);
+        for _ in 0..BENCH_REPS {
+            stream.memset_zeros(f.flush)?;
+            start.record(stream)?;
+            graph.launch()?;
+            end.record(stream)?;
+            end.synchronize()?;
+            times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
+        }
+        f.layer.check(stream, f.ws, top_k)?;
+        Ok(median(&mut times))
+    }
+
+    pub fn bench(args: &BenchArgs, max_t: usize) -> CliResult<(String, Vec<BenchRow>)> {
+        let (presets, tokens) = (&args.preset.0, &args.tokens.0);
+        let gpu = require_gpu("bench")?;
+        info!("bench on GPU 0 ({gpu}): {} preset(s), tokens {:?}, {BENCH_REPS} replays each", presets.len(), tokens);
+
+        let ctx = cudarc::driver::CudaContext::new(0)?;
+        // SAFETY: everything below runs on one stream, so no cross-stream synchronization is
+        // needed; without event tracking nothing records an event inside the graph capture.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
+        let mut rng = Rng::from_entropy();
+        let mut rows = Vec::new();
+        let pb = progress("bench", (presets.len() * tokens.len()) as u64, "cases");
+        for p in presets {
+            let (e, h, i, k) = (p.experts, p.hidden, p.intermediate, p.top_k);
+            pb.set_message(format!("{}: making weights", p.name));
+            let t = Instant::now();
+            let w13 = random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
+            let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
+            let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
+            let mut layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
+            let mut ws = layer.workspace(&stream)?;
+            let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
+            // Token t's routing does not depend on T: one buffer serves every T as a prefix.
+            let ids = stream.clone_htod(&balanced_ids(max_t, k, e))?;
+            if args.intermediate == IntermediateArg::Nvfp4 {
+                let g = layer.calibrate_nvfp4_scale(&stream, &hidden, max_t.min(64), &ids, k, &mut ws)?;
+                info!("{}: NVFP4 intermediate, calibrated decode scale {g:.4e}", p.name);
+                layer = layer.with_intermediate(Intermediate::Nvfp4 { decode_scale: g })?;
+                ws = layer.workspace(&stream)?;
+            }
+            let weights = stream.clone_htod(&vec![1.0 / k as f32; max_t * k])?;
+            let mut out = stream.alloc_zeros::<bf16>(max_t * h)?;
+            stream.synchronize()?;
+            info!(
+                "{}: E={e} H={h} I={i} top-k={k}: {} of random weights ready in {}",
+                p.name,
+                fmt_bytes(p.layer_bytes()),
+                fmt_dur(t.elapsed())
+            );
+            let mut timed = Timed {
+                stream: &stream,
+                layer: &layer,
+                ws: &mut ws,
+                hidden: &hidden,
+                ids: &ids,
+                weights: &weights,
+                out: &mut out,
+                flush: &mut flush,
+            };
+            for &t in tokens {
+                pb.set_message(format!("{} T={t}", p.name));
+                let us = time_forward(&mut timed, t, k)?;
+                let (bytes, flops) = bench_work(p, t);
+                let row = BenchRow {
+                    preset: p.name,
+                    tokens: t,
+                    tile: format!("{:?}", GemmTile::choose(t * k, e)),
+                    us,
+                    bytes,
+                    flops,
+                };
+                info!(
+                    "  {} T={t}: {us:.1} us, {:.2} TB/s, {:.1} TFLOP/s, floor/t {:.2}",
+                    p.name,
+                    row.tbps(),
+                    row.tflops(),
+                    row.floor_ratio()
+                );
+                rows.push(row);
+                pb.inc(1);
+            }
+        }
+        pb.finish_and_clear();
+        Ok((gpu, rows))
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu_run {
+    use super::{BenchArgs, BenchRow};
+    use crate::common::CliResult;
+    use crate::gpu::require_gpu;
+
+    pub fn bench(_: &BenchArgs, _: usize) -> CliResult<(String, Vec<BenchRow>)> {
+        Err(require_gpu("bench").unwrap_err())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists() {
+        assert_eq!(parse_token_list("1,16,128,1024,8192").unwrap().0, vec![1, 16, 128, 1024, 8192]);
+        assert_eq!(parse_token_list(" 3 , 5").unwrap().0, vec![3, 5]);
+        for bad in ["", "0", "1,,2", "1,-2", "x", "1.5", "4,0"] {
+            assert!(parse_token_list(bad).is_err(), "{bad}");
+        }
+        let ps = parse_preset_list("qwen3-30b-a3b,gpt-oss-120b").unwrap().0;
+        assert_eq!(ps.iter().map(|p| p.name).collect::<Vec<_>>(), ["qwen3-30b-a3b", "gpt-oss-120b"]);
+        assert_eq!(ps[1].hidden, 2880);
+        let e = parse_preset_list("qwen3-30b-a3b,llama").unwrap_err();
+        assert!(e.contains("unknown preset `llama`") && e.contains("deepseek-v3") && e.contains("kimi-k2"), "{e}");
+        assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
+    }
+
+    #[test]
+    fn balanced_routing_and_bench_metrics() {
+        let ids = balanced_ids(5, 3, 4);
+        assert_eq!(ids, vec![0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]);
+        // Distinct ids per token and counts within one of each other.
+        let (t, k, e) = (37usize, 8usize, 128usize);
+        let ids = balanced_ids(t, k, e);
+        for tok in ids.chunks(k) {
+            let mut s = tok.to_vec();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), k);
+        }
+        let p = presets::preset("deepseek-v3").unwrap();
+        // T = 1: 8 active experts.
+        let (b, f) = bench_work(&p, 1);
+        assert_eq!(b, 8.0 * 3.0 * 7168.0 * 2048.0 * 0.5625);
+        assert_eq!(f, 2.0 * 8.0 * 3.0 * 7168.0 * 2048.0);
+        // T = 1024: every expert active.
+        let (b, f) = bench_work(&p, 1024);
+        assert_eq!(b, 256.0 * 3.0 * 7168.0 * 2048.0 * 0.5625);
+        assert_eq!(f, 2.0 * 8192.0 * 3.0 * 7168.0 * 2048.0);
+        assert!((floor_us(4.3e12, 0.0) - 1e6).abs() < 1e-6);
+        assert!((floor_us(0.0, 795e12) - 1e6).abs() < 1e-6);
+        let r = BenchRow { preset: p.name, tokens: 1, tile: "M128N16".into(), us: 1e6, bytes: 2.15e12, flops: 795e12 };
+        assert!((r.tbps() - 2.15).abs() < 1e-9 && (r.tflops() - 795.0).abs() < 1e-9);
+        assert!((r.floor_ratio() - 1.0).abs() < 1e-9);
+        let json = bench_json("H200", IntermediateArg::Bf16, &[r]);
+        let json: serde_json::Value = serde_json::from_str(&json.to_string()).unwrap();
+        assert_eq!(json["command"], "bench");
+        assert_eq!(json["replays"], 20);
+        assert_eq!(json["intermediate_format"], "bf16");
+        assert_eq!(json["rows"][0]["preset"], "deepseek-v3");
+        assert_eq!(json["rows"][0]["experts"], 256);
+        assert_eq!(json["rows"][0]["tokens"], 1);
+        assert_eq!(json["rows"][0]["tile"], "M128N16");
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 3.0);
+    }
+}
