@@ -9,7 +9,9 @@ use half::bf16;
 use nvfp4_moe::layout::{grouped_swizzled_offset, scale_cols, scale_offset, ScaleLayout};
 use safetensors::{Dtype, SafeTensors};
 
-pub const FIXTURE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/modelopt_nvfp4_v2.safetensors");
+/// tests/fixtures/modelopt_nvfp4_v2.safetensors, built into the test binaries (they also run from
+/// the GPU bundle, away from the source tree).
+pub const FIXTURE: &[u8] = include_bytes!("../fixtures/modelopt_nvfp4_v2.safetensors");
 
 /// One ModelOpt quantization: input, output bytes and the decode scale it used.
 #[derive(Clone, Debug)]
@@ -62,10 +64,9 @@ pub fn cases_from(bytes: &[u8], inputs: Option<&[u8]>) -> Vec<Case> {
 
 /// The committed fixture's cases and its metadata (generator, ModelOpt and torch versions, device).
 pub fn fixture() -> (Vec<Case>, HashMap<String, String>) {
-    let bytes = std::fs::read(FIXTURE).unwrap_or_else(|e| panic!("{FIXTURE}: {e}"));
-    let (_, meta) = SafeTensors::read_metadata(&bytes).expect("fixture header");
+    let (_, meta) = SafeTensors::read_metadata(FIXTURE).expect("fixture header");
     let meta = meta.metadata().clone().unwrap_or_default();
-    (cases_from(&bytes, None), meta)
+    (cases_from(FIXTURE, None), meta)
 }
 
 /// Linear `[rows, cols/16]` scales read back out of a buffer in `layout`.
