@@ -38,6 +38,15 @@ fn benches(c: &mut Criterion) {
     };
     for &(rows, cols) in &SHAPES {
         for layout in [ScaleLayout::Linear, ScaleLayout::Swizzled128x4] {
+            let lname = match layout {
+                ScaleLayout::Linear => "linear",
+                ScaleLayout::Swizzled128x4 => "swizzled",
+            };
+            let qname = format!("quantize/{rows}x{cols}/{lname}");
+            let dname = format!("dequantize/{rows}x{cols}/{lname}");
+            if !selected(&qname) && !selected(&dname) {
+                continue; // skip the data generation (seconds for the large shapes) too
+            }
             let n = rows * cols;
             // Normal data like real weights and activations, and the weight convention
             // g = amax / (6 * 448): no block scale saturates.
@@ -49,12 +58,7 @@ fn benches(c: &mut Criterion) {
             let mut out = s.alloc_zeros::<half::bf16>(n).unwrap();
             let bytes = n as f64 * 2.5625;
             let desc = Nvfp4Desc { rows, cols, layout, decode_scale: g };
-            let lname = match layout {
-                ScaleLayout::Linear => "linear",
-                ScaleLayout::Swizzled128x4 => "swizzled",
-            };
 
-            let qname = format!("quantize/{rows}x{cols}/{lname}");
             if selected(&qname) {
                 let mut run = || quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
                 let mut grp = c.benchmark_group("quantize");
@@ -68,7 +72,6 @@ fn benches(c: &mut Criterion) {
                 push(&mut rows_out, qname, flushed, single, bytes);
             }
 
-            let dname = format!("dequantize/{rows}x{cols}/{lname}");
             if selected(&dname) {
                 quantize_nvfp4_into(&s, &x, desc, &mut codes, &mut scales).unwrap();
                 let mut run = || dequantize_nvfp4_into(&s, &codes, &scales, desc, &mut out).unwrap();

@@ -141,7 +141,8 @@ CUTLASS_DEVICE BlockScale block_scale(uint32_t amax_bits, float g, float six_g) 
   // Fast path: the scale did not saturate (so |x / d| < 16) and d is in a range where the
   // Markstein quotient is exact near every decision point and a non-zero x / d never underflows
   // (|x| >= 2^-133 and d <= 2^16), so the code's sign is x's sign unless x is -0.0.
-  b.fast = (t_raw <= 448.0f) && (b.d >= 0x1p-60f) && (b.d <= 0x1p16f);
+  // An infinite amax (an Inf element) takes the exact path, which gives Inf elements +-6.
+  b.fast = (amax_bits < 0x7F80u) && (t_raw <= 448.0f) && (b.d >= 0x1p-60f) && (b.d <= 0x1p16f);
   return b;
 }
 

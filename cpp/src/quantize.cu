@@ -2,11 +2,13 @@
 // pinned recipe (v2: ModelOpt's bytes), bit-exact with the CPU reference.
 //
 // The quantizer is memory-bound at the limit only if it keeps enough bytes in flight and spends few
-// instructions per byte (the exact recipe is ~12 per element). So each thread takes a *unit* of two
-// consecutive 16-element blocks (64 bytes in, 16 bytes of codes and 2 scale bytes out) and walks
-// the tensor with a grid stride over a grid sized to fill the GPU once, loading its next unit before
-// encoding the current one: every thread has 64-128 bytes of loads in flight while it computes.
-// The swizzled layout's padding bytes are written by the same launch, after the data.
+// instructions per byte (the exact recipe is ~13 per element). Consecutive threads take consecutive
+// 16-element blocks (32 bytes in, 8 bytes of codes and a scale byte out) and walk the tensor with a
+// grid stride over a grid sized to fill the GPU once, loading the next block before encoding the
+// current one (43 registers: five CTAs of 256 per SM). Measured against a two-blocks-per-thread
+// variant (64 registers, 16-byte code stores): as fast for the linear layout, 12% faster for the
+// swizzled one (PERF_NOTES.md, 2026-12-02). The swizzled layout's padding bytes are written by the
+// same launch, after the data.
 #include "nvfp4moe/nvfp4moe.h"
 #include "nvfp4_codec.cuh"
 #include "status.hpp"
@@ -16,8 +18,6 @@
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 namespace nvfp4moe {
 namespace {
@@ -58,61 +58,16 @@ CUTLASS_DEVICE int64_t scale_index(int m, int k, int kb_pad, int k_tiles) {
 }
 
 // One launch's view of the tensor: padded scale rows [0, rows_pad) of the pointers it is given (the
-// host offsets them per chunk). Blocks are numbered row-major, kb per row; unit u is blocks 2u and
-// 2u + 1 (the last unit may hold one block).
+// host offsets them per chunk). Blocks are numbered row-major, kb per row.
 struct QuantizeParams {
   const uint4* x;              // (rows, cols) bf16 as 16-byte vectors: (n_blocks, 2)
   uint8_t* codes;              // (n_blocks, 8) bytes
   uint8_t* scales;             // per kLayout
   int n_blocks;                // rows * kb
-  int n_units;                 // ceil(n_blocks / 2)
   int rows, rows_pad, kb, kb_pad, k_tiles;
   cutlass::FastDivmod div_kb;  // block -> (row, column); swizzled layout only
   float g, six_g;
-  bool codes16;                // codes is 16-byte aligned: one 16-byte store per unit
 };
-
-CUTLASS_DEVICE void load_unit(const QuantizeParams& p, int u, uint4 (&v)[4]) {
-  const uint4* src = p.x + int64_t(u) * 4;
-  v[0] = __ldg(src);
-  v[1] = __ldg(src + 1);
-  if (2 * u + 1 < p.n_blocks) {
-    v[2] = __ldg(src + 2);
-    v[3] = __ldg(src + 3);
-  }
-}
-
-template <ScaleLayout kLayout>
-CUTLASS_DEVICE void quantize_unit(const QuantizeParams& p, int u, const uint4 (&v)[4]) {
-  const bool two = 2 * u + 1 < p.n_blocks;
-  codec::Block16 q[2];
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < 2; ++j) {
-    const uint32_t w[8] = {v[2 * j].x,     v[2 * j].y,     v[2 * j].z,     v[2 * j].w,
-                           v[2 * j + 1].x, v[2 * j + 1].y, v[2 * j + 1].z, v[2 * j + 1].w};
-    q[j] = codec::quantize_block16(w, p.g, p.six_g);
-  }
-  if (two && p.codes16) {
-    reinterpret_cast<uint4*>(p.codes)[u] = make_uint4(q[0].codes_lo, q[0].codes_hi, q[1].codes_lo, q[1].codes_hi);
-  } else {
-    uint2* dst = reinterpret_cast<uint2*>(p.codes) + 2 * int64_t(u);
-    dst[0] = make_uint2(q[0].codes_lo, q[0].codes_hi);
-    if (two) dst[1] = make_uint2(q[1].codes_lo, q[1].codes_hi);
-  }
-  const int b = 2 * u;
-  if constexpr (kLayout == ScaleLayout::kLinear) {
-    p.scales[b] = uint8_t(q[0].scale);  // linear: the scale index is the block index
-    if (two) p.scales[b + 1] = uint8_t(q[1].scale);
-  } else {
-    int m, k;
-    p.div_kb(m, k, b);
-    p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = uint8_t(q[0].scale);
-    if (two) {
-      const bool wrap = k + 1 == p.kb;  // the unit's second block starts the next row
-      p.scales[codec::swizzled_offset(wrap ? m + 1 : m, wrap ? 0 : k + 1, p.k_tiles)] = uint8_t(q[1].scale);
-    }
-  }
-}
 
 // The swizzled layout's padding: columns [kb, kb_pad) of the data rows, then every column of rows
 // [rows, rows_pad), grid-strided over the launch's threads.
@@ -127,11 +82,11 @@ CUTLASS_DEVICE void write_swizzled_padding(const QuantizeParams& p, int first, i
   }
 }
 
-// The one-block-per-step variant (NVFP4MOE_QUANTIZE_KERNEL=single): consecutive threads take
-// consecutive blocks (as the v3b kernel did), with the next block loaded before the current one is
-// encoded; fewer registers than quantize_kernel, so more warps per SM.
+// x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout (padding bytes 0). Thread i of
+// the grid takes blocks i, i + stride, ...; the next one's two 16-byte loads go out before the
+// current block is encoded.
 template <ScaleLayout kLayout>
-__global__ void __launch_bounds__(kThreads) quantize_kernel_single(const QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
   const int stride = int(gridDim.x) * kThreads;
   int b = int(blockIdx.x) * kThreads + int(threadIdx.x);
   uint4 cur[2] = {}, next[2] = {};
@@ -156,25 +111,6 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel_single(const Quantiz
     }
     cur[0] = next[0];
     cur[1] = next[1];
-  }
-  if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
-    write_swizzled_padding(p, int(blockIdx.x) * kThreads + int(threadIdx.x), stride);
-  }
-}
-
-// x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout (padding bytes 0).
-template <ScaleLayout kLayout>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
-  const int stride = int(gridDim.x) * kThreads;
-  int u = int(blockIdx.x) * kThreads + int(threadIdx.x);
-  uint4 cur[4] = {}, next[4] = {};
-  if (u < p.n_units) load_unit(p, u, cur);
-  for (; u < p.n_units; u += stride) {
-    // The next unit's loads go out before this unit is encoded.
-    if (u + stride < p.n_units) load_unit(p, u + stride, next);
-    quantize_unit<kLayout>(p, u, cur);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 4; ++i) cur[i] = next[i];
   }
   if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
     write_swizzled_padding(p, int(blockIdx.x) * kThreads + int(threadIdx.x), stride);
@@ -231,13 +167,7 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
   if (!aligned(a.codes, 8)) return fail(Status::kMisaligned, "quantize_nvfp4: codes must be 8-byte aligned");
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const bool swizzled = a.layout == ScaleLayout::kSwizzled128x4;
-  // NVFP4MOE_QUANTIZE_KERNEL=single picks the one-block-per-step variant (a measurement knob; the
-  // default is the two-block kernel, faster on the H200 for the linear layout, PERF_NOTES.md).
-  const char* variant = std::getenv("NVFP4MOE_QUANTIZE_KERNEL");
-  const bool single = variant != nullptr && std::strcmp(variant, "single") == 0;
-  auto kernel = single ? (swizzled ? quantize_kernel_single<ScaleLayout::kSwizzled128x4>
-                                   : quantize_kernel_single<ScaleLayout::kLinear>)
-                       : (swizzled ? quantize_kernel<ScaleLayout::kSwizzled128x4> : quantize_kernel<ScaleLayout::kLinear>);
+  auto kernel = swizzled ? quantize_kernel<ScaleLayout::kSwizzled128x4> : quantize_kernel<ScaleLayout::kLinear>;
   // A grid that fills the GPU once: the SM count and blocks per SM come from the device.
   int device = 0, sms = 0, per_sm = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -256,7 +186,6 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
     p.codes = static_cast<uint8_t*>(a.codes) + r0 * (a.cols / 2);
     p.scales = static_cast<uint8_t*>(a.scales) + r0 * geo.kb_pad;
     p.n_blocks = int(chunk_rows * geo.kb);
-    p.n_units = (p.n_blocks + 1) / 2;
     p.rows = int(chunk_rows);
     p.rows_pad = int(chunk_pad);
     p.kb = int(geo.kb);
@@ -265,9 +194,7 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
     p.div_kb = cutlass::FastDivmod(int(geo.kb));
     p.g = a.decode_scale;
     p.six_g = 6.0f * a.decode_scale;
-    p.codes16 = aligned(p.codes, 16);
-    int64_t work = std::max<int64_t>(single ? p.n_blocks : p.n_units,
-                                     swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
+    int64_t work = std::max<int64_t>(p.n_blocks, swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
     unsigned grid = unsigned(std::max<int64_t>(1, std::min(max_grid, (work + kThreads - 1) / kThreads)));
     kernel<<<grid, kThreads, 0, st>>>(p);
     if (Status s = check_launch("quantize_nvfp4"); s != Status::kSuccess) return s;
