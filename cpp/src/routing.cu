@@ -6,8 +6,9 @@
 // when all pairs fit in one chunk):
 //   count:   per chunk, a shared-memory histogram of expert ids -> counts (chunks, E)
 //   scan:    one CTA: per expert, an exclusive scan over chunks, then over experts -> offsets
-//   scatter: per chunk, each warp ranks its lanes within equal ids (match_any), and the 32 warps
-//            claim their ids' slots in warp order, so pair i precedes every later pair of its id.
+//   scatter: per chunk (scatter_chunk), each warp ranks its lanes within equal ids (match_any), and
+//            the 32 warps claim their ids' slots in warp order, so pair i precedes every later pair
+//            of its id.
 #include "nvfp4moe/nvfp4moe.h"
 #include "status.hpp"
 
@@ -125,24 +126,19 @@ __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, in
   if (e == experts - 1) offsets[experts] = total[e];
 }
 
-// One CTA of 1024 threads per chunk.
-__global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, int experts,
-                                                       const int* __restrict__ bases, int* __restrict__ row_of_pair,
-                                                       int* __restrict__ pair_of_row) {
-  __shared__ int next[kMaxExperts];
-  __shared__ int claimed[1024];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (int e = threadIdx.x; e < experts; e += 1024) next[e] = bases[int64_t(blockIdx.x) * experts + e];
-  const int i = blockIdx.x * kChunk + threadIdx.x;
-  int id = i < pairs ? ids[i] : -1;
-  if (id >= experts) id = -1;
+// The scatter of one chunk, called by all 1024 threads of a CTA after a __syncthreads: thread `t`
+// holds pair i's expert id (or -1) and places it after every earlier pair of that id. Each warp
+// ranks its lanes within equal ids (match_any), and the 32 warps claim slots from next[] in warp
+// order, so the permutation is deterministic and stable.
+CUTLASS_DEVICE void scatter_chunk(int id, int i, int pairs, int* next, int* claimed, int* __restrict__ row_of_pair,
+                                  int* __restrict__ pair_of_row) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const unsigned peers = __match_any_sync(0xFFFFFFFFu, id);
   const int leader = __ffs(peers) - 1;
   const int rank = __popc(peers & ((1u << lane) - 1));
-  __syncthreads();
   for (int w = 0; w < 32; ++w) {
     if (warp == w && id >= 0 && lane == leader) {
-      claimed[threadIdx.x] = next[id];
+      claimed[t] = next[id];
       next[id] += __popc(peers);
     }
     __syncthreads();
@@ -158,6 +154,20 @@ __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ i
   }
 }
 
+// One CTA of 1024 threads per chunk.
+__global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, int experts,
+                                                       const int* __restrict__ bases, int* __restrict__ row_of_pair,
+                                                       int* __restrict__ pair_of_row) {
+  __shared__ int next[kMaxExperts];
+  __shared__ int claimed[1024];
+  for (int e = threadIdx.x; e < experts; e += 1024) next[e] = bases[int64_t(blockIdx.x) * experts + e];
+  const int i = blockIdx.x * kChunk + threadIdx.x;
+  int id = i < pairs ? ids[i] : -1;
+  if (id >= experts) id = -1;
+  __syncthreads();
+  scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
+}
+
 // pairs <= kChunk (decode and small batches): count, scan and scatter in one CTA of 1024 threads,
 // one launch instead of three, writing exactly what the three-launch path writes (with one chunk,
 // the chunk's bases are the expert offsets, and the scatter claims slots in the same warp order).
@@ -169,7 +179,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   __shared__ int next[kMaxExperts];   // counts, then each expert's next free row
   __shared__ int total[kMaxExperts];  // the inclusive scan of the counts
   __shared__ int claimed[kChunk];
-  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int t = threadIdx.x;
   next[t] = 0;
   __syncthreads();
   int id = t < pairs ? ids[t] : -1;
@@ -198,25 +208,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   }
   if (t == experts - 1) offsets[experts] = total[t];
   __syncthreads();
-  const unsigned peers = __match_any_sync(0xFFFFFFFFu, id);
-  const int leader = __ffs(peers) - 1;
-  const int rank = __popc(peers & ((1u << lane) - 1));
-  for (int w = 0; w < 32; ++w) {
-    if (warp == w && id >= 0 && lane == leader) {
-      claimed[t] = next[id];
-      next[id] += __popc(peers);
-    }
-    __syncthreads();
-  }
-  if (t < pairs) {
-    if (id >= 0) {
-      int row = claimed[warp * 32 + leader] + rank;
-      row_of_pair[t] = row;
-      pair_of_row[row] = t;
-    } else {
-      row_of_pair[t] = -1;
-    }
-  }
+  scatter_chunk(id, t, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
 // One CTA per permuted row: copy the token's hidden row.
