@@ -4,6 +4,8 @@
 # Prints speed of light, warp stall reasons, scheduler and memory lines. Full reports go to $OUT.
 set -uo pipefail
 bench=${NVFP4MOE_BUNDLE:-gpu-bundle}/benches/gemm
+# The bundle's binaries travel gzipped (scripts/gpu-bundle.sh).
+[ -e "$bench.gz" ] && gunzip -f "$bench.gz" && chmod +x "$bench"
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 for c in "$@"; do
