@@ -160,7 +160,7 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
   const int inter = p.n / 2;
   const int sf_k_tiles = (inter / 16 + 3) / 4;  // 4-column tiles of the scale layout
   const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : expert];
-  const float six_g = __fmul_rn(6.0f, act_g);
+  const codec::TensorScale ts = codec::make_tensor_scale(act_g);
   uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
   const int64_t region = (int64_t(expert_row0) + int64_t(expert) * 127) / 128 * 128;  // expert's scale rows
   for (int piece = t; piece < kBlockN * 2; piece += nthreads) {
@@ -170,7 +170,7 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
       const uint4* src = reinterpret_cast<const uint4*>(epi + r * 32 + blk * 16);
       uint4 lo = src[0], hi = src[1];
       const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      codec::Block16 q = codec::quantize_block16(w8, act_g, six_g);
+      codec::Block16 q = codec::quantize_block16(w8, ts);
       int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
       *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
       p.out_scales[codec::swizzled_offset(region + (row - expert_row0), col / 16, sf_k_tiles)] = uint8_t(q.scale);
