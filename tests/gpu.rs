@@ -528,6 +528,27 @@ mod gemm {
         let a = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         let b = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order).
+        for &(e, n, k, max_rows) in &[(4usize, 1024usize, 2048usize, 3usize), (2, 5760, 2880, 5)] {
+            let w = random_weights(&mut rng, e, n, k);
+            let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+            let mut off = random_offsets(&mut rng, e, max_rows);
+            off.iter_mut().skip(1).for_each(|o| *o += 1); // expert 0 gets a row: rows > 0
+            let rows = *off.last().unwrap() as usize;
+            let x = rng.normal_bf16(rows * k, 1.0);
+            let xd = s.clone_htod(&x).unwrap();
+            let a = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            let b = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "split-K E={e} n={n} k={k}");
+            let mut err = RelErr::default();
+            for _ in 0..2000.min(rows * n) {
+                let (row, f) = (rng.range(0, rows), rng.range(0, n));
+                let ex = expert_of(&off, row);
+                err.add(f64::from(a[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
+            }
+            eprintln!("split-K E={e} n={n} k={k} rows={rows}: relative error {:.3e}", err.rel());
+            assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}", err.rel());
+        }
     }
 
     /// Fused gate/up weights prepared in GateUpBands8 order, gate and up decode scales 10x apart:
@@ -699,13 +720,23 @@ mod swiglu {
     fn swiglu_epilogues_match_reference_and_each_other() {
         let s = stream();
         let mut rng = Rng::from_entropy();
-        for &(inter, k, e) in
-            &[(768usize, 2048usize, 16usize), (1536, 256, 8), (2048, 512, 32), (2880, 2880, 4), (14336, 256, 2)]
-        {
+        // The last four shapes have so few tiles that the N16 tile splits K (2 or 4 CTAs per tile,
+        // one with an uneven split: 9 K stages over 2 CTAs).
+        for &(inter, k, e, max_rows) in &[
+            (768usize, 2048usize, 16usize, 150usize),
+            (1536, 256, 8, 150),
+            (2048, 512, 32, 150),
+            (2880, 2880, 4, 150),
+            (14336, 256, 2, 150),
+            (512, 2048, 4, 3),
+            (768, 768, 8, 2),
+            (2880, 2880, 2, 5),
+            (256, 576, 3, 4),
+        ] {
             let seed = rng.seed();
             let n = 2 * inter;
             let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
-            let off = random_offsets(&mut rng, e, 150);
+            let off = random_offsets(&mut rng, e, max_rows);
             let rows = *off.last().unwrap() as usize;
             let total = rows + 2;
             let x = rng.normal_bf16(total * k, 1.0);
@@ -893,6 +924,8 @@ mod swiglu {
             (2880, 192, 3, 150),
             (14336, 64, 2, 20),
             (96, 64, 5, 33),
+            (512, 2048, 4, 3), // split-K: few tiles
+            (768, 768, 8, 2),
         ]
         .iter()
         .enumerate()

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 5) quantize_kernel(const QuantizePar
   }
   // The fast-path reciprocal of every non-negative scale byte for this g, once per CTA (the grid is
   // persistent: each CTA then encodes ~20 blocks per thread).
-  __shared__ float rcp_table[128];  // (128) RN(1 / d(s)) or 0
+  __shared__ codec::ScaleRcp rcp_table[128];  // (128) per scale byte
   if (threadIdx.x < 128) {
     rcp_table[threadIdx.x] = codec::scale_reciprocal(threadIdx.x, p.ts.g);
   }
