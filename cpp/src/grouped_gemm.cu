@@ -146,7 +146,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   auto launch = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
     switch (tile) {
-      case GemmTile::kM128N16: return launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
+      case GemmTile::kM128N16:
+        return splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
+                          : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }

@@ -269,7 +269,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         // With n % 128 == 64 the last tile has one 64-row half: the second consumer gets the
         // first half again (its results are not stored), so every stage moves the same bytes.
         int mt1 = mt0 + 1 < chunks_m ? mt0 + 1 : mt0;
-        // Not unrolled: the producer runs on kProducerRegs registers.
+        // Not unrolled: with split-K's runtime K range, unrolling spills on the producer's
+        // kProducerRegs registers (and measured no faster without split-K, 2026-12-02).
 #pragma unroll 1
         for (int kc = kc_begin; kc < kc_end; ++kc) {
           pipeline.producer_acquire(state);
@@ -562,7 +563,12 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
 
 // The configurations (declared here, each defined in its own translation unit).
 template <GemmEpilogue E>
-using ConfigN16 = Config<16, 12, 2, E, false, 4>;  // 80 registers: too few to pipeline (C7512)
+using ConfigN16 = Config<16, 12, 2, E, false>;  // 80 registers: too few to pipeline (C7512)
+// The same tile for launches with few tiles, split over K by clusters of up to 4 CTAs. A separate
+// instantiation: the reduction's 24 KB of shared memory and its code made the unsplit N16 kernel
+// 4-7% slower (measured 2026-12-02, PERF_NOTES.md).
+template <GemmEpilogue E>
+using ConfigN16SplitK = Config<16, 12, 2, E, false, 4>;
 template <GemmEpilogue E>
 using ConfigN64 = Config<64, 15, 1, E>;
 template <GemmEpilogue E>
@@ -575,6 +581,17 @@ extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluBf16>>
                                                                                    cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kSwigluNvfp4>>(const CUtensorMap&, const Params&, int,
                                                                                     cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16SplitK<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&,
+                                                                                        int, cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16SplitK<GemmEpilogue::kInterleaved>>(const CUtensorMap&,
+                                                                                              const Params&, int,
+                                                                                              cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16SplitK<GemmEpilogue::kSwigluBf16>>(const CUtensorMap&,
+                                                                                             const Params&, int,
+                                                                                             cudaStream_t);
+extern template Status launch_grouped_gemm<ConfigN16SplitK<GemmEpilogue::kSwigluNvfp4>>(const CUtensorMap&,
+                                                                                              const Params&, int,
+                                                                                              cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,
                                                                                   cudaStream_t);
 extern template Status launch_grouped_gemm<ConfigN64<GemmEpilogue::kInterleaved>>(const CUtensorMap&, const Params&, int,

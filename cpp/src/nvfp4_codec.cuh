@@ -146,6 +146,13 @@ CUTLASS_DEVICE BlockScale block_scale(uint32_t amax_bits, float g, float six_g) 
   return b;
 }
 
+// Steps 2-3's scale byte through the true quotient (amax finite or +Inf, not NaN).
+CUTLASS_DEVICE uint32_t block_scale_byte(uint32_t amax_bits, float six_g) {
+  const float amax = __uint_as_float(amax_bits << 16);
+  const float t_raw = amax_bits == 0x7F80u ? 448.0f : __fdiv_rn(amax, six_g);
+  return e4m3_encode(fminf(fmaxf(t_raw == 0.0f ? 1.0f : t_raw, 0x1p-9f), 448.0f));
+}
+
 // Step 4 on the rare exact path (true division per element), taken per block so the fast path
 // stays branch-free. Matches ModelOpt's `searchsorted` semantics at the extremes: a NaN quotient
 // (0/0 when d underflowed) has magnitude 6, and the sign bit is `q < 0`; an infinite element is
@@ -280,11 +287,10 @@ CUTLASS_DEVICE void quantize_codes_rcp(const uint32_t (&w)[8], float r, float d,
 // `w` holds the 16 inputs as 8 packed bf16 pairs (element 2j in the low half of w[j]). Recipe v2
 // (design/NVFP4.md): ModelOpt 0.47's bytes on every finite input; a NaN anywhere gives scale 0x7F
 // and zero codes. Paths, all exact: an all-zero block (scale 1.0, codes 0); the reciprocal paths
-// when the scale estimate RN(amax RN(1 / 6g)) is at least 8 ulps from an E4M3 rounding point (then
-// it rounds to the same byte as the true quotient, which it is within 3 ulps of) and `rcp` vouches
-// for that byte (the Markstein correction is applied to the whole warp when any of its active
-// lanes needs it, so the warp does not run both); otherwise the exact block scale and Markstein or
-// true division.
+// when `rcp` vouches for the block's scale byte (the Markstein correction is applied to the whole
+// warp when any of its active lanes needs it, so the warp does not run both); otherwise (subnormal
+// or saturated scales, Inf elements, extreme d) the exact block scale and Markstein or true
+// division.
 template <class Rcp>
 CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScale& ts, const Rcp& rcp) {
   const uint32_t amax_bits = block_amax_bits(w);
@@ -294,12 +300,18 @@ CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScal
   if (amax_bits > 0x7F80u) {
     return Block16{0x7Fu, 0u, 0u};  // NaN scale, zero codes: the NaN stays visible after decoding
   }
-  // Normal range of E4M3: the rounding points are the FP32 values whose low 20 bits are 0x80000.
+  // The scale byte from RN(amax RN(1 / 6g)), within 3 ulps of the true quotient: the same byte
+  // unless it lies within 8 ulps of an E4M3 rounding point (in the normal range, the FP32 values
+  // whose low 20 bits are 0x80000), where the true quotient decides (rare for most g, frequent
+  // when 1 / 6g is short, e.g. g = amax RN(1/2688) with amax a power of two).
   const float t1 = __fmul_rn(__uint_as_float(amax_bits << 16), ts.inv_six_g);
-  const uint32_t s1 = e4m3_encode(t1);
+  uint32_t s1 = e4m3_encode(t1);
+  if (((__float_as_uint(t1) + 8u - 0x80000u) & 0xFFFFFu) < 16u) {
+    s1 = block_scale_byte(amax_bits, ts.six_g);
+  }
   const ScaleRcp e = rcp(s1, ts.g);
   uint32_t packed[2] = {0u, 0u};
-  if (e.r > 0.0f && ((__float_as_uint(t1) + 8u - 0x80000u) & 0xFFFFFu) >= 16u) {
+  if (e.r > 0.0f) {
     if (__any_sync(__activemask(), e.d < 0.0f)) {
       quantize_codes_rcp<true>(w, e.r, fabsf(e.d), packed);
     } else {
