@@ -7,15 +7,8 @@
 
 use crate::error::{Error, Result};
 
-/// How the E4M3 block scales of a `[rows, cols]` tensor are laid out in memory.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ScaleLayout {
-    /// Row-major `[rows, cols/16]`, no padding (how checkpoints store weight scales).
-    Linear = 0,
-    /// 128x4 tiles: rows padded to 128, scale columns padded to 4, padding bytes 0.
-    Swizzled128x4 = 1,
-}
+/// How the E4M3 block scales are laid out: declared in `cpp/include/nvfp4moe/types.h`, generated.
+pub use crate::abi::ScaleLayout;
 
 impl ScaleLayout {
     /// The canonical lower-case name (`parse` accepts it back).

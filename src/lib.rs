@@ -33,6 +33,7 @@
 #![warn(missing_docs, missing_debug_implementations, clippy::missing_errors_doc, clippy::missing_safety_doc)]
 
 // Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
+pub mod abi;
 pub mod checkpoint;
 pub mod error;
 pub mod format;
@@ -47,13 +48,13 @@ pub mod testing;
 
 // The GPU side (the `cuda` feature): the CUDA core through the cxx bridge, over cudarc.
 #[cfg(feature = "cuda")]
-mod checks;
-#[cfg(feature = "cuda")]
 mod ffi;
 #[cfg(feature = "cuda")]
 pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod info;
+#[cfg(feature = "cuda")]
+mod launch;
 #[cfg(feature = "cuda")]
 pub mod moe;
 #[cfg(feature = "cuda")]

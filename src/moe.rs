@@ -9,11 +9,11 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::checkpoint::{load_modelopt, MoeCheckpoint};
-use crate::checks::check_len;
 use crate::error::{Error, Result};
 use crate::gemm::{
     ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out,
 };
+use crate::launch::check_len;
 use crate::layout::{grouped_scale_len, ScaleLayout};
 use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4, GroupedDesc};
 use crate::reference::{weight_decode_scale, ExpertWeightsHost};

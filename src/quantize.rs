@@ -9,9 +9,10 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checks::{check_align, check_len, stream_handle};
+use crate::abi::{DequantizeGroupedArgs, DequantizeNvfp4Args, QuantizeGroupedArgs, QuantizeNvfp4Args};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
+use crate::launch::{check_align, check_len, Launch};
 use crate::layout::{scale_len, ScaleLayout};
 use crate::reference::{validate_decode_scale, validate_quantize_shape, Nvfp4Host};
 
@@ -210,37 +211,24 @@ where
     S: DevicePtrMut<u8>,
 {
     let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
-    let (x_len, c_len, s_len) = (x.len(), codes.len(), scales.len());
-    // The guards must live until the launch is enqueued (they record the buffers' use on drop).
-    let (x_ptr, _gx) = x.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr_mut(stream);
-    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_quantize(
-        rows,
-        cols,
-        decode_scale,
-        layout,
-        BufferInfo { addr: x_ptr, len: x_len },
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
-    )?;
+    let l = Launch::new(stream)?;
+    let (x, c, sc) = (l.input(x), l.output(codes), l.output(scales));
+    check_quantize(rows, cols, decode_scale, layout, x.info(), c.info(), sc.info())?;
     if rows == 0 {
         return Ok(());
     }
-    let p = raw::QuantizeParams {
-        x: x_ptr,
+    let args = QuantizeNvfp4Args {
+        x: x.addr,
         rows: rows as i64,
         cols: cols as i64,
         decode_scale,
-        layout: layout as u32,
-        codes: c_ptr,
-        scales: s_ptr,
-        stream: stream_handle(stream)?,
+        layout,
+        codes: c.addr,
+        scales: sc.addr,
     };
-    // SAFETY: check_quantize proved every buffer is large enough and aligned; the guards keep the
-    // buffers' stream ordering until the launch is enqueued.
-    unsafe { raw::quantize_nvfp4(&p)? };
-    Ok(())
+    // SAFETY: check_quantize proved every buffer is large enough and aligned; the buffers' guards
+    // keep their stream ordering until the launch is enqueued.
+    unsafe { l.launch(&args, raw::quantize_nvfp4_can_implement, raw::quantize_nvfp4) }
 }
 
 /// Quantizes `x` (bf16 `[rows, cols]`) into a newly allocated [`Nvfp4Tensor`].
@@ -282,35 +270,23 @@ where
     O: DevicePtrMut<bf16>,
 {
     let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
-    let (c_len, s_len, o_len) = (codes.len(), scales.len(), out.len());
-    let (c_ptr, _gc) = codes.device_ptr(stream);
-    let (s_ptr, _gs) = scales.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_dequantize(
-        rows,
-        cols,
-        decode_scale,
-        layout,
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
-        BufferInfo { addr: o_ptr, len: o_len },
-    )?;
+    let l = Launch::new(stream)?;
+    let (c, sc, o) = (l.input(codes), l.input(scales), l.output(out));
+    check_dequantize(rows, cols, decode_scale, layout, c.info(), sc.info(), o.info())?;
     if rows == 0 {
         return Ok(());
     }
-    let p = raw::DequantizeParams {
-        codes: c_ptr,
-        scales: s_ptr,
+    let args = DequantizeNvfp4Args {
+        codes: c.addr,
+        scales: sc.addr,
         rows: rows as i64,
         cols: cols as i64,
         decode_scale,
-        layout: layout as u32,
-        out: o_ptr,
-        stream: stream_handle(stream)?,
+        layout,
+        out: o.addr,
     };
     // SAFETY: check_dequantize proved every buffer is large enough and aligned.
-    unsafe { raw::dequantize_nvfp4(&p)? };
-    Ok(())
+    unsafe { l.launch(&args, raw::dequantize_nvfp4_can_implement, raw::dequantize_nvfp4) }
 }
 
 /// Dequantizes a tensor into a newly allocated bf16 `[rows, cols]` buffer.
@@ -326,7 +302,7 @@ pub fn dequantize_nvfp4(stream: &Arc<CudaStream>, t: &Nvfp4Tensor) -> Result<Cud
 
 /// Bytes of the scale buffer as the C++ core computes it (checked equal to [`scale_len`] in tests).
 pub fn core_scale_bytes(layout: ScaleLayout, rows: usize, cols: usize) -> usize {
-    raw::core_scale_bytes(layout as u32, rows as i64, cols as i64) as usize
+    raw::core_scale_bytes(layout as i32, rows as i64, cols as i64) as usize
 }
 
 #[cfg(test)]
@@ -434,16 +410,10 @@ mod tests {
     }
 }
 
-/// Where [`quantize_nvfp4_grouped_into`] reads from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum GroupedSource {
-    /// bf16 `[rows, cols]`.
-    Contiguous = 0,
-    /// An [`crate::gemm::Interleaved`] GEMM output bf16 `[rows, 2 cols]`: its SwiGLU columns
-    /// (`16b + 8 .. 16b + 15`) are quantized (the old flow's `swiglu_quantize`).
-    InterleavedSwiglu = 1,
-}
+/// Where [`quantize_nvfp4_grouped_into`] reads from: bf16 `[rows, cols]`, or an
+/// [`crate::gemm::Interleaved`] GEMM output whose SwiGLU columns are quantized (declared in
+/// `cpp/include/nvfp4moe/types.h`, generated).
+pub use crate::abi::GroupedSource;
 
 /// The device buffers of a grouped quantize or dequantize call as the checks see them (`x` is the
 /// BF16 side: the input of a quantize, the output of a dequantize).
@@ -531,48 +501,31 @@ where
     C: DevicePtrMut<u8>,
     S: DevicePtrMut<u8>,
 {
-    let (c_len, s_len) = (codes.len(), scales.len());
-    let (x_ptr, _gx) = x.device_ptr(stream);
-    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr_mut(stream);
-    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
+    let l = Launch::new(stream)?;
+    let (x, off, g) = (l.input(x), l.input(desc.expert_offsets), l.input(desc.decode_scales));
+    let (c, sc) = (l.output(codes), l.output(scales));
     let bufs = GroupedBuffers {
-        x: BufferInfo { addr: x_ptr, len: x.len() },
-        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
-        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
-        codes: BufferInfo { addr: c_ptr, len: c_len },
-        scales: BufferInfo { addr: s_ptr, len: s_len },
+        x: x.info(),
+        expert_offsets: off.info(),
+        decode_scales: g.info(),
+        codes: c.info(),
+        scales: sc.info(),
     };
-    let p = grouped_params(stream, source, desc.rows, desc.cols, &bufs)?;
+    check_quantize_grouped(source, desc.rows, desc.cols, &bufs)?;
+    let args = QuantizeGroupedArgs {
+        x: x.addr,
+        source,
+        rows: desc.rows as i64,
+        cols: desc.cols as i64,
+        expert_offsets: off.addr,
+        experts: (off.len - 1) as i64,
+        decode_scales: g.addr,
+        num_decode_scales: g.len as i64,
+        codes: c.addr,
+        scales: sc.addr,
+    };
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
-    unsafe { raw::quantize_nvfp4_grouped(&p)? };
-    Ok(())
-}
-
-/// The parameters of a grouped quantize or dequantize call, after [`check_quantize_grouped`] has
-/// proved every length and alignment.
-fn grouped_params(
-    stream: &CudaStream,
-    source: GroupedSource,
-    rows: usize,
-    cols: usize,
-    bufs: &GroupedBuffers,
-) -> Result<raw::QuantizeGroupedParams> {
-    check_quantize_grouped(source, rows, cols, bufs)?;
-    Ok(raw::QuantizeGroupedParams {
-        x: bufs.x.addr,
-        source: source as i32,
-        rows: rows as i64,
-        cols: cols as i64,
-        expert_offsets: bufs.expert_offsets.addr,
-        experts: (bufs.expert_offsets.len - 1) as i64,
-        decode_scales: bufs.decode_scales.addr,
-        num_decode_scales: bufs.decode_scales.len as i64,
-        codes: bufs.codes.addr,
-        scales: bufs.scales.addr,
-        stream: stream_handle(stream)?,
-    })
+    unsafe { l.launch(&args, raw::quantize_nvfp4_grouped_can_implement, raw::quantize_nvfp4_grouped) }
 }
 
 /// Dequantizes grouped activations (the inverse of [`quantize_nvfp4_grouped_into`], e.g. the
@@ -596,24 +549,31 @@ where
     G: DevicePtr<f32>,
     X: DevicePtrMut<bf16>,
 {
-    let x_len = out.len();
-    let (x_ptr, _gx) = out.device_ptr_mut(stream);
-    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr(stream);
-    let (s_ptr, _gs) = scales.device_ptr(stream);
+    let l = Launch::new(stream)?;
+    let (c, sc) = (l.input(codes), l.input(scales));
+    let (off, g, o) = (l.input(desc.expert_offsets), l.input(desc.decode_scales), l.output(out));
     // The same lengths and alignment as the quantizer's, with `out` in the place of `x`.
     let bufs = GroupedBuffers {
-        x: BufferInfo { addr: x_ptr, len: x_len },
-        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
-        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
-        codes: BufferInfo { addr: c_ptr, len: codes.len() },
-        scales: BufferInfo { addr: s_ptr, len: scales.len() },
+        x: o.info(),
+        expert_offsets: off.info(),
+        decode_scales: g.info(),
+        codes: c.info(),
+        scales: sc.info(),
     };
-    let p = grouped_params(stream, GroupedSource::Contiguous, desc.rows, desc.cols, &bufs)?;
+    check_quantize_grouped(GroupedSource::Contiguous, desc.rows, desc.cols, &bufs)?;
+    let args = DequantizeGroupedArgs {
+        codes: c.addr,
+        scales: sc.addr,
+        rows: desc.rows as i64,
+        cols: desc.cols as i64,
+        expert_offsets: off.addr,
+        experts: (off.len - 1) as i64,
+        decode_scales: g.addr,
+        num_decode_scales: g.len as i64,
+        out: o.addr,
+    };
     // SAFETY: check_quantize_grouped proved the lengths and alignment.
-    unsafe { raw::dequantize_nvfp4_grouped(&p)? };
-    Ok(())
+    unsafe { l.launch(&args, raw::dequantize_nvfp4_grouped_can_implement, raw::dequantize_nvfp4_grouped) }
 }
 
 /// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
@@ -633,19 +593,17 @@ pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
     if inter == 0 || !inter.is_multiple_of(8) {
         return Err(Error::InvalidShape(format!("inter must be a positive multiple of 8, got {inter}")));
     }
-    let (i_len, o_len) = (gate_up.len(), out.len());
-    let (i_ptr, _gi) = gate_up.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_len("gate_up", i_len, rows * 2 * inter)?;
-    check_len("out", o_len, rows * inter)?;
+    let l = Launch::new(stream)?;
+    let (i, o) = (l.input(gate_up), l.output(out));
+    check_len("gate_up", i.len, rows * 2 * inter)?;
+    check_len("out", o.len, rows * inter)?;
     if rows == 0 {
         return Ok(());
     }
-    check_align("gate_up", i_ptr, 16)?;
-    check_align("out", o_ptr, 16)?;
+    check_align("gate_up", i.addr, 16)?;
+    check_align("out", o.addr, 16)?;
     // SAFETY: lengths and alignment checked.
-    unsafe { raw::swiglu_bf16(i_ptr, rows as i64, inter as i64, o_ptr, stream_handle(stream)?)? };
-    Ok(())
+    unsafe { l.run(|st| raw::swiglu_bf16(i.addr, rows as i64, inter as i64, o.addr, st)) }
 }
 
 /// Bytes of a grouped scale buffer as the C++ core computes it (checked equal to

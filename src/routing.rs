@@ -14,12 +14,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checkpoint::MoeCheckpoint;
 #[cfg(feature = "cuda")]
-use crate::checks::{check_align, check_len, stream_handle};
+use crate::abi::PermuteArgs;
+use crate::checkpoint::MoeCheckpoint;
 use crate::error::{Error, Result};
 #[cfg(feature = "cuda")]
 use crate::ffi::raw;
+#[cfg(feature = "cuda")]
+use crate::launch::{check_align, check_len, Launch};
 
 /// Softmax over each token's `experts` router logits (FP32, max-subtracted), then the `top_k`
 /// largest probabilities. The experts are chosen by comparing the logits themselves (softmax is
@@ -232,30 +234,17 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
             "need 1 <= top_k ({top_k}) <= min(experts ({experts}), 32), experts <= 1024"
         )));
     }
-    let (l_len, i_len, w_len) = (logits.len(), ids.len(), weights.len());
-    let (l_ptr, _gl) = logits.device_ptr(stream);
-    let (i_ptr, _gi) = ids.device_ptr_mut(stream);
-    let (w_ptr, _gw) = weights.device_ptr_mut(stream);
-    check_len("router_logits", l_len, tokens * experts)?;
-    check_len("topk_ids", i_len, tokens * top_k)?;
-    check_len("topk_weights", w_len, tokens * top_k)?;
+    let l = Launch::new(stream)?;
+    let (lg, i, w) = (l.input(logits), l.output(ids), l.output(weights));
+    check_len("router_logits", lg.len, tokens * experts)?;
+    check_len("topk_ids", i.len, tokens * top_k)?;
+    check_len("topk_weights", w.len, tokens * top_k)?;
     if tokens == 0 {
         return Ok(());
     }
+    let (t, e, k) = (tokens as i64, experts as i64, top_k as i64);
     // SAFETY: lengths checked above.
-    unsafe {
-        raw::softmax_topk(
-            l_ptr,
-            tokens as i64,
-            experts as i64,
-            top_k as i64,
-            renormalize,
-            i_ptr,
-            w_ptr,
-            stream_handle(stream)?,
-        )?
-    };
-    Ok(())
+    unsafe { l.run(|st| raw::softmax_topk(lg.addr, t, e, k, renormalize, i.addr, w.addr, st)) }
 }
 
 #[cfg(feature = "cuda")]
@@ -287,11 +276,15 @@ impl PermuteBuffers {
     /// [`Error::InvalidShape`] for `experts` outside 1..=1024 or `hidden` not a positive multiple of 8,
     /// or a CUDA error (out of memory).
     pub fn new(stream: &Arc<CudaStream>, max_pairs: usize, experts: usize, hidden: usize) -> Result<Self> {
-        if experts == 0 || experts > 1024 || hidden == 0 || !hidden.is_multiple_of(8) {
-            return Err(Error::InvalidShape(format!(
-                "need 0 < experts ({experts}) <= 1024 and hidden ({hidden}) a positive multiple of 8"
-            )));
-        }
+        // The core's shape rules (experts, hidden size, pair count), as a typed error.
+        let shape = PermuteArgs {
+            tokens: i64::try_from(max_pairs).unwrap_or(i64::MAX),
+            top_k: 1,
+            experts: i64::try_from(experts).unwrap_or(i64::MAX),
+            hidden_size: i64::try_from(hidden).unwrap_or(i64::MAX),
+            ..Default::default()
+        };
+        crate::launch::status(raw::permute_and_gather_can_implement(&shape))?;
         let ws = raw::core_permute_workspace_bytes(max_pairs as i64, experts as i64) as usize;
         Ok(PermuteBuffers {
             expert_offsets: stream.alloc_zeros::<i32>(experts + 1)?,
@@ -327,38 +320,32 @@ impl PermuteBuffers {
                 self.max_pairs
             )));
         }
-        let (i_len, h_len) = (topk_ids.len(), hidden.len());
-        check_len("topk_ids", i_len, pairs)?;
-        check_len("hidden", h_len, tokens * self.hidden)?;
-        let (i_ptr, _gi) = topk_ids.device_ptr(stream);
-        let (h_ptr, _gh) = hidden.device_ptr(stream);
+        let l = Launch::new(stream)?;
+        let (ids, h) = (l.input(topk_ids), l.input(hidden));
+        check_len("topk_ids", ids.len, pairs)?;
+        check_len("hidden", h.len, tokens * self.hidden)?;
         if tokens > 0 {
-            check_align("hidden", h_ptr, 16)?;
+            check_align("hidden", h.addr, 16)?;
         }
-        let (o_ptr, _go) = self.expert_offsets.device_ptr_mut(stream);
-        let (r_ptr, _gr) = self.row_of_pair.device_ptr_mut(stream);
-        let (p_ptr, _gp) = self.pair_of_row.device_ptr_mut(stream);
-        let (x_ptr, _gx) = self.x_perm.device_ptr_mut(stream);
-        let (e_ptr, _ge) = self.error.device_ptr_mut(stream);
-        let (w_ptr, _gw) = self.workspace.device_ptr_mut(stream);
-        let p = raw::PermuteParams {
-            topk_ids: i_ptr,
+        let (o, r) = (l.output(&mut self.expert_offsets), l.output(&mut self.row_of_pair));
+        let (p, x) = (l.output(&mut self.pair_of_row), l.output(&mut self.x_perm));
+        let (e, w) = (l.output(&mut self.error), l.output(&mut self.workspace));
+        let args = PermuteArgs {
+            topk_ids: ids.addr,
             tokens: tokens as i64,
             top_k: top_k as i64,
             experts: self.experts as i64,
-            hidden: h_ptr,
+            hidden: h.addr,
             hidden_size: self.hidden as i64,
-            expert_offsets: o_ptr,
-            row_of_pair: r_ptr,
-            pair_of_row: p_ptr,
-            x_perm: x_ptr,
-            error: e_ptr,
-            workspace: w_ptr,
-            stream: stream_handle(stream)?,
+            expert_offsets: o.addr,
+            row_of_pair: r.addr,
+            pair_of_row: p.addr,
+            x_perm: x.addr,
+            error: e.addr,
+            workspace: w.addr,
         };
         // SAFETY: every buffer holds max_pairs >= pairs entries (checked); inputs checked above.
-        unsafe { raw::permute_and_gather(&p)? };
-        Ok(())
+        unsafe { l.launch(&args, raw::permute_and_gather_can_implement, raw::permute_and_gather) }
     }
 
     /// Synchronizes `stream` and reports the first bad expert id a [`Self::permute`] met since the
@@ -418,25 +405,20 @@ where
     if top_k == 0 || hidden == 0 || !hidden.is_multiple_of(8) {
         return Err(Error::InvalidShape(format!("need top_k > 0 and hidden ({hidden}) a positive multiple of 8")));
     }
-    let (y_len, r_len, w_len, o_len) = (y.len(), row_of_pair.len(), topk_weights.len(), out.len());
-    check_len("y", y_len, tokens * top_k * hidden)?;
-    check_len("row_of_pair", r_len, tokens * top_k)?;
-    check_len("topk_weights", w_len, tokens * top_k)?;
-    check_len("out", o_len, tokens * hidden)?;
-    let (y_ptr, _gy) = y.device_ptr(stream);
-    let (r_ptr, _gr) = row_of_pair.device_ptr(stream);
-    let (w_ptr, _gw) = topk_weights.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
+    let l = Launch::new(stream)?;
+    let (y, r, w, o) = (l.input(y), l.input(row_of_pair), l.input(topk_weights), l.output(out));
+    check_len("y", y.len, tokens * top_k * hidden)?;
+    check_len("row_of_pair", r.len, tokens * top_k)?;
+    check_len("topk_weights", w.len, tokens * top_k)?;
+    check_len("out", o.len, tokens * hidden)?;
     if tokens == 0 {
         return Ok(());
     }
-    check_align("y", y_ptr, 16)?;
-    check_align("out", o_ptr, 16)?;
+    check_align("y", y.addr, 16)?;
+    check_align("out", o.addr, 16)?;
+    let (t, k, h) = (tokens as i64, top_k as i64, hidden as i64);
     // SAFETY: lengths and alignment checked; the kernel skips rows outside [0, tokens * top_k).
-    unsafe {
-        raw::combine(y_ptr, r_ptr, w_ptr, tokens as i64, top_k as i64, hidden as i64, o_ptr, stream_handle(stream)?)?
-    };
-    Ok(())
+    unsafe { l.run(|st| raw::combine(y.addr, r.addr, w.addr, t, k, h, o.addr, st)) }
 }
 
 #[cfg(test)]
