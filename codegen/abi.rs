@@ -5,7 +5,7 @@
 //! of `static_assert`s that the C++ compiler's sizes, offsets and enumerator values are too. A
 //! header edit regenerates everything; a stale or hand-edited copy fails the build.
 //!
-//! Used by `build.rs` (as a `#[path]` module) and by `tests/abi.rs`, which checks that the C++ checks
+//! Used by `build.rs` (as a `#[path]` module) and by the `drift` tests of `src/abi.rs`, which check that the C++ checks
 //! reject a header that drifted from the generated Rust.
 
 use std::fmt::Write as _;

@@ -12,7 +12,7 @@
 use half::bf16;
 use nvfp4_moe::io::{read_modelopt, write_modelopt, ModelOptWeight};
 use nvfp4_moe::layout::ScaleLayout;
-use nvfp4_moe::reference;
+use nvfp4_moe::{host, reference};
 
 fn main() -> nvfp4_moe::Result<()> {
     // A [256, 512] "weight": a smooth pattern with a few outliers (no RNG dependency needed).
@@ -26,7 +26,7 @@ fn main() -> nvfp4_moe::Result<()> {
         .collect();
 
     // ModelOpt's weight path: g = amax / (6 * 448) (as PyTorch computes it on CUDA), then the blocks.
-    let g = reference::weight_decode_scale(&w)?;
+    let g = host::weight_decode_scale(&w)?;
     let q = reference::quantize(&w, rows, cols, g, ScaleLayout::Linear)?;
     println!("quantized [{rows}, {cols}]: {} code bytes, {} scale bytes, g = {g:e}", q.codes.len(), q.scales.len());
 

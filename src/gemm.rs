@@ -13,9 +13,9 @@ use half::bf16;
 use crate::abi::{GemmEpilogue, GroupedGemmArgs, PrepareWeightsArgs};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
+use crate::host::ExpertWeightsHost;
 use crate::launch::{self, check_align, check_len, Launch};
 use crate::quantize::BufferInfo;
-use crate::reference::ExpertWeightsHost;
 
 /// NVFP4 expert weights `[E, n, k]` prepared for the grouped GEMM: retiled once, at load, into
 /// the chunk layout the mainloop reads (`cpp/src/nvfp4_weights.cuh`), plus each expert's decode
@@ -155,7 +155,7 @@ impl Nvfp4Weights {
         let ExpertShape { experts, n, k } = shape;
         check_gemm_shape(experts, n, k)?;
         for &g in &scale_pairs {
-            crate::reference::validate_decode_scale(g)?;
+            crate::host::validate_decode_scale(g)?;
         }
         check_len("codes", codes.len(), experts * n * k / 2)?;
         check_len("scales", scales.len(), experts * n * k / 16)?;

@@ -3,7 +3,7 @@
 //! activation quantizers produce, and the grouped per-expert form of the swizzled layout.
 //!
 //! All offsets are pure index arithmetic (no allocation, no panics) so the CUDA kernels can mirror
-//! them; shapes are validated by the callers (see [`crate::reference::validate_quantize_shape`]).
+//! them; shapes are validated by the callers (see [`crate::host::validate_quantize_shape`]).
 
 use crate::error::{Error, Result};
 

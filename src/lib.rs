@@ -32,17 +32,21 @@
 
 #![warn(missing_docs, missing_debug_implementations, clippy::missing_errors_doc, clippy::missing_safety_doc)]
 
-// Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
+// Without a GPU: the FFI types, the format, host weight types, files, the CPU oracle, presets.
 pub mod abi;
-pub mod checkpoint;
+/// The generator of `abi` (build.rs runs it), for the drift tests.
+#[cfg(test)]
+#[path = "../codegen/abi.rs"]
+#[allow(dead_code, missing_docs)]
+mod codegen_abi;
 pub mod error;
 pub mod format;
+pub mod host;
 pub mod io;
 pub mod layout;
 pub mod presets;
 pub mod reference;
 mod rng;
-pub mod routing;
 #[doc(hidden)]
 pub mod testing;
 
@@ -59,6 +63,8 @@ mod launch;
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod quantize;
+#[cfg(feature = "cuda")]
+pub mod routing;
 
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
