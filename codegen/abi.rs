@@ -245,9 +245,21 @@ fn rust_const(name: &str) -> String {
     out
 }
 
+/// Writes `doc` as `///` lines. Brackets outside code spans are escaped: the header's shapes
+/// (`bf16 [rows, cols]`) are not links.
 fn docs(out: &mut String, indent: &str, doc: &[String]) {
     for d in doc {
-        let _ = writeln!(out, "{indent}/// {d}");
+        let mut line = String::new();
+        let mut in_code = false;
+        for c in d.chars() {
+            match c {
+                '`' => in_code = !in_code,
+                '[' | ']' if !in_code => line.push('\\'),
+                _ => {}
+            }
+            line.push(c);
+        }
+        let _ = writeln!(out, "{indent}/// {line}");
     }
 }
 

@@ -37,7 +37,7 @@ pub struct Nvfp4Host {
 
 impl Nvfp4Host {
     /// Checks that the fields agree with each other (shape, buffer lengths, decode scale), so
-    /// that [`dequantize`] can index without going out of bounds.
+    /// that [`crate::reference::dequantize`] can index without going out of bounds.
     ///
     /// # Errors
     /// As [`validate_quantize_shape`] and [`validate_decode_scale`], or [`Error::BufferTooSmall`] /

@@ -43,6 +43,15 @@ pub(crate) fn status(raw_status: i32) -> Result<()> {
     })
 }
 
+/// A device buffer as the checks see it: its address and its length in elements.
+#[derive(Clone, Copy, Debug)]
+pub struct BufferInfo {
+    /// Device address.
+    pub addr: u64,
+    /// Length in elements.
+    pub len: usize,
+}
+
 /// A device buffer as a launch sees it.
 pub(crate) struct Buf<'a> {
     /// Its device address.
@@ -54,8 +63,8 @@ pub(crate) struct Buf<'a> {
 
 impl Buf<'_> {
     /// Address and length, for the pure checks.
-    pub fn info(&self) -> crate::quantize::BufferInfo {
-        crate::quantize::BufferInfo { addr: self.addr, len: self.len }
+    pub fn info(&self) -> BufferInfo {
+        BufferInfo { addr: self.addr, len: self.len }
     }
 }
 

@@ -101,14 +101,7 @@ impl Nvfp4Tensor {
     }
 }
 
-/// A device buffer as the checks see it: its address and its length in elements.
-#[derive(Clone, Copy, Debug)]
-pub struct BufferInfo {
-    /// Device address.
-    pub addr: u64,
-    /// Length in elements.
-    pub len: usize,
-}
+pub use crate::launch::BufferInfo;
 
 /// Validates a quantize call: shape, decode scale, buffer lengths and alignment (x 16 bytes,
 /// codes 8 bytes). Pure: no GPU needed.

@@ -27,9 +27,12 @@ mod routing {
             softmax_topk_into(&s, &ld, TopK { tokens: t, experts: e, top_k: k, renormalize: renorm }, &mut ids, &mut w)
                 .unwrap();
             assert_eq!(s.clone_dtoh(&ids).unwrap(), want_ids, "t={t} e={e} k={k} seed={seed}");
+            let mut err = RelErr::default();
             for (g, x) in s.clone_dtoh(&w).unwrap().iter().zip(&want_w) {
                 assert!((g - x).abs() <= 1e-5 * x.abs().max(1e-3), "{g} vs {x}: t={t} e={e} k={k} seed={seed}");
+                err.add(f64::from(*g), f64::from(*x));
             }
+            err.report(&format!("softmax top-k weights t={t} e={e} k={k} (ids equal)"));
         }
     }
 

@@ -178,6 +178,7 @@ fn grouped_quantize_matches_reference() {
                 first_diff(&scales, &want_scales)
             );
             assert!(scales[want_scales.len()..].iter().all(|&b| b == 0), "padding: {ctx}");
+            report_exact(&format!("grouped quantize {ctx}"), codes.len() + scales.len());
         }
     }
 }
