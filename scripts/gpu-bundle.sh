@@ -26,7 +26,8 @@ for line in sys.stdin:
 cargo build --release --bin nvfp4-moe
 cp "$CARGO_TARGET_DIR/release/nvfp4-moe" "$bundle/"
 cargo test --release --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
-  cp "$exe" "$bundle/tests/$kind-$name"
+  # (cargo test also builds the examples: they are bundled below, not as tests.)
+  if [ "$kind" != example ]; then cp "$exe" "$bundle/tests/$kind-$name"; fi
 done
 cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
   if [ "$kind" = bench ]; then cp "$exe" "$bundle/benches/$name"; fi
