@@ -2,6 +2,7 @@
 // per-configuration kernels (grouped_gemm_m128n*.cu).
 #include "grouped_gemm_sm90.cuh"
 
+#include <algorithm>
 #include <mutex>
 #include <type_traits>
 
@@ -112,6 +113,22 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
   }
+  // Split-K (N16 tiles only): when even an upper bound of the tiles fills less than half the
+  // CTA slots, clusters of 2 or 4 CTAs share each tile's K (each CTA keeping >= 4 K stages). The
+  // bound: expert e has ceil(rows_e / 16) row tiles, and sum_e ceil(rows_e / 16) is at most
+  // total_rows and at most total_rows / 16 + (experts with rows).
+  int splits = 1;
+  if (tile == GemmTile::kM128N16) {
+    const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
+    const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
+    const int64_t tiles = m_tiles * row_tiles, slots = int64_t(sms) * 2;
+    for (int s : {4, 2}) {
+      if (tiles * s <= slots && k_tiles >= 4 * s) {
+        splits = s;
+        break;
+      }
+    }
+  }
   gemm::Params p{static_cast<const uint8_t*>(a.prepared),
                  a.decode_scale,
                  a.expert_offsets,
@@ -122,7 +139,8 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  int(a.experts),
                  int(a.n),
                  int(a.k),
-                 int(a.total_rows)};
+                 int(a.total_rows),
+                 splits};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {

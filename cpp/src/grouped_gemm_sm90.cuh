@@ -27,11 +27,14 @@
 
 #include "nvfp4moe/nvfp4moe.h"
 #include "nvfp4_codec.cuh"
+#include "gemm_splitk.cuh"
 #include "nvfp4_weights.cuh"
 #include "status.hpp"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -74,6 +77,7 @@ struct Params {
   int n;
   int k;
   int total_rows;              // rows of x and out: offsets are clamped to [0, total_rows]
+  int splits;                  // CTAs per tile (the cluster size; 1: no split-K), <= Cfg::kMaxSplits
 };
 
 // Expert e's rows [begin, end), clamped so that malformed offsets can never address memory
@@ -88,7 +92,8 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
 // warpgroup keeps 40, consumers get 96; ptxas compiles for 80) and so must the shared memory;
 // small-N tiles need few registers, and two CTAs double the warps that convert weights, which
 // bounds decode throughput.
-template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true>
+template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true,
+          int kMaxSplits_ = 1>
 struct Config {
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
@@ -102,6 +107,9 @@ struct Config {
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
+  // Split-K over clusters of up to kMaxSplits CTAs (gemm_splitk.cuh); 1: never split.
+  static constexpr int kMaxSplits = kMaxSplits_;
+  static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 / kMinBlocks, "register budget");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
@@ -120,6 +128,7 @@ struct Config {
     alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
     int tile_prefix[kMaxExperts + 1];
     typename Pipeline::SharedStorage pipeline;
+    std::conditional_t<(kMaxSplits > 1), splitk::Storage<kMaxSplits, kAccum>, splitk::NoStorage> split;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static constexpr uint32_t kStageBytes = 2 * weights::kChunkBytes + kBlockN * kTileK * 2;
@@ -160,7 +169,7 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
   const int inter = p.n / 2;
   const int sf_k_tiles = (inter / 16 + 3) / 4;  // 4-column tiles of the scale layout
   const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : expert];
-  const float six_g = __fmul_rn(6.0f, act_g);
+  const codec::TensorScale ts = codec::make_tensor_scale(act_g);
   uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
   const int64_t region = (int64_t(expert_row0) + int64_t(expert) * 127) / 128 * 128;  // expert's scale rows
   for (int piece = t; piece < kBlockN * 2; piece += nthreads) {
@@ -170,7 +179,7 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
       const uint4* src = reinterpret_cast<const uint4*>(epi + r * 32 + blk * 16);
       uint4 lo = src[0], hi = src[1];
       const uint32_t w8[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      codec::Block16 q = codec::quantize_block16(w8, act_g, six_g);
+      codec::Block16 q = codec::quantize_block16_compact(w8, ts);
       int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
       *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
       p.out_scales[codec::swizzled_offset(region + (row - expert_row0), col / 16, sf_k_tiles)] = uint8_t(q.scale);
@@ -226,6 +235,13 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     __syncthreads();
   }
   const int total_tiles = ss.tile_prefix[p.experts];
+  // Split-K: the cluster of `splits` CTAs is one unit of the persistent tile walk; CTA `rank`
+  // takes K stages [kc_begin, kc_end) of every tile (the host keeps each range non-empty).
+  const int splits = Cfg::kMaxSplits > 1 ? p.splits : 1;
+  const int rank = splits > 1 ? int(cute::block_rank_in_cluster()) : 0;
+  const int unit0 = int(blockIdx.x) / splits, units = int(gridDim.x) / splits;
+  const int kps = (k_tiles + splits - 1) / splits;
+  const int kc_begin = rank * kps, kc_end = min(k_tiles, kc_begin + kps);
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kStageBytes;
@@ -235,20 +251,27 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   pp.num_producers = 1;
   Pipeline pipeline(ss.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
+  if constexpr (Cfg::kMaxSplits > 1) {
+    if (splits > 1) {
+      splitk::init(ss.split, splits);
+    }
+  }
 
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(&tma_x);
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+      for (int tile = unit0; tile < total_tiles; tile += units) {
         TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
         int row0 = expert_rows(p, tc.expert).x + tc.n_tile * kBlockN;
         int mt0 = tc.m_tile * 2;
         // With n % 128 == 64 the last tile has one 64-row half: the second consumer gets the
         // first half again (its results are not stored), so every stage moves the same bytes.
         int mt1 = mt0 + 1 < chunks_m ? mt0 + 1 : mt0;
-        for (int kc = 0; kc < k_tiles; ++kc) {
+        // Not unrolled: the producer runs on kProducerRegs registers.
+#pragma unroll 1
+        for (int kc = kc_begin; kc < kc_end; ++kc) {
           pipeline.producer_acquire(state);
           uint64_t* bar = pipeline.producer_get_barrier(state);
           int s = state.index();
@@ -267,15 +290,15 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       // The quantizer warps walk the same tiles as the consumers. Each hand-over buffer starts
       // empty (one arrive, only in a CTA that has a tile), and after a CTA's last tile nobody
       // waits for it: every arrive is matched by one consumer wait.
-      if (threadIdx.x >= 32 && int(blockIdx.x) < total_tiles) {
+      if (threadIdx.x >= 32 && rank == 0 && unit0 < total_tiles) {
         const int qt = threadIdx.x - 32;
         cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 0);
         cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 1);
-        for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+        for (int tile = unit0; tile < total_tiles; tile += units) {
           TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
           int2 rr = expert_rows(p, tc.expert);
           int row_begin = rr.x + tc.n_tile * kBlockN;
-          bool more = tile + int(gridDim.x) < total_tiles;
+          bool more = tile + units < total_tiles;
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < 2; ++c) {
             int feature0 = tc.m_tile * kTileM + c * 64;
@@ -315,6 +338,11 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
 
   auto state = typename Pipeline::PipelineState{};
   bfloat16_t* epi = ss.epi[cw];
+  // A stage's shared memory is free again: arrive on this CTA's empty barrier. (The pipeline's own
+  // consumer_release, built for a cluster of one, would signal the cluster's rank 0.)
+  auto release_stage = [&](auto st) { ss.pipeline.empty_barrier_[st.index()].arrive(); };
+  const int n_k = kc_end - kc_begin;  // K stages per tile for this CTA
+  int handed = 0;                     // split-K hand-overs so far (leader: reductions)
 
   // Stage s's weight chunk -> BF16 A fragment `frag` (exact; see nvfp4_weights.cuh).
   auto convert = [&](int s, auto& frag) {
@@ -363,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     warpgroup_fence_operand(accum);
   };
 
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (int tile = unit0; tile < total_tiles; tile += units) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
@@ -391,30 +419,41 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         issue(s, frag);
         warpgroup_wait<1>();
         fence_a(frag);
-        pipeline.consumer_release(release);
+        release_stage(release);
         release = state;
         ++state;
       };
       int kc = 1;
-      for (; kc + 1 < k_tiles; kc += 2) {
+      for (; kc + 1 < n_k; kc += 2) {
         step(tCrA1);
         step(tCrA0);
       }
-      if (kc < k_tiles) {
+      if (kc < n_k) {
         step(tCrA1);
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
-      pipeline.consumer_release(release);
+      release_stage(release);
     } else {
-      for (int kc = 0; kc < k_tiles; ++kc) {
+      for (int kc = 0; kc < n_k; ++kc) {
         pipeline.consumer_wait(state);
         convert(state.index(), tCrA0);
         issue(state.index(), tCrA0);
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
-        pipeline.consumer_release(state);
+        release_stage(state);
         ++state;
+      }
+    }
+    if constexpr (Cfg::kMaxSplits > 1) {
+      if (splits > 1) {
+        // Non-leaders hand their partial sums to the leader and go on; the leader adds them (in
+        // rank order) and runs the epilogue.
+        if (rank != 0) {
+          splitk::send<Cfg::kAccum>(ss.split, rank, cw, t, handed++, accum);
+          continue;
+        }
+        splitk::reduce<Cfg::kAccum>(ss.split, splits, cw, t, handed++, accum);
       }
     }
 
@@ -469,24 +508,61 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       }
     }
   }
+  if constexpr (Cfg::kMaxSplits > 1) {
+    if (splits > 1 && rank != 0) {
+      splitk::drain(ss.split, cw, handed);
+    }
+  }
 }
 
 // Host side: launches Cfg's kernel on `ctas` x kMinBlocks persistent CTAs (ctas = SM count). Instantiated once per configuration,
 // each in its own .cu file (grouped_gemm_m128n*.cu).
 template <class Cfg>
 Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, cudaStream_t stream) {
+  static_assert(Cfg::kSmemBytes * Cfg::kMinBlocks <= 227 * 1024, "shared memory per SM");
   auto kernel = grouped_gemm_kernel<Cfg>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   }
-  kernel<<<ctas * Cfg::kMinBlocks, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
+  if (p.splits < 1 || p.splits > Cfg::kMaxSplits || (p.splits & (p.splits - 1)) != 0) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: %d splits (this tile allows 1..%d, powers of two)",
+                p.splits, Cfg::kMaxSplits);
+  }
+  if (p.splits == 1) {
+    kernel<<<ctas * Cfg::kMinBlocks, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
+    return check_launch("grouped_gemm_nvfp4");
+  }
+  // Clusters of `splits` CTAs, as many as can be resident at once (the walk is persistent).
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(p.splits);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / p.splits * p.splits));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess || clusters < 1) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits (%s)", p.splits,
+                cudaGetErrorString(e));
+  }
+  cfg.gridDim = dim3(unsigned(clusters * p.splits));
+  e = cudaLaunchKernelEx(&cfg, kernel, tma_x, p);
+  if (e != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaLaunchKernelEx: %s", cudaGetErrorString(e));
+  }
   return check_launch("grouped_gemm_nvfp4");
 }
 
 // The configurations (declared here, each defined in its own translation unit).
 template <GemmEpilogue E>
-using ConfigN16 = Config<16, 12, 2, E, false>;  // 80 registers: too few to pipeline (C7512)
+using ConfigN16 = Config<16, 12, 2, E, false, 4>;  // 80 registers: too few to pipeline (C7512)
 template <GemmEpilogue E>
 using ConfigN64 = Config<64, 15, 1, E>;
 template <GemmEpilogue E>

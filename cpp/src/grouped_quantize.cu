@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
       continue;  // malformed offsets: never write outside the buffers
     }
     const float g = decode_scales[num_decode_scales == 1 ? 0 : gr.expert];
-    const float six_g = __fmul_rn(6.0f, g);
+    const codec::TensorScale ts = codec::make_tensor_scale(g);
     const __nv_bfloat16* row_ptr = x + int64_t(row) * row_elems;
     uint2* row_codes = reinterpret_cast<uint2*>(codes + int64_t(row) * (cols / 2));
     for (int k = lane; k < kb; k += 64) {
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
         if (kj < kb) {
           const uint32_t w[8] = {cur[2 * j].x,     cur[2 * j].y,     cur[2 * j].z,     cur[2 * j].w,
                                  cur[2 * j + 1].x, cur[2 * j + 1].y, cur[2 * j + 1].z, cur[2 * j + 1].w};
-          const codec::Block16 q = codec::quantize_block16(w, g, six_g);
+          const codec::Block16 q = codec::quantize_block16(w, ts);
           row_codes[kj] = make_uint2(q.codes_lo, q.codes_hi);
           scales[codec::swizzled_offset(gr.scale_row, kj, k_tiles)] = uint8_t(q.scale);
         }

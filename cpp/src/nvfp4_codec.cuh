@@ -181,14 +181,131 @@ CUTLASS_DEVICE void quantize_codes_fast(const float (&x)[16], float d, uint32_t 
   }
 }
 
-// `w` holds the 16 inputs as 8 packed bf16 pairs (element 2j in the low half of w[j]);
-// `six_g` is RN(6 * g), as step 2 rounds the product first. Recipe v2 (design/NVFP4.md): ModelOpt
-// 0.47's bytes on every finite input; a NaN anywhere gives scale 0x7F and zero codes.
-CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], float g, float six_g) {
+// The reciprocal paths (recipe v2, exact). For a block scale byte s and the tensor's g, with
+// d = RN(e4m3(s) g) and r = RN(1/d):
+// - every path below needs s in [0x09, 0x7D] (normal and not the saturating 448, so
+//   |x / d| <= 6 (1 + 2^-4) (1 + 2^-22) < 7 for every x of a block with this scale: no saturation
+//   step) and d in [2^-60, 2^16] (no overflow of r, no underflow of a non-zero x r, and the range in
+//   which the Markstein correction below is exact near every decision point);
+// - the plain product RN(x r) gives every bf16 x the same code as RN(x / d) when, for each E2M1
+//   decision point c = m 2^j (m = 1, 3, 5, 7), m d is at least 8 FP32 ulps from every bf16 value
+//   (the bf16 values are closed under 2^j): then |x / d - c| > 2^-21 c for every bf16 x, more than
+//   the 1.5 ulps between RN(x r) and x / d, so both round to the same side of c and neither lands
+//   on it. A random g passes for ~99.9% of the scale bytes; ModelOpt's weight convention
+//   g = amax RN(1/2688) often does not (m s amax / 2688 is then often short: a near tie);
+// - otherwise q0 + RN(x - d q0) r with q0 = RN(x r) (Markstein) is RN(x / d) exactly.
+// tests/codec_fast_path.rs checks both claims against the reference on every bf16 x for
+// thousands of (g, s).
+// RN(1/d) for d in [2^-60, 2^16]: the sequence __frcp_rn runs for operands away from the exponent
+// extremes (MUFU.RCP and one Newton step), without its slow-path call, whose calling convention
+// would cost the GEMM epilogue's quantizer warps spills.
+CUTLASS_DEVICE float rcp_rn_normal(float d) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+  return __fmaf_rn(-__fmaf_rn(d, r0, -1.0f), r0, r0);
+}
+
+struct ScaleRcp {
+  float r;  // RN(1/d); 0: neither reciprocal path (the block takes the exact path)
+  float d;  // d, negated when the plain product is not enough (Markstein)
+};
+
+CUTLASS_DEVICE ScaleRcp scale_reciprocal(uint32_t s, float g) {
+  if (s < 0x09u || s > 0x7Du) {
+    return ScaleRcp{0.0f, 0.0f};
+  }
+  const float d = __fmul_rn(e4m3_decode(s), g);
+  if (!(d >= 0x1p-60f && d <= 0x1p16f)) {
+    return ScaleRcp{0.0f, 0.0f};
+  }
+  bool plain = true;
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 1; m <= 7; m += 2) {
+    const uint32_t y = __float_as_uint(__fmul_rn(float(m), d));
+    plain &= ((y + 7u) & 0xFFFFu) >= 15u;  // low 16 bits: FP32 ulps from the nearest bf16 value
+  }
+  return ScaleRcp{rcp_rn_normal(d), plain ? d : -d};
+}
+
+// A tensor's decode scale with what the block-scale step needs: six_g = RN(6 g) (step 2 rounds the
+// product first) and inv_six_g = RN(1 / six_g) for the fast scale estimate.
+struct TensorScale {
+  float g, six_g, inv_six_g;
+};
+
+CUTLASS_HOST_DEVICE TensorScale make_tensor_scale(float g) {
+  TensorScale ts;
+  ts.g = g;
+#if defined(__CUDA_ARCH__)
+  ts.six_g = __fmul_rn(6.0f, g);
+  ts.inv_six_g = __frcp_rn(ts.six_g);
+#else
+  ts.six_g = 6.0f * g;  // IEEE single: RN
+  ts.inv_six_g = 1.0f / ts.six_g;
+#endif
+  return ts;
+}
+
+// Where a block's ScaleRcp comes from: a table of scale_reciprocal over the 128 non-negative scale
+// bytes (the plain quantizer builds one per CTA), or computed per block.
+struct RcpTable {
+  const ScaleRcp* table;  // (128) in shared memory
+  CUTLASS_DEVICE ScaleRcp operator()(uint32_t s, float) const { return table[s & 0x7Fu]; }
+};
+struct RcpInline {
+  CUTLASS_DEVICE ScaleRcp operator()(uint32_t s, float g) const { return scale_reciprocal(s, g); }
+};
+
+// Step 4 on a reciprocal path (see scale_reciprocal): q = RN(x r + 0), Markstein-corrected when
+// kCorrect (the +0 turns -0.0 into +0.0, as ModelOpt's `x / d < 0` wants; a non-zero x keeps its
+// sign), no saturation (|q| < 7), then the E2M1 index as in e2m1_magnitude_bits and the sign bit.
+template <bool kCorrect>
+CUTLASS_DEVICE void quantize_codes_rcp(const uint32_t (&w)[8], float r, float d, uint32_t (&packed)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const float x = __uint_as_float(i % 2 == 0 ? w[i / 2] << 16 : w[i / 2] & 0xFFFF0000u);
+    float q = __fmaf_rn(x, r, 0.0f);
+    if constexpr (kCorrect) {
+      q = __fmaf_rn(__fmaf_rn(-q, d, x), r, q);
+    }
+    const float p = __uint_as_float(max(__float_as_uint(q) & 0x7F800000u, 0x3F800000u));
+    const float rounded = __fmaf_rn(-p, 0x1p22f, __fmaf_rn(p, 0x1p22f, fabsf(q)));
+    const uint32_t mag_bits = __float_as_uint(__fmul_rn(rounded, 0x1p-126f));  // index << 22
+    const int kShift = 22 - 4 * (i % 8);
+    packed[i / 8] |= (kShift >= 0 ? mag_bits >> kShift : mag_bits << -kShift) |
+                     ((__float_as_uint(q) >> (28 - 4 * (i % 8))) & (8u << (4 * (i % 8))));
+  }
+}
+
+// `w` holds the 16 inputs as 8 packed bf16 pairs (element 2j in the low half of w[j]). Recipe v2
+// (design/NVFP4.md): ModelOpt 0.47's bytes on every finite input; a NaN anywhere gives scale 0x7F
+// and zero codes. Paths, all exact: an all-zero block (scale 1.0, codes 0); the reciprocal paths
+// when the scale estimate RN(amax RN(1 / 6g)) is at least 8 ulps from an E4M3 rounding point (then
+// it rounds to the same byte as the true quotient, which it is within 3 ulps of) and `rcp` vouches
+// for that byte (the Markstein correction is applied to the whole warp when any of its active
+// lanes needs it, so the warp does not run both); otherwise the exact block scale and Markstein or
+// true division.
+template <class Rcp>
+CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScale& ts, const Rcp& rcp) {
   const uint32_t amax_bits = block_amax_bits(w);
-  Block16 out{0x7Fu, 0u, 0u};
+  if (amax_bits == 0) {
+    return Block16{0x38u, 0u, 0u};  // t = 0 -> 1, d = g > 0, every quotient +-0 -> code 0
+  }
   if (amax_bits > 0x7F80u) {
-    return out;  // NaN scale, zero codes: the NaN stays visible after decoding
+    return Block16{0x7Fu, 0u, 0u};  // NaN scale, zero codes: the NaN stays visible after decoding
+  }
+  // Normal range of E4M3: the rounding points are the FP32 values whose low 20 bits are 0x80000.
+  const float t1 = __fmul_rn(__uint_as_float(amax_bits << 16), ts.inv_six_g);
+  const uint32_t s1 = e4m3_encode(t1);
+  const ScaleRcp e = rcp(s1, ts.g);
+  uint32_t packed[2] = {0u, 0u};
+  if (e.r > 0.0f && ((__float_as_uint(t1) + 8u - 0x80000u) & 0xFFFFFu) >= 16u) {
+    if (__any_sync(__activemask(), e.d < 0.0f)) {
+      quantize_codes_rcp<true>(w, e.r, fabsf(e.d), packed);
+    } else {
+      quantize_codes_rcp<false>(w, e.r, e.d, packed);
+    }
+    return Block16{s1, packed[0], packed[1]};
   }
   float x[16];
   CUTLASS_PRAGMA_UNROLL
@@ -196,17 +313,41 @@ CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], float g, float s
     x[2 * j] = __uint_as_float(w[j] << 16);
     x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
   }
-  const BlockScale b = block_scale(amax_bits, g, six_g);
+  const BlockScale b = block_scale(amax_bits, ts.g, ts.six_g);
+  if (b.fast) {
+    quantize_codes_fast(x, b.d, packed);
+  } else {
+    quantize_codes_exact(x, b.d, packed);
+  }
+  return Block16{b.scale, packed[0], packed[1]};
+}
+
+CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScale& ts) {
+  return quantize_block16(w, ts, RcpInline{});
+}
+
+// The recipe through the exact block scale and Markstein or true division only: fewer registers
+// than quantize_block16 (the GEMM epilogue's quantizer warps run on 40 registers in a kernel
+// compiled for 80, where the reciprocal paths spill), the same bytes.
+CUTLASS_DEVICE Block16 quantize_block16_compact(const uint32_t (&w)[8], const TensorScale& ts) {
+  const uint32_t amax_bits = block_amax_bits(w);
+  if (amax_bits > 0x7F80u) {
+    return Block16{0x7Fu, 0u, 0u};
+  }
+  float x[16];
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    x[2 * j] = __uint_as_float(w[j] << 16);
+    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+  const BlockScale b = block_scale(amax_bits, ts.g, ts.six_g);
   uint32_t packed[2] = {0u, 0u};
   if (b.fast) {
     quantize_codes_fast(x, b.d, packed);
   } else {
     quantize_codes_exact(x, b.d, packed);
   }
-  out.scale = b.scale;
-  out.codes_lo = packed[0];
-  out.codes_hi = packed[1];
-  return out;
+  return Block16{b.scale, packed[0], packed[1]};
 }
 
 // Decodes one block: 8 code bytes (element 2j in the low nibble) and its scale byte -> 16 bf16 at

@@ -66,7 +66,7 @@ struct QuantizeParams {
   int n_blocks;                // rows * kb
   int rows, rows_pad, kb, kb_pad, k_tiles;
   cutlass::FastDivmod div_kb;  // block -> (row, column); swizzled layout only
-  float g, six_g;
+  codec::TensorScale ts;
 };
 
 // The swizzled layout's padding: columns [kb, kb_pad) of the data rows, then every column of rows
@@ -82,11 +82,27 @@ CUTLASS_DEVICE void write_swizzled_padding(const QuantizeParams& p, int first, i
   }
 }
 
+// Encodes block b (its 32 input bytes in v) and stores its 8 code bytes and scale byte.
+template <ScaleLayout kLayout>
+CUTLASS_DEVICE void encode_store(const QuantizeParams& p, const codec::RcpTable& rcp, int b, const uint4 (&v)[2]) {
+  const uint32_t w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+  const codec::Block16 q = codec::quantize_block16(w, p.ts, rcp);
+  reinterpret_cast<uint2*>(p.codes)[b] = make_uint2(q.codes_lo, q.codes_hi);
+  if constexpr (kLayout == ScaleLayout::kLinear) {
+    p.scales[b] = uint8_t(q.scale);
+  } else {
+    int m, k;
+    p.div_kb(m, k, b);
+    p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = uint8_t(q.scale);
+  }
+}
+
 // x: (rows, cols) bf16 -> codes (rows, cols/2) u8, scales per kLayout (padding bytes 0). Thread i of
 // the grid takes blocks i, i + stride, ...; the next one's two 16-byte loads go out before the
 // current block is encoded.
 template <ScaleLayout kLayout>
-__global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams p) {
+__global__ void __launch_bounds__(kThreads, 5) quantize_kernel(const QuantizeParams p) {
+  static_assert(kThreads >= 128, "one thread per table entry");
   const int stride = int(gridDim.x) * kThreads;
   int b = int(blockIdx.x) * kThreads + int(threadIdx.x);
   uint4 cur[2] = {}, next[2] = {};
@@ -94,23 +110,29 @@ __global__ void __launch_bounds__(kThreads) quantize_kernel(const QuantizeParams
     cur[0] = __ldg(p.x + 2 * int64_t(b));
     cur[1] = __ldg(p.x + 2 * int64_t(b) + 1);
   }
-  for (; b < p.n_blocks; b += stride) {
+  // The fast-path reciprocal of every non-negative scale byte for this g, once per CTA (the grid is
+  // persistent: each CTA then encodes ~20 blocks per thread).
+  __shared__ codec::ScaleRcp rcp_table[128];  // (128) per scale byte
+  if (threadIdx.x < 128) {
+    rcp_table[threadIdx.x] = codec::scale_reciprocal(threadIdx.x, p.ts.g);
+  }
+  __syncthreads();
+  const codec::RcpTable rcp{rcp_table};
+  // Two register sets in turn (the loop body unrolled twice), so no moves between them.
+  for (; b < p.n_blocks; b += 2 * stride) {
     if (b + stride < p.n_blocks) {
       next[0] = __ldg(p.x + 2 * int64_t(b + stride));
       next[1] = __ldg(p.x + 2 * int64_t(b + stride) + 1);
     }
-    const uint32_t w[8] = {cur[0].x, cur[0].y, cur[0].z, cur[0].w, cur[1].x, cur[1].y, cur[1].z, cur[1].w};
-    const codec::Block16 q = codec::quantize_block16(w, p.g, p.six_g);
-    reinterpret_cast<uint2*>(p.codes)[b] = make_uint2(q.codes_lo, q.codes_hi);
-    if constexpr (kLayout == ScaleLayout::kLinear) {
-      p.scales[b] = uint8_t(q.scale);
-    } else {
-      int m, k;
-      p.div_kb(m, k, b);
-      p.scales[codec::swizzled_offset(m, k, p.k_tiles)] = uint8_t(q.scale);
+    encode_store<kLayout>(p, rcp, b, cur);
+    if (b + stride >= p.n_blocks) {
+      break;
     }
-    cur[0] = next[0];
-    cur[1] = next[1];
+    if (b + 2 * stride < p.n_blocks) {
+      cur[0] = __ldg(p.x + 2 * int64_t(b + 2 * stride));
+      cur[1] = __ldg(p.x + 2 * int64_t(b + 2 * stride) + 1);
+    }
+    encode_store<kLayout>(p, rcp, b + stride, next);
   }
   if constexpr (kLayout == ScaleLayout::kSwizzled128x4) {
     write_swizzled_padding(p, int(blockIdx.x) * kThreads + int(threadIdx.x), stride);
@@ -192,8 +214,7 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
     p.kb_pad = int(geo.kb_pad);
     p.k_tiles = int(geo.k_tiles);
     p.div_kb = cutlass::FastDivmod(int(geo.kb));
-    p.g = a.decode_scale;
-    p.six_g = 6.0f * a.decode_scale;
+    p.ts = codec::make_tensor_scale(a.decode_scale);
     int64_t work = std::max<int64_t>(p.n_blocks, swizzled ? chunk_pad * geo.kb_pad - int64_t(p.n_blocks) : 0);
     unsigned grid = unsigned(std::max<int64_t>(1, std::min(max_grid, (work + kThreads - 1) / kThreads)));
     kernel<<<grid, kThreads, 0, st>>>(p);

@@ -151,7 +151,8 @@ fn quantize_edge_blocks() {
 }
 
 /// Millions of blocks whose quotients land on or within a few ulps of the E2M1 decision points,
-/// at scales across the E4M3 range: the kernel's fast division path must agree with true division.
+/// at scales across the E4M3 range: the kernel's fast paths (reciprocal, Markstein) must agree
+/// with true division.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn quantize_division_fast_path_is_exact() {
@@ -160,7 +161,9 @@ fn quantize_division_fast_path_is_exact() {
     let seed = rng.seed();
     let (rows, cols) = (4096usize, 1024usize);
     const POINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
-    for &g in &[1.0f32, 0.3, 1.7e-5, 2.2e4] {
+    // Round g (the exact paths), fixed and fresh random g (the reciprocal fast path).
+    let random_g = [rng.uniform(-30.0, 10.0).exp2(), rng.uniform(-30.0, 10.0).exp2()];
+    for &g in [1.0f32, 0.3, 1.7e-5, 2.2e4].iter().chain(&random_g) {
         let mut x = Vec::with_capacity(rows * cols);
         for _ in 0..rows * cols / 16 {
             let amax = 6.0 * nvfp4_moe::format::e4m3_decode(rng.range(1, 0x7E) as u8) * g * rng.uniform(0.9, 1.1);

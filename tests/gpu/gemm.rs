@@ -183,6 +183,28 @@ pub(crate) mod grouped {
         let a = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         let b = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order).
+        for &(e, n, k, max_rows) in &[(4usize, 1024usize, 2048usize, 3usize), (2, 5760, 2880, 5)] {
+            let w = random_weights(&mut rng, e, n, k);
+            let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+            let mut off = random_offsets(&mut rng, e, max_rows);
+            off.iter_mut().skip(1).for_each(|o| *o += 1); // expert 0 gets a row: rows > 0
+            let rows = *off.last().unwrap() as usize;
+            let x = rng.normal_bf16(rows * k, 1.0);
+            let xd = s.clone_htod(&x).unwrap();
+            let a = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            let b = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "split-K E={e} n={n} k={k}");
+            let mut err = RelErr::default();
+            for _ in 0..2000.min(rows * n) {
+                let (row, f) = (rng.range(0, rows), rng.range(0, n));
+                let ex = expert_of(&off, row);
+                err.add(f64::from(a[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
+            }
+            eprintln!("split-K E={e} n={n} k={k} rows={rows}: relative error {:.3e}", err.rel());
+            assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}", err.rel());
+            err.report(&format!("split-K E={e} n={n} k={k} rows={rows}"));
+        }
     }
 
     /// Fused gate/up weights prepared in GateUpBands8 order, gate and up decode scales 10x apart:
