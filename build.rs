@@ -14,8 +14,29 @@
 //! Nothing is built, and no toolchain is looked for, without the `cuda` feature or under `DOCS_RS`
 //! (docs.rs has no CUDA toolkit; rustdoc needs neither the core nor the bridge).
 
+#[path = "codegen/abi.rs"]
+#[allow(dead_code)]
+mod abi;
+
+/// The one declaration of the FFI types, and where the Rust side generated from it goes.
+const ABI_HEADER: &str = "cpp/include/nvfp4moe/types.h";
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=codegen/abi.rs");
+    println!("cargo:rerun-if-changed={ABI_HEADER}");
+    // Always (the format's enums are public without the `cuda` feature too): the Rust side of
+    // cpp/include/nvfp4moe/types.h into OUT_DIR (abi_types.rs, abi_structs.rs, abi_check.cc).
+    let header = std::fs::read_to_string(ABI_HEADER).unwrap_or_else(|e| panic!("{ABI_HEADER}: {e}"));
+    let parsed = abi::parse(&header).unwrap_or_else(|e| {
+        println!("cargo::error={e}");
+        std::process::exit(1);
+    });
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let write = |name: &str, text: String| std::fs::write(out_dir.join(name), text).unwrap();
+    write("abi_types.rs", abi::rust_types(&parsed));
+    write("abi_structs.rs", abi::rust_structs(&parsed));
+    write("abi_check.cc", abi::cxx_checks(&parsed, "nvfp4moe/types.h"));
     #[cfg(feature = "cuda")]
     {
         println!("cargo:rerun-if-env-changed=DOCS_RS");
@@ -123,6 +144,8 @@ mod cuda {
 
         cxx_build::bridge("src/ffi.rs")
             .file("cpp/bridge/shim.cc")
+            // The C++ compiler checks the generated Rust layout against the header (codegen/abi.rs).
+            .file(out_dir.join("abi_check.cc"))
             .include(manifest.join("cpp/include"))
             .std("c++17")
             .flag_if_supported("-Wno-unused-parameter")

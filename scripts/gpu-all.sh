@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one GPU session needs to measure, in one device call (~9 minutes on the H200;
 # NVFP4MOE_BENCHES=none skips the GEMM bench and its PyTorch line, ~3 minutes less):
-# every GPU test, compute-sanitizer on the kernels' tests, `check` at real shapes with both
+# every GPU test and every example (run.sh), compute-sanitizer on the kernels' tests, `check` at real shapes with both
 # intermediates, the GEMM bench (with PyTorch's line),
 # the SwiGLU epilogue flows, the layer bench and the PyTorch MoE baselines; summary tables last.
 #   bash gpu-bundle/all.sh          (from the repository root, carry ["gpu-bundle"])
@@ -33,6 +33,9 @@ timeout 110 python3 "$here/torch_moe_baseline.py" --json "$out/torch_moe.json" >
 # The summary, also kept as one file (named to sort first: the device tool brings back only the first few files).
 {
   sed -n '/GPU summary/,$p' "$out/run.log"
+  echo "== examples (one line each: its last output line)"
+  for f in "$out"/example-*.log; do [ -e "$f" ] && printf '%-24s %s\n' "$(basename "$f" .log)" "$(tail -1 "$f")"; done
+  [ -e "$out/example-candle_moe.log" ] || echo "example-candle_moe       not bundled: it did not link on the build machine"
   grep -E "^test .*FAILED|ERROR SUMMARY|^test result" "$out/sanitizer.log"
   grep -E "^test .*FAILED|RACECHECK SUMMARY|^test result" "$out/racecheck.log"
   sed -n '/== swiglu: summary/,$p' "$out/bench-swiglu-all.log"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the bundle made by scripts/gpu-bundle.sh: every test binary with
-# --include-ignored, then the benches (filter = the arguments; NVFP4MOE_BENCHES=none skips them),
-# then a summary table. Logs and bench JSON go to $OUT (or ./gpu-out).
+# --include-ignored, every example once (NVFP4MOE_EXAMPLES=none skips them), then the benches
+# (filter = the arguments; NVFP4MOE_BENCHES=none skips them), then a summary table. Logs and bench
+# JSON go to $OUT (or ./gpu-out).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 # The bundle's binaries travel gzipped (scripts/gpu-bundle.sh).
-for f in "$here"/nvfp4-moe.gz "$here"/tests/*.gz "$here"/benches/*.gz; do
+for f in "$here"/nvfp4-moe.gz "$here"/tests/*.gz "$here"/benches/*.gz "$here"/examples/*.gz; do
   [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"
 done
 export NVFP4MOE_CLI="$here/nvfp4-moe"
@@ -34,6 +35,29 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
+# Each example once, as a user runs it (no arguments): its last line goes in the summary.
+# candle_moe loads cuBLAS, cuRAND, NVRTC and the shared runtime: the pip-installed CUDA 13 ones.
+if [ "${NVFP4MOE_EXAMPLES:-all}" != none ]; then
+  cuda_libs=$(python3 -c '
+import glob, os, site
+dirs = set()
+for sp in site.getsitepackages():
+    for lib in ("libcublas.so.*", "libcublasLt.so.*", "libcurand.so.*", "libnvrtc.so.*", "libcudart.so.*"):
+        dirs.update(os.path.dirname(f) for f in glob.glob(os.path.join(sp, "nvidia", "**", lib), recursive=True))
+print(":".join(sorted(dirs)))' 2>/dev/null)
+  for x in "$here"/examples/*; do
+    [ -x "$x" ] || continue
+    name=$(basename "$x")
+    log="$out/example-$name.log"
+    start=$(date +%s)
+    LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout "${NVFP4MOE_EXAMPLE_TIMEOUT:-120}" "$x" >"$log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    [ $rc -eq 0 ] || { fails=$((fails + 1)); tail -5 "$log"; }
+    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "example $name" "$rc" "$secs" "$(tail -1 "$log" | cut -c1-110)")")
+  done
+  [ -e "$here/examples/candle_moe" ] || summary+=("example candle_moe           not bundled: it did not link on the build machine")
+fi
 if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
   for b in "$here"/benches/*; do
     name=$(basename "$b")
@@ -58,5 +82,5 @@ if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
   done
 fi
 [ -n "$torch_table" ] && echo "$torch_table"
-echo "test binaries failed: $fails"
+echo "test binaries and examples failed: $fails"
 exit $fails

@@ -49,6 +49,15 @@ pub enum Error {
     /// An error reported by the C++ core (a CUDA runtime error or a failed launch).
     #[error("CUDA core: {0}")]
     Core(String),
+    /// The C++ core rejected the arguments (its `can_implement` checks) with this status; shapes
+    /// it rejects are [`Error::InvalidShape`] instead.
+    #[error("CUDA core rejected the call ({status:?}): {message}")]
+    Rejected {
+        /// The core's status code.
+        status: crate::abi::Status,
+        /// The core's message.
+        message: String,
+    },
     /// File input/output.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),
@@ -61,13 +70,6 @@ pub enum Error {
     /// Anything else the caller asked for that cannot be done.
     #[error("{0}")]
     Invalid(String),
-}
-
-#[cfg(feature = "cuda")]
-impl From<cxx::Exception> for Error {
-    fn from(e: cxx::Exception) -> Self {
-        Error::Core(e.what().to_string())
-    }
 }
 
 /// `Result` with this crate's [`Error`].

@@ -1,66 +1,14 @@
-//! The raw cxx bridge to the C++ core. Nothing here validates: the safe layer
-//! (`quantize.rs` and friends) checks every argument before it calls in.
+//! The raw cxx bridge to the C++ core. Nothing here validates: the safe layer (`launch.rs` and the
+//! wrappers in `quantize.rs`, `gemm.rs`, `routing.rs`) checks every argument before it calls in.
 //!
-//! Device pointers and streams cross as `u64` (a `CUdeviceptr` / `CUstream`).
+//! The argument structs are not declared here: they are the `#[repr(C)]` structs generated from
+//! `cpp/include/nvfp4moe/types.h` ([`crate::abi`]), bound as trivial extern types, so the C++ core
+//! reads exactly the struct Rust wrote. Entry points return the core's `Status` as `i32`
+//! ([`crate::launch::status`] turns it into a typed [`crate::Error`]). Device pointers and streams
+//! cross as `u64` (a `CUdeviceptr` / `CUstream`).
 
 #[cxx::bridge(namespace = "nvfp4moe::bridge")]
 pub(crate) mod raw {
-    /// Arguments of `quantize_nvfp4` (see `cpp/include/nvfp4moe/nvfp4moe.h`).
-    struct QuantizeParams {
-        x: u64,
-        rows: i64,
-        cols: i64,
-        decode_scale: f32,
-        layout: u32,
-        codes: u64,
-        scales: u64,
-        stream: u64,
-    }
-
-    /// Arguments of `dequantize_nvfp4`.
-    struct DequantizeParams {
-        codes: u64,
-        scales: u64,
-        rows: i64,
-        cols: i64,
-        decode_scale: f32,
-        layout: u32,
-        out: u64,
-        stream: u64,
-    }
-
-    /// Arguments of `quantize_nvfp4_grouped`.
-    struct QuantizeGroupedParams {
-        x: u64,
-        source: i32,
-        rows: i64,
-        cols: i64,
-        expert_offsets: u64,
-        experts: i64,
-        decode_scales: u64,
-        num_decode_scales: i64,
-        codes: u64,
-        scales: u64,
-        stream: u64,
-    }
-
-    /// Arguments of `permute_and_gather`.
-    struct PermuteParams {
-        topk_ids: u64,
-        tokens: i64,
-        top_k: i64,
-        experts: i64,
-        hidden: u64,
-        hidden_size: i64,
-        expert_offsets: u64,
-        row_of_pair: u64,
-        pair_of_row: u64,
-        x_perm: u64,
-        error: u64,
-        workspace: u64,
-        stream: u64,
-    }
-
     /// What the core was built with and what it finds at run time.
     struct CoreBuildInfo {
         cuda_version: i32,
@@ -72,36 +20,16 @@ pub(crate) mod raw {
         driver_version: i32,
     }
 
-    /// Arguments of `prepare_nvfp4_weights`.
-    struct PrepareWeightsParams {
-        codes: u64,
-        scales: u64,
-        experts: i64,
-        n: i64,
-        k: i64,
-        row_order: i32,
-        prepared: u64,
-        error: u64,
-        stream: u64,
-    }
-
-    /// Arguments of `grouped_gemm_nvfp4`.
-    struct GroupedGemmParams {
-        prepared: u64,
-        decode_scale: u64,
-        experts: i64,
-        n: i64,
-        k: i64,
-        x: u64,
-        total_rows: i64,
-        expert_offsets: u64,
-        out: u64,
-        out_scales: u64,
-        act_decode_scales: u64,
-        num_act_decode_scales: i64,
-        tile: i32,
-        epilogue: i32,
-        stream: u64,
+    #[namespace = "nvfp4moe"]
+    unsafe extern "C++" {
+        include!("nvfp4-moe/cpp/bridge/shim.h");
+        type QuantizeNvfp4Args = crate::abi::QuantizeNvfp4Args;
+        type DequantizeNvfp4Args = crate::abi::DequantizeNvfp4Args;
+        type QuantizeGroupedArgs = crate::abi::QuantizeGroupedArgs;
+        type DequantizeGroupedArgs = crate::abi::DequantizeGroupedArgs;
+        type PermuteArgs = crate::abi::PermuteArgs;
+        type PrepareWeightsArgs = crate::abi::PrepareWeightsArgs;
+        type GroupedGemmArgs = crate::abi::GroupedGemmArgs;
     }
 
     unsafe extern "C++" {
@@ -110,31 +38,30 @@ pub(crate) mod raw {
         /// # Safety
         /// Every pointer must be a live device allocation of the size the arguments imply, on the
         /// context of `stream`, and must stay alive until the enqueued work has finished.
-        unsafe fn quantize_nvfp4(p: &QuantizeParams) -> Result<()>;
-
+        unsafe fn quantize_nvfp4(args: &QuantizeNvfp4Args, stream: u64) -> i32;
         /// # Safety
         /// As for `quantize_nvfp4`.
-        unsafe fn dequantize_nvfp4(p: &DequantizeParams) -> Result<()>;
-
+        unsafe fn dequantize_nvfp4(args: &DequantizeNvfp4Args, stream: u64) -> i32;
         /// # Safety
-        /// Every pointer must be a live device allocation of the size the arguments imply.
-        unsafe fn prepare_nvfp4_weights(p: &PrepareWeightsParams) -> Result<()>;
-
+        /// As for `quantize_nvfp4`.
+        unsafe fn quantize_nvfp4_grouped(args: &QuantizeGroupedArgs, stream: u64) -> i32;
         /// # Safety
-        /// Every pointer must be a live device allocation of the size the arguments imply, and
-        /// `prepared` must hold weights prepared for the same experts, n and k.
-        unsafe fn grouped_gemm_nvfp4(p: &GroupedGemmParams) -> Result<()>;
-
+        /// As for `quantize_nvfp4`.
+        unsafe fn dequantize_nvfp4_grouped(args: &DequantizeGroupedArgs, stream: u64) -> i32;
         /// # Safety
-        /// Every pointer must be a live device allocation of the size the arguments imply.
-        unsafe fn quantize_nvfp4_grouped(p: &QuantizeGroupedParams) -> Result<()>;
+        /// As for `quantize_nvfp4`.
+        unsafe fn prepare_nvfp4_weights(args: &PrepareWeightsArgs, stream: u64) -> i32;
         /// # Safety
-        /// As `quantize_nvfp4_grouped`; `x` is the bf16 output here.
-        unsafe fn dequantize_nvfp4_grouped(p: &QuantizeGroupedParams) -> Result<()>;
+        /// As for `quantize_nvfp4`, and `prepared` must hold weights prepared for the same experts,
+        /// n and k.
+        unsafe fn grouped_gemm_nvfp4(args: &GroupedGemmArgs, stream: u64) -> i32;
+        /// # Safety
+        /// As for `quantize_nvfp4`.
+        unsafe fn permute_and_gather(args: &PermuteArgs, stream: u64) -> i32;
 
         /// # Safety
         /// `gate_up` holds rows x 2 inter bf16 and `out` rows x inter bf16, on the stream's device.
-        unsafe fn swiglu_bf16(gate_up: u64, rows: i64, inter: i64, out: u64, stream: u64) -> Result<()>;
+        unsafe fn swiglu_bf16(gate_up: u64, rows: i64, inter: i64, out: u64, stream: u64) -> i32;
 
         /// # Safety
         /// `logits` holds tokens x experts f32, `ids` and `weights` tokens x top_k, on the device.
@@ -148,11 +75,7 @@ pub(crate) mod raw {
             ids: u64,
             weights: u64,
             stream: u64,
-        ) -> Result<()>;
-
-        /// # Safety
-        /// Every pointer must be a live device allocation of the size the arguments imply.
-        unsafe fn permute_and_gather(p: &PermuteParams) -> Result<()>;
+        ) -> i32;
 
         /// # Safety
         /// `y` holds (tokens x top_k) x hidden bf16, `row_of_pair` and `weights` tokens x top_k,
@@ -167,14 +90,26 @@ pub(crate) mod raw {
             hidden_size: i64,
             out: u64,
             stream: u64,
-        ) -> Result<()>;
+        ) -> i32;
+
+        // The core's shape checks (pointers are not read: safe to call with any values).
+        fn quantize_nvfp4_can_implement(args: &QuantizeNvfp4Args) -> i32;
+        fn dequantize_nvfp4_can_implement(args: &DequantizeNvfp4Args) -> i32;
+        fn quantize_nvfp4_grouped_can_implement(args: &QuantizeGroupedArgs) -> i32;
+        fn dequantize_nvfp4_grouped_can_implement(args: &DequantizeGroupedArgs) -> i32;
+        fn permute_and_gather_can_implement(args: &PermuteArgs) -> i32;
+        fn prepare_nvfp4_weights_can_implement(args: &PrepareWeightsArgs) -> i32;
+        fn grouped_gemm_nvfp4_can_implement(args: &GroupedGemmArgs) -> i32;
+
+        /// The message of the last non-success status on this thread.
+        fn last_error_message() -> String;
 
         fn core_permute_workspace_bytes(pairs: i64, experts: i64) -> u64;
         fn core_grouped_scale_bytes(rows: i64, experts: i64, cols: i64) -> u64;
         fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
         fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;
+        fn core_scale_bytes(layout: i32, rows: i64, cols: i64) -> u64;
 
         fn core_build_info() -> CoreBuildInfo;
-        fn core_scale_bytes(layout: u32, rows: i64, cols: i64) -> u64;
     }
 }

@@ -3,19 +3,12 @@
 //! activation quantizers produce, and the grouped per-expert form of the swizzled layout.
 //!
 //! All offsets are pure index arithmetic (no allocation, no panics) so the CUDA kernels can mirror
-//! them; shapes are validated by the callers (see [`crate::reference::validate_quantize_shape`]).
+//! them; shapes are validated by the callers (see [`crate::host::validate_quantize_shape`]).
 
 use crate::error::{Error, Result};
 
-/// How the E4M3 block scales of a `[rows, cols]` tensor are laid out in memory.
-#[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ScaleLayout {
-    /// Row-major `[rows, cols/16]`, no padding (how checkpoints store weight scales).
-    Linear = 0,
-    /// 128x4 tiles: rows padded to 128, scale columns padded to 4, padding bytes 0.
-    Swizzled128x4 = 1,
-}
+/// How the E4M3 block scales are laid out: declared in `cpp/include/nvfp4moe/types.h`, generated.
+pub use crate::abi::ScaleLayout;
 
 impl ScaleLayout {
     /// The canonical lower-case name (`parse` accepts it back).

@@ -7,9 +7,36 @@
 //!
 //! Features: `cuda` (default) brings the GPU side: cudarc, the cxx bridge and the CUDA core build
 //! (nvcc, CUTLASS and CMake; see the README). `cuda-13000` (default) picks cudarc's CUDA version
-//! and implies `cuda`. Without them the crate is the format ([`mod@format`], [`layout`]), the CPU
-//! reference ([`mod@reference`], [`routing`]'s host side), safetensors and checkpoint I/O ([`io`],
-//! [`checkpoint`]) and the [`presets`], and builds with no CUDA toolkit.
+//! and implies `cuda`. `candle` adds `nvfp4_moe::candle::MoeOp`, the layer as a `candle_core::CustomOp3`.
+//! Without `cuda` the crate is the format ([`mod@format`], [`layout`]), the host weight types
+//! ([`host`]), files ([`io`]), the CPU oracle ([`mod@reference`]) and the [`presets`], and builds
+//! with no CUDA toolkit.
+//!
+//! ## Layout: the modules in the order data flows through them
+//!
+//! | layer | module | what it owns |
+//! |---|---|---|
+//! | the layer | [`moe`] | [`moe::weights`] (BF16 or a checkpoint -> prepared weights), [`moe::layer`] (a forward) |
+//! | GPU operations | `gemm`, `routing`, `quantize` | weight preparation and the grouped GEMM; routing, permutation, combine; the quantizers |
+//! | launch | `launch` (private) | stream, device buffers with their guards, host checks, core status -> [`Error`] |
+//! | bridge | `ffi` (private) | the cxx bridge: the core's entry points, its own argument structs |
+//! | files | [`io`] | one safetensors parser (header only, tensors by byte range) and writer; checkpoint dialects |
+//! | host types | [`host`] | [`host::Nvfp4Host`], [`host::ExpertWeightsHost`], [`host::MoeCheckpoint`] and their checks |
+//! | format | [`mod@format`], [`layout`] | E2M1/E4M3 codecs, scale layouts |
+//! | FFI types | [`abi`] | generated from `cpp/include/nvfp4moe/types.h`: status, enums, `*Args` (no dependencies) |
+//! | oracle | [`mod@reference`] | the CPU/f64 reference of every kernel, for tests only |
+//!
+//! Each module calls only modules below it (the oracle is beside them: only tests call it).
+//! Followed as data:
+//!
+//! - preparation from BF16 ([`MoeWeights::from_bf16`]): `moe/weights.rs` -> `quantize/` ->
+//!   `gemm/` -> `launch.rs` -> `ffi.rs`, with `host.rs` types handed down;
+//! - preparation from a checkpoint ([`MoeWeights::from_modelopt`]): `moe/weights.rs` ->
+//!   `io/checkpoint/` -> `io/safetensors.rs`, then `gemm/` -> `launch.rs` -> `ffi.rs`;
+//! - the forward ([`MoeLayer::forward`]): `moe/layer.rs` -> `routing.rs` -> `gemm/` ->
+//!   `quantize/grouped.rs` (NVFP4 intermediate only) -> `launch.rs` -> `ffi.rs`;
+//! - quantization ([`quantize_nvfp4`]): `quantize/` -> `launch.rs` -> `ffi.rs` -> the core's
+//!   `quantize_nvfp4` (`cpp/src/quantize.cu`).
 //!
 //! Naming: the **decode scale** g is the FP32 multiplier with `value = e2m1 x e4m3 x g`
 //! (ModelOpt's `weight_scale_2`). Other libraries' "global scale" is `1/g`.
@@ -32,22 +59,25 @@
 
 #![warn(missing_docs, missing_debug_implementations, clippy::missing_errors_doc, clippy::missing_safety_doc)]
 
-// Without a GPU: the format, the CPU reference, safetensors and checkpoint I/O, presets.
-pub mod checkpoint;
+// Without a GPU: the FFI types, the format, host weight types, files, the CPU oracle, presets.
+pub mod abi;
+/// The generator of `abi` (build.rs runs it), for the drift tests.
+#[cfg(test)]
+#[path = "../codegen/abi.rs"]
+#[allow(dead_code, missing_docs)]
+mod codegen_abi;
 pub mod error;
 pub mod format;
+pub mod host;
 pub mod io;
 pub mod layout;
 pub mod presets;
 pub mod reference;
 mod rng;
-pub mod routing;
 #[doc(hidden)]
 pub mod testing;
 
 // The GPU side (the `cuda` feature): the CUDA core through the cxx bridge, over cudarc.
-#[cfg(feature = "cuda")]
-mod checks;
 #[cfg(feature = "cuda")]
 mod ffi;
 #[cfg(feature = "cuda")]
@@ -55,9 +85,16 @@ pub mod gemm;
 #[cfg(feature = "cuda")]
 pub mod info;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod quantize;
+#[cfg(feature = "cuda")]
+pub mod routing;
+
+#[cfg(feature = "candle")]
+pub mod candle;
 
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]

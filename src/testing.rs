@@ -9,12 +9,12 @@ use std::sync::Arc;
 #[cfg(feature = "cuda")]
 use cudarc::driver::{CudaSlice, CudaStream};
 
-use crate::checkpoint::MoeCheckpoint;
 #[cfg(feature = "cuda")]
 use crate::error::Result;
 #[cfg(feature = "cuda")]
 use crate::gemm::{ExpertShape, Nvfp4Weights};
-use crate::reference::ExpertWeightsHost;
+use crate::host::ExpertWeightsHost;
+use crate::host::MoeCheckpoint;
 pub use crate::rng::Rng;
 
 /// Random NVFP4 weights of `experts` experts `[n, k]`: random codes, scale bytes in
@@ -116,7 +116,7 @@ mod tests {
             assert_eq!(*u, g * 2.0);
         }
         assert!(ck.l1_input_scales.is_none() && ck.up_input_scales.is_none() && ck.l2_input_scales.is_none());
-        assert_eq!(ck.naming, crate::checkpoint::ExpertNaming::GateUpDown);
+        assert_eq!(ck.naming, crate::host::ExpertNaming::GateUpDown);
         ck.validate().unwrap();
     }
 }

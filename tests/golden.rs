@@ -71,7 +71,7 @@ fn inputs_are_neutral_to_the_recipe_revision() {
         assert!(x.iter().all(|v| v.to_bits() != bf16::NEG_ZERO.to_bits()), "{tensor}: -0.0");
         let a = x.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
         assert_eq!((a / 2688.0).to_bits(), (a * (1.0f32 / 2688.0)).to_bits(), "{tensor}: amax {a}");
-        assert_eq!(nvfp4_moe::reference::weight_decode_scale(&x).unwrap().to_bits(), (a / 2688.0).to_bits());
+        assert_eq!(nvfp4_moe::host::weight_decode_scale(&x).unwrap().to_bits(), (a / 2688.0).to_bits());
         for (b, block) in x.chunks_exact(16).enumerate() {
             let amax = block.iter().fold(0f32, |m, v| m.max(v.to_f32().abs()));
             assert!(amax >= a / 256.0, "{tensor}: block {b} amax {amax} < {a} / 2^8");

@@ -209,9 +209,9 @@ mod gpu_run {
     use std::time::Instant;
 
     use half::bf16;
-    use nvfp4_moe::checkpoint::MoeCheckpoint;
+    use nvfp4_moe::host::MoeCheckpoint;
     use nvfp4_moe::moe::MoeInput;
-    use nvfp4_moe::routing;
+    use nvfp4_moe::reference;
     use nvfp4_moe::testing::{random_moe_checkpoint, Rng};
     use nvfp4_moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights};
     use tracing::info;
@@ -235,7 +235,7 @@ mod gpu_run {
         let items: Vec<_> = out.chunks_mut(h).enumerate().map(|(t, o)| (1, (t, o))).collect();
         let pb = progress("cpu f64 reference", tokens as u64, "tokens");
         run_chunked(&pb, items, |(t, o): (usize, &mut [f64])| -> nvfp4_moe::Result<()> {
-            let y = routing::moe_layer(
+            let y = reference::routing::moe_layer(
                 &hidden[t * h..(t + 1) * h],
                 1,
                 &ids[t * top_k..(t + 1) * top_k],
@@ -264,7 +264,7 @@ mod gpu_run {
         let t = Instant::now();
         let ck = random_moe_checkpoint(&mut rng, e, h, i);
         let logits: Vec<f32> = (0..tokens * e).map(|_| rng.normal()).collect();
-        let (ids, weights) = routing::softmax_topk(&logits, tokens, e, k, true)?;
+        let (ids, weights) = reference::routing::softmax_topk(&logits, tokens, e, k, true)?;
         let hidden = rng.normal_bf16(tokens * h, 1.0);
         pb.finish_and_clear();
         info!("generated a random checkpoint of {} in {}", fmt_bytes(p.layer_bytes()), fmt_dur(t.elapsed()));

@@ -6,8 +6,8 @@ use clap::builder::NonEmptyStringValueParser;
 use half::bf16;
 use nvfp4_moe::io::{self as nio, ModelOptWeight};
 use nvfp4_moe::layout::ScaleLayout;
-use nvfp4_moe::reference::{self, Nvfp4Host};
 use nvfp4_moe::Error;
+use nvfp4_moe::{host::Nvfp4Host, reference};
 use serde_json::json;
 use tracing::info;
 

@@ -7,7 +7,7 @@ use clap::builder::NonEmptyStringValueParser;
 use half::bf16;
 use nvfp4_moe::io::{self as nio, ModelOptWeight, SourceDtype};
 use nvfp4_moe::layout::ScaleLayout;
-use nvfp4_moe::{reference, Error};
+use nvfp4_moe::{host, reference, Error};
 use serde_json::json;
 use tracing::{info, warn};
 
@@ -168,7 +168,7 @@ pub fn run(args: &QuantizeArgs, global: Global) -> CliResult {
     if src == SourceDtype::F32 {
         info!("note: `{name}` is F32: rounded to BF16 (round-to-nearest-even) before quantizing");
     }
-    reference::validate_quantize_shape(rows, cols).map_err(tensor_err)?;
+    host::validate_quantize_shape(rows, cols).map_err(tensor_err)?;
     let (non_finite, amax) = scan_amax(&x);
     if non_finite > 0 {
         warn!("`{name}` holds {non_finite} non-finite element(s): Inf saturates (scale 448, code ±6), a NaN makes its block's scale NaN (0x7F)");
@@ -181,7 +181,7 @@ pub fn run(args: &QuantizeArgs, global: Global) -> CliResult {
     }
     // The reference's g of a tensor depends on its finite amax alone: a one-element tensor holding
     // that amax gives the same g without a second pass over the whole tensor.
-    let g = reference::weight_decode_scale(&[amax]).map_err(tensor_err)?;
+    let g = host::weight_decode_scale(&[amax]).map_err(tensor_err)?;
     let amax = amax.to_f32();
 
     let (backend, gpu) = resolve_backend(args.backend)?;
@@ -282,8 +282,8 @@ mod tests {
             let (nf, amax) = scan_amax(&x);
             assert_eq!((nf, amax.to_f32()), (want_nf, want_amax), "n = {n}");
             if want_amax > 0.0 {
-                let g = reference::weight_decode_scale(&x).unwrap();
-                assert_eq!(reference::weight_decode_scale(&[amax]).unwrap().to_bits(), g.to_bits(), "n = {n}");
+                let g = host::weight_decode_scale(&x).unwrap();
+                assert_eq!(host::weight_decode_scale(&[amax]).unwrap().to_bits(), g.to_bits(), "n = {n}");
             }
         }
         assert_eq!(scan_amax(&[]), (0, bf16::ZERO));

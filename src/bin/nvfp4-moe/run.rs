@@ -180,7 +180,7 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
 
     let t = Instant::now();
     let pb = spinner(&format!("loading `{prefix}` from {weights_path}"));
-    let ck = nvfp4_moe::checkpoint::load_modelopt(weights_path, prefix)?;
+    let ck = nvfp4_moe::io::load_modelopt(weights_path, prefix)?;
     pb.finish_and_clear();
     let (e, h, i) = (ck.experts, ck.hidden, ck.intermediate);
     let naming = ck.naming.to_string();

@@ -3,17 +3,19 @@
 //!
 //! Every problem with a tensor (missing, wrong dtype, wrong shape, bad value) is an
 //! [`Error::Tensor`] naming it; an unreadable file is an [`Error::Io`] naming the path; a malformed
-//! file is an [`Error::Safetensors`]. Files are written with a fixed tensor order (safetensors sorts
+//! file is an [`Error::Invalid`] naming it. Files are written with a fixed tensor order (safetensors sorts
 //! by dtype, then name), so the same tensors always give the same bytes.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::path::Path;
 
 use half::bf16;
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::Dtype;
 
-use crate::error::{Error, Result};
+use super::safetensors::{check_dtype, shape_str, tensor_err, view, write_tensors, SafetensorsFile};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 
 /// The dtype a matrix had in its file before [`read_matrix_bf16`] turned it into BF16.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,66 +53,22 @@ pub struct ModelOptWeight {
     pub cols: usize,
 }
 
-fn tensor_err(name: &str, what: impl Into<String>) -> Error {
-    Error::Tensor { name: name.to_string(), what: what.into() }
-}
-
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path)
-        .map_err(|e| Error::Io(std::io::Error::new(e.kind(), format!("cannot read `{}`: {e}", path.display()))))
-}
-
-fn shape_str(shape: &[usize]) -> String {
-    let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    format!("[{}]", dims.join(", "))
-}
-
-/// Looks a tensor up; a missing one is an [`Error::Tensor`] that lists a few of the names present.
-fn get<'a>(st: &SafeTensors<'a>, name: &str, path: &Path) -> Result<TensorView<'a>> {
-    match st.tensor(name) {
-        Ok(t) => Ok(t),
-        Err(safetensors::SafeTensorError::TensorNotFound(_)) => {
-            let mut names = st.names();
-            names.sort_unstable();
-            let shown: Vec<String> = names.iter().take(8).map(|n| format!("`{n}`")).collect();
-            let more = if names.len() > 8 { format!(" and {} more", names.len() - 8) } else { String::new() };
-            let present = if names.is_empty() {
-                "it holds no tensors".to_string()
-            } else {
-                format!("it holds {}{more}", shown.join(", "))
-            };
-            Err(tensor_err(name, format!("not found in `{}` ({present})", path.display())))
-        }
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn check_dtype(t: &TensorView<'_>, name: &str, want: &[Dtype]) -> Result<()> {
-    if want.contains(&t.dtype()) {
-        return Ok(());
-    }
-    let want: Vec<String> = want.iter().map(|d| d.to_string()).collect();
-    Err(tensor_err(name, format!("dtype is {}, expected {}", t.dtype(), want.join(" or "))))
-}
-
 /// Reads the 2-D tensor `name` as BF16 `(data, rows, cols, source dtype)`. BF16 is read as is; F32
 /// is rounded to BF16 (round-to-nearest-even, NaN kept) and reported as [`SourceDtype::F32`]. Any
 /// other dtype, or a tensor that is not 2-D, is an [`Error::Tensor`].
 ///
 /// # Errors
-/// An unreadable file ([`Error::Io`]), a malformed one ([`Error::Safetensors`]), or a missing, non-2-D
+/// An unreadable file ([`Error::Io`]), a malformed one ([`Error::Invalid`]), or a missing, non-2-D
 /// or non-BF16/F32 tensor ([`Error::Tensor`]).
 pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>, usize, usize, SourceDtype)> {
-    let path = path.as_ref();
-    let bytes = read_file(path)?;
-    let st = SafeTensors::deserialize(&bytes)?;
-    let t = get(&st, name, path)?;
-    check_dtype(&t, name, &[Dtype::BF16, Dtype::F32])?;
-    let &[rows, cols] = t.shape() else {
-        return Err(tensor_err(name, format!("shape is {}, expected a 2-D matrix [rows, cols]", shape_str(t.shape()))));
+    let file = SafetensorsFile::open(path)?;
+    let t = file.get(name)?;
+    check_dtype(t, name, &[Dtype::BF16, Dtype::F32])?;
+    let &[rows, cols] = t.shape.as_slice() else {
+        return Err(tensor_err(name, format!("shape is {}, expected a 2-D matrix [rows, cols]", shape_str(&t.shape))));
     };
-    let data = t.data();
-    match t.dtype() {
+    let data = file.read(name)?;
+    match t.dtype {
         Dtype::BF16 => {
             let v = data.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
             Ok((v, rows, cols, SourceDtype::Bf16))
@@ -121,45 +79,6 @@ pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>
             Ok((v, rows, cols, SourceDtype::F32))
         }
     }
-}
-
-/// The file-level metadata every file written here carries (one entry, so the header is
-/// deterministic).
-fn file_metadata() -> Option<HashMap<String, String>> {
-    Some(HashMap::from([("format".to_string(), "pt".to_string())]))
-}
-
-/// Writes `tensors` (streamed, in safetensors' fixed order) to a sibling temporary file that is
-/// then renamed over `path`, so a failed write never leaves a truncated file. The file gets the
-/// permissions a newly created file gets here (the umask), not those of safetensors' own temporary
-/// file (0600).
-fn write_tensors(path: &Path, tensors: Vec<(String, TensorView<'_>)>) -> Result<()> {
-    let io_err =
-        |e: std::io::Error| Error::Io(std::io::Error::new(e.kind(), format!("cannot write `{}`: {e}", path.display())));
-    let Some(file_name) = path.file_name() else {
-        return Err(io_err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name")));
-    };
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(file_name);
-    tmp_name.push(format!(".tmp{}", std::process::id()));
-    let tmp = path.with_file_name(tmp_name);
-    let perms = std::fs::File::create(&tmp).and_then(|f| f.metadata()).map(|m| m.permissions()).map_err(io_err)?;
-    let written = safetensors::serialize_to_file(tensors, file_metadata(), &tmp)
-        .map_err(|e| match e {
-            safetensors::SafeTensorError::IoError(e) => io_err(e),
-            e => Error::Safetensors(e),
-        })
-        .and_then(|()| {
-            std::fs::set_permissions(&tmp, perms).and_then(|()| std::fs::rename(&tmp, path)).map_err(io_err)
-        });
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
-}
-
-fn view<'a>(name: &str, dtype: Dtype, shape: Vec<usize>, data: &'a [u8]) -> Result<TensorView<'a>> {
-    TensorView::new(dtype, shape, data).map_err(|e| tensor_err(name, format!("cannot be written: {e}")))
 }
 
 /// The little-endian bytes of `data`: borrowed on a little-endian machine (no copy of what may be
@@ -239,54 +158,56 @@ pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWei
     let path = path.as_ref();
     let (n_w, n_s, n_g) =
         (format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2"));
-    let bytes = read_file(path)?;
-    let st = SafeTensors::deserialize(&bytes)?;
+    let file = SafetensorsFile::open(path)?;
 
-    let tw = get(&st, &n_w, path)?;
-    check_dtype(&tw, &n_w, &[Dtype::U8])?;
-    let &[rows, half_cols] = tw.shape() else {
-        return Err(tensor_err(&n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(tw.shape()))));
+    let tw = file.get(&n_w)?;
+    check_dtype(tw, &n_w, &[Dtype::U8])?;
+    let &[rows, half_cols] = tw.shape.as_slice() else {
+        return Err(tensor_err(&n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(&tw.shape))));
     };
     let cols = half_cols * 2;
     if cols % 16 != 0 {
         return Err(tensor_err(
             &n_w,
-            format!("shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16", shape_str(tw.shape())),
+            format!("shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16", shape_str(&tw.shape)),
         ));
     }
 
-    let ts = get(&st, &n_s, path)?;
-    check_dtype(&ts, &n_s, &[Dtype::F8_E4M3])?;
-    if ts.shape() != [rows, cols / 16] {
+    let ts = file.get(&n_s)?;
+    check_dtype(ts, &n_s, &[Dtype::F8_E4M3])?;
+    if ts.shape != [rows, cols / 16] {
         return Err(tensor_err(
             &n_s,
             format!(
                 "shape is {}, expected [{rows}, {}] for `{n_w}` of shape {}",
-                shape_str(ts.shape()),
+                shape_str(&ts.shape),
                 cols / 16,
-                shape_str(tw.shape())
+                shape_str(&tw.shape)
             ),
         ));
     }
 
-    let tg = get(&st, &n_g, path)?;
-    check_dtype(&tg, &n_g, &[Dtype::F32])?;
-    if !(tg.shape().is_empty() || tg.shape() == [1]) {
-        return Err(tensor_err(&n_g, format!("shape is {}, expected a scalar ([] or [1])", shape_str(tg.shape()))));
+    let tg = file.get(&n_g)?;
+    check_dtype(tg, &n_g, &[Dtype::F32])?;
+    if !(tg.shape.is_empty() || tg.shape == [1]) {
+        return Err(tensor_err(&n_g, format!("shape is {}, expected a scalar ([] or [1])", shape_str(&tg.shape))));
     }
-    let gb = tg.data();
+    let gb = file.read(&n_g)?;
     let g = f32::from_le_bytes([gb[0], gb[1], gb[2], gb[3]]);
     if !(g.is_finite() && g > 0.0) {
         return Err(tensor_err(&n_g, format!("decode scale must be finite and > 0, got {g}")));
     }
 
-    Ok(ModelOptWeight { codes: tw.data().to_vec(), scales: ts.data().to_vec(), decode_scale: g, rows, cols })
+    Ok(ModelOptWeight { codes: file.read(&n_w)?, scales: file.read(&n_s)?, decode_scale: g, rows, cols })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::rng::Rng;
+    use safetensors::tensor::TensorView;
+    use safetensors::SafeTensors;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -416,8 +337,14 @@ mod tests {
             e => panic!("expected Error::Io, got {e:?}"),
         }
         std::fs::write(&t.0, b"this is not a safetensors file").unwrap();
-        assert!(matches!(read_matrix_bf16(&t.0, "x").unwrap_err(), Error::Safetensors(_)));
-        assert!(matches!(read_modelopt(&t.0, "").unwrap_err(), Error::Safetensors(_)));
+        let not_safetensors = |e: Error| match e {
+            Error::Invalid(m) => {
+                assert!(m.contains(&*t.0.to_string_lossy()) && m.contains("is not a valid safetensors file"), "{m}")
+            }
+            e => panic!("expected Error::Invalid naming the file, got {e:?}"),
+        };
+        not_safetensors(read_matrix_bf16(&t.0, "x").unwrap_err());
+        not_safetensors(read_modelopt(&t.0, "").unwrap_err());
         let dir = std::env::temp_dir().join("nvfp4moe-io-no-such-dir").join("out.safetensors");
         assert!(matches!(write_bf16(&dir, "x", &[bf16::ONE], 1, 1).unwrap_err(), Error::Io(_)));
     }

@@ -10,11 +10,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checks::{check_align, check_len, stream_handle};
+use crate::abi::{GemmEpilogue, GroupedGemmArgs, PrepareWeightsArgs};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
-use crate::quantize::BufferInfo;
-use crate::reference::ExpertWeightsHost;
+use crate::host::ExpertWeightsHost;
+use crate::launch::{self, check_align, check_len, BufferInfo, Launch};
 
 /// NVFP4 expert weights `[E, n, k]` prepared for the grouped GEMM: retiled once, at load, into
 /// the chunk layout the mainloop reads (`cpp/src/nvfp4_weights.cuh`), plus each expert's decode
@@ -34,18 +34,9 @@ pub struct Nvfp4Weights {
     k: usize,
 }
 
-/// The order of the prepared rows, i.e. of the GEMM's output features.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum RowOrder {
-    /// Output feature f is weight row f.
-    Identity = 0,
-    /// First-layer (W13) weights whose source rows are `[gate (n/2); up (n/2)]` per expert: output
-    /// feature `16b + i` is gate feature `8b + i` for `i < 8` and up feature `8b + i - 8`
-    /// otherwise, so one thread holds the gate and up values of a feature (SwiGLU needs no
-    /// exchange). See [`gate_up_source_row`].
-    GateUpBands8 = 1,
-}
+/// The order of the prepared rows (declared in `cpp/include/nvfp4moe/types.h`, generated); see
+/// [`gate_up_source_row`] for [`RowOrder::GateUpBands8`].
+pub use crate::abi::RowOrder;
 
 /// The source row (within an expert, `[gate; up]` order) of prepared row `p` for
 /// [`RowOrder::GateUpBands8`] weights of `n = 2I` rows (the kernel's mapping, mirrored).
@@ -58,22 +49,28 @@ pub fn gate_up_source_row(p: usize, n: usize) -> usize {
     }
 }
 
-/// Checks the shape rules of the grouped GEMM (pure; no GPU).
+/// Checks the shape rules of the grouped GEMM: the core's `can_implement` of the weight
+/// preparation and of the GEMM (host code; no GPU).
 ///
 /// # Errors
-/// [`Error::InvalidShape`]: `experts` outside 1..=1024, `n` or `k` not a positive multiple of 64, or
-/// an overflowing size.
+/// [`Error::InvalidShape`]: `experts` outside 1..=[`EXPERT_LIMIT`](crate::abi::EXPERT_LIMIT), `n`
+/// or `k` not a positive multiple of 64, or an overflowing size.
 pub fn check_gemm_shape(experts: usize, n: usize, k: usize) -> Result<()> {
-    if experts == 0 || experts > 1024 {
-        return Err(Error::InvalidShape(format!("experts must be in 1..=1024, got {experts}")));
-    }
-    if n == 0 || k == 0 || !n.is_multiple_of(64) || !k.is_multiple_of(64) {
-        return Err(Error::InvalidShape(format!("n and k must be positive multiples of 64, got n={n} k={k}")));
-    }
-    if (experts * n).checked_mul(k).is_none() {
-        return Err(Error::InvalidShape(format!("{experts} x {n} x {k} overflows")));
-    }
-    Ok(())
+    let overflow = || Error::InvalidShape(format!("{experts} x {n} x {k} overflows"));
+    experts.checked_mul(n).and_then(|en| en.checked_mul(k)).ok_or_else(overflow)?;
+    let (e, n, k) = (dim(experts)?, dim(n)?, dim(k)?);
+    launch::status(raw::prepare_nvfp4_weights_can_implement(&PrepareWeightsArgs {
+        experts: e,
+        n,
+        k,
+        ..Default::default()
+    }))?;
+    launch::status(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { experts: e, n, k, ..Default::default() }))
+}
+
+/// A size as the core's `int64_t`.
+fn dim(v: usize) -> Result<i64> {
+    i64::try_from(v).map_err(|_| Error::InvalidShape(format!("{v} exceeds i64")))
 }
 
 /// The shape of a set of expert weights: `experts` matrices `[n, k]` (n output features, k the
@@ -157,7 +154,7 @@ impl Nvfp4Weights {
         let ExpertShape { experts, n, k } = shape;
         check_gemm_shape(experts, n, k)?;
         for &g in &scale_pairs {
-            crate::reference::validate_decode_scale(g)?;
+            crate::host::validate_decode_scale(g)?;
         }
         check_len("codes", codes.len(), experts * n * k / 2)?;
         check_len("scales", scales.len(), experts * n * k / 16)?;
@@ -166,23 +163,22 @@ impl Nvfp4Weights {
         let mut prepared = unsafe { stream.alloc::<u8>(bytes)? };
         let mut error = stream.clone_htod(&[-1i32, 0])?;
         {
-            let (c_ptr, _gc) = codes.device_ptr(stream);
-            let (s_ptr, _gs) = scales.device_ptr(stream);
-            let (p_ptr, _gp) = prepared.device_ptr_mut(stream);
-            let (e_ptr, _ge) = error.device_ptr_mut(stream);
-            let p = raw::PrepareWeightsParams {
-                codes: c_ptr,
-                scales: s_ptr,
+            let l = Launch::new(stream)?;
+            // The buffers (and their stream-ordering guards) live until the launch is enqueued.
+            let (c, sc) = (l.input(codes), l.input(scales));
+            let (p, e) = (l.output(&mut prepared), l.output(&mut error));
+            let args = PrepareWeightsArgs {
+                codes: c.addr,
+                scales: sc.addr,
                 experts: experts as i64,
                 n: n as i64,
                 k: k as i64,
-                row_order: row_order as i32,
-                prepared: p_ptr,
-                error: e_ptr,
-                stream: stream_handle(stream)?,
+                row_order,
+                prepared: p.addr,
+                error: e.addr,
             };
             // SAFETY: lengths checked above; `prepared` has prepared_weight_bytes bytes.
-            unsafe { raw::prepare_nvfp4_weights(&p)? };
+            unsafe { l.launch(&args, raw::prepare_nvfp4_weights_can_implement, raw::prepare_nvfp4_weights)? };
         }
         let err = stream.clone_dtoh(&error)?;
         if err[0] >= 0 {
@@ -241,36 +237,22 @@ impl Nvfp4Weights {
     }
 }
 
-/// A tile configuration of the grouped GEMM (output features x rows per CTA tile).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum GemmTile {
-    /// Chosen from the total row count and the expert count ([`GemmTile::choose`]).
-    Auto = 0,
-    /// 128 x 16: decode, few rows per expert.
-    M128N16 = 1,
-    /// 128 x 128: prefill, many rows per expert.
-    M128N128 = 2,
-    /// 128 x 64: tens of rows per expert (large decode batches, mid-size prefill).
-    M128N64 = 3,
-}
+/// A tile configuration of the grouped GEMM (declared in `cpp/include/nvfp4moe/types.h`,
+/// generated); [`GemmTile::Auto`] is resolved by [`GemmTile::choose`].
+pub use crate::abi::GemmTile;
 
 impl GemmTile {
     /// The documented heuristic (the core's `choose_gemm_tile`): with at most 16 rows per expert on
     /// average N16, at most 80 N64, else N128. Uses only what the host knows without synchronizing.
     pub fn choose(total_rows: usize, experts: usize) -> GemmTile {
-        match raw::core_choose_gemm_tile(total_rows as i64, experts as i64) {
-            1 => GemmTile::M128N16,
-            3 => GemmTile::M128N64,
-            _ => GemmTile::M128N128,
-        }
+        GemmTile::from_raw(raw::core_choose_gemm_tile(total_rows as i64, experts as i64)).unwrap_or(GemmTile::M128N128)
     }
 }
 
 /// The epilogue of a grouped GEMM plan, as a type.
 pub trait Epilogue {
-    /// The core's `GemmEpilogue` value.
-    const KIND: i32;
+    /// The core's epilogue.
+    const KIND: GemmEpilogue;
     /// Whether the weights must be [`RowOrder::GateUpBands8`] (the SwiGLU epilogues).
     const NEEDS_GATE_UP: bool;
     /// Output columns per row for a weight of `n` rows.
@@ -283,7 +265,7 @@ pub trait Epilogue {
 pub struct PlainBf16;
 
 impl Epilogue for PlainBf16 {
-    const KIND: i32 = 0;
+    const KIND: GemmEpilogue = GemmEpilogue::Plain;
     const NEEDS_GATE_UP: bool = false;
     fn out_cols(n: usize) -> usize {
         n
@@ -297,7 +279,7 @@ impl Epilogue for PlainBf16 {
 pub struct Interleaved;
 
 impl Epilogue for Interleaved {
-    const KIND: i32 = 1;
+    const KIND: GemmEpilogue = GemmEpilogue::Interleaved;
     const NEEDS_GATE_UP: bool = true;
     fn out_cols(n: usize) -> usize {
         n
@@ -311,7 +293,7 @@ impl Epilogue for Interleaved {
 pub struct SwigluBf16;
 
 impl Epilogue for SwigluBf16 {
-    const KIND: i32 = 2;
+    const KIND: GemmEpilogue = GemmEpilogue::SwigluBf16;
     const NEEDS_GATE_UP: bool = true;
     fn out_cols(n: usize) -> usize {
         n / 2
@@ -333,7 +315,7 @@ impl Bf16Output for SwigluBf16 {}
 pub struct SwigluNvfp4;
 
 impl Epilogue for SwigluNvfp4 {
-    const KIND: i32 = 3;
+    const KIND: GemmEpilogue = GemmEpilogue::SwigluNvfp4;
     const NEEDS_GATE_UP: bool = true;
     /// Code bytes per row.
     fn out_cols(n: usize) -> usize {
@@ -386,14 +368,13 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         check_gemm_launch(w.experts, w.k, E::out_cols(w.n), total_rows, x, offsets_len, out)
     }
 
-    fn launch_raw(&self, stream: &CudaStream, l: RawLaunch) -> Result<()> {
-        let RawLaunch { x: x_ptr, total_rows, expert_offsets: off_ptr, out: out_ptr, out_scales, act_scales } = l;
+    fn launch_raw(&self, l: &Launch<'_>, r: RawLaunch) -> Result<()> {
+        let RawLaunch { x: x_ptr, total_rows, expert_offsets: off_ptr, out: out_ptr, out_scales, act_scales } = r;
         let w = self.weights;
-        let (p_ptr, _gp) = w.prepared.device_ptr(stream);
-        let (g_ptr, _gg) = w.decode_scales.device_ptr(stream);
-        let p = raw::GroupedGemmParams {
-            prepared: p_ptr,
-            decode_scale: g_ptr,
+        let (prepared, decode_scales) = (l.input(&w.prepared), l.input(&w.decode_scales));
+        let args = GroupedGemmArgs {
+            prepared: prepared.addr,
+            decode_scale: decode_scales.addr,
             experts: w.experts as i64,
             n: w.n as i64,
             k: w.k as i64,
@@ -404,14 +385,12 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             out_scales,
             act_decode_scales: act_scales.0,
             num_act_decode_scales: act_scales.1 as i64,
-            tile: self.tile_for(total_rows) as i32,
+            tile: self.tile_for(total_rows),
             epilogue: E::KIND,
-            stream: stream_handle(stream)?,
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).
-        unsafe { raw::grouped_gemm_nvfp4(&p)? };
-        Ok(())
+        unsafe { l.launch(&args, raw::grouped_gemm_nvfp4_can_implement, raw::grouped_gemm_nvfp4) }
     }
 }
 
@@ -464,31 +443,27 @@ impl GroupedGemm<'_, SwigluNvfp4> {
     {
         let w = self.weights;
         let SwigluNvfp4Out { act_decode_scales, codes, scales } = out;
-        let (x_len, o_len, g_len, c_len, s_len) =
-            (x.len(), expert_offsets.len(), act_decode_scales.len(), codes.len(), scales.len());
-        let (x_ptr, _gx) = x.device_ptr(stream);
-        let (off_ptr, _go) = expert_offsets.device_ptr(stream);
-        let (g_ptr, _gg) = act_decode_scales.device_ptr(stream);
-        let (c_ptr, _gc) = codes.device_ptr_mut(stream);
-        let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-        self.check(total_rows, BufferInfo { addr: x_ptr, len: x_len }, o_len, BufferInfo { addr: c_ptr, len: c_len })?;
-        check_len("scales", s_len, crate::layout::grouped_scale_len(total_rows, w.experts, w.n / 2))?;
-        if g_len != 1 && g_len != w.experts {
+        let l = Launch::new(stream)?;
+        let (x, off, g) = (l.input(x), l.input(expert_offsets), l.input(act_decode_scales));
+        let (c, sc) = (l.output(codes), l.output(scales));
+        self.check(total_rows, x.info(), off.len, c.info())?;
+        check_len("scales", sc.len, crate::layout::grouped_scale_len(total_rows, w.experts, w.n / 2))?;
+        if g.len != 1 && g.len != w.experts {
             return Err(Error::InvalidShape(format!(
-                "act_decode_scales has {g_len} entries, expected 1 or experts = {}",
-                w.experts
+                "act_decode_scales has {} entries, expected 1 or experts = {}",
+                g.len, w.experts
             )));
         }
         // Launched even with no rows: the core zeroes the scale buffer (its padding) either way.
-        let l = RawLaunch {
-            x: x_ptr,
+        let r = RawLaunch {
+            x: x.addr,
             total_rows,
-            expert_offsets: off_ptr,
-            out: c_ptr,
-            out_scales: s_ptr,
-            act_scales: (g_ptr, g_len),
+            expert_offsets: off.addr,
+            out: c.addr,
+            out_scales: sc.addr,
+            act_scales: (g.addr, g.len),
         };
-        self.launch_raw(stream, l)
+        self.launch_raw(&l, r)
     }
 }
 
@@ -548,109 +523,23 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
         O: DevicePtr<i32>,
         F: DevicePtrMut<bf16>,
     {
-        let (x_len, o_len, out_len) = (x.len(), expert_offsets.len(), out.len());
-        let (x_ptr, _gx) = x.device_ptr(stream);
-        let (off_ptr, _go) = expert_offsets.device_ptr(stream);
-        let (out_ptr, _gout) = out.device_ptr_mut(stream);
-        self.check(
-            total_rows,
-            BufferInfo { addr: x_ptr, len: x_len },
-            o_len,
-            BufferInfo { addr: out_ptr, len: out_len },
-        )?;
+        let l = Launch::new(stream)?;
+        let (x, off, out) = (l.input(x), l.input(expert_offsets), l.output(out));
+        self.check(total_rows, x.info(), off.len, out.info())?;
         if total_rows == 0 {
             return Ok(());
         }
-        let l = RawLaunch {
-            x: x_ptr,
+        let r = RawLaunch {
+            x: x.addr,
             total_rows,
-            expert_offsets: off_ptr,
-            out: out_ptr,
+            expert_offsets: off.addr,
+            out: out.addr,
             out_scales: 0,
             act_scales: (0, 0),
         };
-        self.launch_raw(stream, l)
+        self.launch_raw(&l, r)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn gemm_shapes_are_checked() {
-        assert!(check_gemm_shape(8, 2880, 2880).is_ok());
-        assert!(check_gemm_shape(256, 4096, 7168).is_ok());
-        for (e, n, k) in [(0, 64, 64), (1025, 64, 64), (1, 100, 64), (1, 64, 32), (1, 0, 64), (1, 64, 2880 + 16)] {
-            assert!(matches!(check_gemm_shape(e, n, k), Err(Error::InvalidShape(_))), "{e} {n} {k}");
-        }
-    }
-
-    #[test]
-    fn tile_heuristic() {
-        assert_eq!(GemmTile::choose(8, 256), GemmTile::M128N16);
-        assert_eq!(GemmTile::choose(16 * 256, 256), GemmTile::M128N16);
-        assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
-        assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N16);
-        assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
-        assert_eq!(GemmTile::choose(17 * 256, 256), GemmTile::M128N64);
-        assert_eq!(GemmTile::choose(8192, 256), GemmTile::M128N64);
-        assert_eq!(GemmTile::choose(80 * 128, 128), GemmTile::M128N64);
-        assert_eq!(GemmTile::choose(81 * 128, 128), GemmTile::M128N128);
-    }
-
-    #[test]
-    fn launches_are_checked_before_any_kernel() {
-        let b = |addr: u64, len: usize| BufferInfo { addr, len };
-        let (e, k, n, rows) = (8usize, 256usize, 128usize, 37usize);
-        let (x, out) = (b(0x1000, rows * k), b(0x9000, rows * n));
-        assert!(check_gemm_launch(e, k, n, rows, x, e + 1, out).is_ok());
-        assert!(check_gemm_launch(e, k, n, 0, b(0, 0), e + 1, b(0, 0)).is_ok());
-        let cases = [
-            (check_gemm_launch(e, k, n, rows, b(0x1000, rows * k - 1), e + 1, out), "x"),
-            (check_gemm_launch(e, k, n, rows, x, e + 1, b(0x9000, rows * n - 1)), "out"),
-        ];
-        for (r, name) in cases {
-            match r {
-                Err(Error::BufferTooSmall { name: got, .. }) => assert_eq!(got, name),
-                other => panic!("{name}: {other:?}"),
-            }
-        }
-        assert!(matches!(check_gemm_launch(e, k, n, rows, x, e, out), Err(Error::InvalidShape(_))));
-        assert!(matches!(
-            check_gemm_launch(e, k, n, rows, b(0x1008, rows * k), e + 1, out),
-            Err(Error::Misaligned { name: "x", .. })
-        ));
-        assert!(matches!(
-            check_gemm_launch(e, k, n, rows, x, e + 1, b(0x9002, rows * n)),
-            Err(Error::Misaligned { name: "out", .. })
-        ));
-        assert!(matches!(check_gemm_launch(e, k, n, 1 << 31, x, e + 1, out), Err(Error::InvalidShape(_))));
-    }
-
-    #[test]
-    fn gate_up_order_is_a_permutation_of_bands() {
-        let n = 2 * 2880;
-        let mut seen = vec![false; n];
-        for p in 0..n {
-            let src = gate_up_source_row(p, n);
-            assert!(!seen[src], "row {src} twice");
-            seen[src] = true;
-            // Within a band of 16, rows r and r + 8 are the gate and up rows of one feature.
-            if p % 16 < 8 {
-                assert_eq!(gate_up_source_row(p + 8, n), src + n / 2);
-            }
-        }
-        assert!(seen.iter().all(|&s| s));
-        assert_eq!(gate_up_source_row(0, 64), 0);
-        assert_eq!(gate_up_source_row(8, 64), 32);
-        assert_eq!(gate_up_source_row(17, 64), 9);
-        assert_eq!(gate_up_source_row(31, 64), 32 + 15);
-    }
-
-    #[test]
-    fn prepared_size_matches_the_chunk_layout() {
-        assert_eq!(raw::core_prepared_weight_bytes(2, 128, 256) as usize, 2 * 2 * 4 * 2304);
-        assert_eq!(raw::core_prepared_weight_bytes(1, 100, 256), 0);
-    }
-}
+mod tests;

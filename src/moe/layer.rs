@@ -2,162 +2,19 @@
 //! (compact BF16) -> second GEMM -> combine, all on one stream with no host synchronization and
 //! no allocation inside a forward (every buffer lives in a [`MoeWorkspace`] sized once).
 
-use std::path::Path;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checkpoint::{load_modelopt, MoeCheckpoint};
-use crate::checks::check_len;
+use super::MoeWeights;
 use crate::error::{Error, Result};
-use crate::gemm::{
-    ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out,
-};
-use crate::layout::{grouped_scale_len, ScaleLayout};
-use crate::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4, GroupedDesc};
-use crate::reference::{weight_decode_scale, ExpertWeightsHost};
+use crate::gemm::{GemmTile, GroupedGemm, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
+use crate::host::weight_decode_scale;
+use crate::launch::check_len;
+use crate::layout::grouped_scale_len;
+use crate::quantize::{dequantize_nvfp4_grouped_into, GroupedDesc};
 use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
-
-/// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
-/// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
-#[derive(Debug)]
-pub struct MoeWeights {
-    /// Gate and up, `[E, 2I, H]`, prepared in [`crate::RowOrder::GateUpBands8`] order.
-    pub w13: Nvfp4Weights,
-    /// Down, `[E, H, I]`.
-    pub w2: Nvfp4Weights,
-    /// Experts E.
-    pub experts: usize,
-    /// Hidden size H.
-    pub hidden: usize,
-    /// Expert intermediate size I.
-    pub intermediate: usize,
-}
-
-impl MoeWeights {
-    /// Uploads and prepares a checkpoint's experts (gate and up keep their own decode scales).
-    ///
-    /// # Errors
-    /// A shape the grouped GEMM does not take, a bad scale byte or decode scale, or a CUDA error.
-    pub fn from_checkpoint(stream: &Arc<CudaStream>, ckpt: &MoeCheckpoint) -> Result<Self> {
-        let (e, h, i) = (ckpt.experts, ckpt.hidden, ckpt.intermediate);
-        if !h.is_multiple_of(64) || !i.is_multiple_of(32) {
-            return Err(Error::InvalidShape(format!(
-                "the grouped GEMM needs hidden % 64 == 0 and intermediate % 32 == 0 (hidden {h}, intermediate {i})"
-            )));
-        }
-        let codes = stream.clone_htod(&ckpt.w13.codes)?;
-        let scales = stream.clone_htod(&ckpt.w13.scales)?;
-        let shape = ExpertShape::new(e, 2 * i, h);
-        let w13 = Nvfp4Weights::prepare_gate_up(
-            stream,
-            &codes,
-            &scales,
-            &ckpt.w13.decode_scales,
-            &ckpt.up_decode_scales,
-            shape,
-        )?;
-        let w2 = Nvfp4Weights::from_host(stream, &ckpt.w2)?;
-        Ok(MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i })
-    }
-
-    /// Quantizes BF16 expert weights with the crate's GPU quantizer (the ModelOpt recipe: one
-    /// decode scale `amax / (6 * 448)` per expert and projection, E4M3 scales per 16 weights) and
-    /// prepares them. See [`quantize_bf16_experts`].
-    ///
-    /// # Errors
-    /// As [`quantize_bf16_experts`] and [`MoeWeights::from_checkpoint`].
-    pub fn from_bf16(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<Self> {
-        Self::from_checkpoint(stream, &quantize_bf16_experts(stream, w)?)
-    }
-
-    /// Loads `prefix` (e.g. `model.layers.3.mlp.experts`) from a ModelOpt NVFP4 checkpoint (a
-    /// `.safetensors` file, a sharded index `.json`, or a directory holding one) and prepares it.
-    ///
-    /// # Errors
-    /// As [`load_modelopt`] and [`MoeWeights::from_checkpoint`].
-    pub fn from_modelopt(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
-        Self::from_checkpoint(stream, &load_modelopt(path, prefix)?)
-    }
-}
-
-/// BF16 expert weights of one MoE layer, in PyTorch's `[out, in]` orientation: `gate` and `up`
-/// `[E, I, H]`, `down` `[E, H, I]`.
-#[derive(Clone, Copy, Debug)]
-pub struct MoeWeightsBf16<'a> {
-    /// `[E, I, H]`.
-    pub gate: &'a [bf16],
-    /// `[E, I, H]`.
-    pub up: &'a [bf16],
-    /// `[E, H, I]`.
-    pub down: &'a [bf16],
-    /// Experts E.
-    pub experts: usize,
-    /// Hidden size H, a multiple of 16.
-    pub hidden: usize,
-    /// Expert intermediate size I, a multiple of 16.
-    pub intermediate: usize,
-}
-
-/// Quantizes BF16 experts to an NVFP4 [`MoeCheckpoint`] on the GPU, one `quantize_nvfp4` launch
-/// per expert and projection, each with its own decode scale `amax / (6 * 448)` over the finite
-/// weights (gate and up keep separate scales, as ModelOpt's exporter writes them). The bytes equal
-/// [`crate::reference::quantize`]'s. Synchronizes `stream` (the codes are read back).
-///
-/// # Errors
-/// A bad shape or short slices ([`Error::InvalidShape`], [`Error::BufferTooSmall`]), a projection with
-/// no finite non-zero weight ([`Error::Invalid`], naming it), or a CUDA error.
-pub fn quantize_bf16_experts(stream: &Arc<CudaStream>, w: &MoeWeightsBf16<'_>) -> Result<MoeCheckpoint> {
-    let (e, h, i) = (w.experts, w.hidden, w.intermediate);
-    if e == 0 || h == 0 || i == 0 || !h.is_multiple_of(16) || !i.is_multiple_of(16) {
-        return Err(Error::InvalidShape(format!(
-            "experts, hidden and intermediate must be positive, hidden and intermediate multiples of 16 \
-             (experts {e}, hidden {h}, intermediate {i})"
-        )));
-    }
-    let per = h
-        .checked_mul(i)
-        .and_then(|v| v.checked_mul(e))
-        .ok_or_else(|| Error::InvalidShape(format!("experts x hidden x intermediate overflows ({e} x {h} x {i})")))?;
-    check_len("gate", w.gate.len(), per)?;
-    check_len("up", w.up.len(), per)?;
-    check_len("down", w.down.len(), per)?;
-    let empty = |n, k| ExpertWeightsHost {
-        experts: e,
-        n,
-        k,
-        codes: Vec::with_capacity(e * n * k / 2),
-        scales: Vec::with_capacity(e * n * k / 16),
-        decode_scales: Vec::with_capacity(e),
-    };
-    let (mut w13, mut w2) = (empty(2 * i, h), empty(h, i));
-    let mut up_decode_scales = Vec::with_capacity(e);
-    let quantize = |what: &str, x: &[bf16], rows: usize, cols: usize| -> Result<(f32, Vec<u8>, Vec<u8>)> {
-        let g = weight_decode_scale(x).map_err(|err| Error::Invalid(format!("{what}: {err}")))?;
-        let xd = stream.clone_htod(x)?;
-        let q = quantize_nvfp4(stream, &xd, rows, cols, g, ScaleLayout::Linear)?.to_host(stream)?;
-        Ok((g, q.codes, q.scales))
-    };
-    let n = i * h;
-    for x in 0..e {
-        let (g_gate, c, sc) = quantize(&format!("expert {x} gate"), &w.gate[x * n..(x + 1) * n], i, h)?;
-        w13.codes.extend_from_slice(&c);
-        w13.scales.extend_from_slice(&sc);
-        w13.decode_scales.push(g_gate);
-        let (g_up, c, sc) = quantize(&format!("expert {x} up"), &w.up[x * n..(x + 1) * n], i, h)?;
-        w13.codes.extend_from_slice(&c);
-        w13.scales.extend_from_slice(&sc);
-        up_decode_scales.push(g_up);
-        let (g_down, c, sc) = quantize(&format!("expert {x} down"), &w.down[x * n..(x + 1) * n], h, i)?;
-        w2.codes.extend_from_slice(&c);
-        w2.scales.extend_from_slice(&sc);
-        w2.decode_scales.push(g_down);
-    }
-    let ck = MoeCheckpoint::from_experts(w13, up_decode_scales, w2);
-    ck.validate()?;
-    Ok(ck)
-}
 
 /// What the first GEMM hands the second.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -299,7 +156,7 @@ impl MoeLayer {
             return Err(Error::InvalidShape(format!("max_tokens x max_top_k is too large ({})", opts.max_tokens)));
         }
         if let Intermediate::Nvfp4 { decode_scale } = opts.intermediate {
-            crate::reference::validate_decode_scale(decode_scale)?;
+            crate::host::validate_decode_scale(decode_scale)?;
         }
         Ok(MoeLayer { weights, opts })
     }

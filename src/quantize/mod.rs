@@ -9,11 +9,12 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::checks::{check_align, check_len, stream_handle};
+use crate::abi::{DequantizeNvfp4Args, QuantizeNvfp4Args};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
+use crate::host::{validate_decode_scale, validate_quantize_shape, Nvfp4Host};
+use crate::launch::{check_align, check_len, Launch};
 use crate::layout::{scale_len, ScaleLayout};
-use crate::reference::{validate_decode_scale, validate_quantize_shape, Nvfp4Host};
 
 /// An NVFP4 tensor `[rows, cols]` in device memory: packed E2M1 codes (`[rows, cols/2]`, element
 /// 2j in the low nibble), E4M3 block-16 scales in `layout`, and the decode scale g
@@ -100,14 +101,7 @@ impl Nvfp4Tensor {
     }
 }
 
-/// A device buffer as the checks see it: its address and its length in elements.
-#[derive(Clone, Copy, Debug)]
-pub struct BufferInfo {
-    /// Device address.
-    pub addr: u64,
-    /// Length in elements.
-    pub len: usize,
-}
+pub use crate::launch::BufferInfo;
 
 /// Validates a quantize call: shape, decode scale, buffer lengths and alignment (x 16 bytes,
 /// codes 8 bytes). Pure: no GPU needed.
@@ -210,37 +204,24 @@ where
     S: DevicePtrMut<u8>,
 {
     let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
-    let (x_len, c_len, s_len) = (x.len(), codes.len(), scales.len());
-    // The guards must live until the launch is enqueued (they record the buffers' use on drop).
-    let (x_ptr, _gx) = x.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr_mut(stream);
-    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    check_quantize(
-        rows,
-        cols,
-        decode_scale,
-        layout,
-        BufferInfo { addr: x_ptr, len: x_len },
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
-    )?;
+    let l = Launch::new(stream)?;
+    let (x, c, sc) = (l.input(x), l.output(codes), l.output(scales));
+    check_quantize(rows, cols, decode_scale, layout, x.info(), c.info(), sc.info())?;
     if rows == 0 {
         return Ok(());
     }
-    let p = raw::QuantizeParams {
-        x: x_ptr,
+    let args = QuantizeNvfp4Args {
+        x: x.addr,
         rows: rows as i64,
         cols: cols as i64,
         decode_scale,
-        layout: layout as u32,
-        codes: c_ptr,
-        scales: s_ptr,
-        stream: stream_handle(stream)?,
+        layout,
+        codes: c.addr,
+        scales: sc.addr,
     };
-    // SAFETY: check_quantize proved every buffer is large enough and aligned; the guards keep the
-    // buffers' stream ordering until the launch is enqueued.
-    unsafe { raw::quantize_nvfp4(&p)? };
-    Ok(())
+    // SAFETY: check_quantize proved every buffer is large enough and aligned; the buffers' guards
+    // keep their stream ordering until the launch is enqueued.
+    unsafe { l.launch(&args, raw::quantize_nvfp4_can_implement, raw::quantize_nvfp4) }
 }
 
 /// Quantizes `x` (bf16 `[rows, cols]`) into a newly allocated [`Nvfp4Tensor`].
@@ -282,35 +263,23 @@ where
     O: DevicePtrMut<bf16>,
 {
     let Nvfp4Desc { rows, cols, layout, decode_scale } = desc;
-    let (c_len, s_len, o_len) = (codes.len(), scales.len(), out.len());
-    let (c_ptr, _gc) = codes.device_ptr(stream);
-    let (s_ptr, _gs) = scales.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_dequantize(
-        rows,
-        cols,
-        decode_scale,
-        layout,
-        BufferInfo { addr: c_ptr, len: c_len },
-        BufferInfo { addr: s_ptr, len: s_len },
-        BufferInfo { addr: o_ptr, len: o_len },
-    )?;
+    let l = Launch::new(stream)?;
+    let (c, sc, o) = (l.input(codes), l.input(scales), l.output(out));
+    check_dequantize(rows, cols, decode_scale, layout, c.info(), sc.info(), o.info())?;
     if rows == 0 {
         return Ok(());
     }
-    let p = raw::DequantizeParams {
-        codes: c_ptr,
-        scales: s_ptr,
+    let args = DequantizeNvfp4Args {
+        codes: c.addr,
+        scales: sc.addr,
         rows: rows as i64,
         cols: cols as i64,
         decode_scale,
-        layout: layout as u32,
-        out: o_ptr,
-        stream: stream_handle(stream)?,
+        layout,
+        out: o.addr,
     };
     // SAFETY: check_dequantize proved every buffer is large enough and aligned.
-    unsafe { raw::dequantize_nvfp4(&p)? };
-    Ok(())
+    unsafe { l.launch(&args, raw::dequantize_nvfp4_can_implement, raw::dequantize_nvfp4) }
 }
 
 /// Dequantizes a tensor into a newly allocated bf16 `[rows, cols]` buffer.
@@ -326,7 +295,7 @@ pub fn dequantize_nvfp4(stream: &Arc<CudaStream>, t: &Nvfp4Tensor) -> Result<Cud
 
 /// Bytes of the scale buffer as the C++ core computes it (checked equal to [`scale_len`] in tests).
 pub fn core_scale_bytes(layout: ScaleLayout, rows: usize, cols: usize) -> usize {
-    raw::core_scale_bytes(layout as u32, rows as i64, cols as i64) as usize
+    raw::core_scale_bytes(layout as i32, rows as i64, cols as i64) as usize
 }
 
 #[cfg(test)]
@@ -434,269 +403,8 @@ mod tests {
     }
 }
 
-/// Where [`quantize_nvfp4_grouped_into`] reads from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(i32)]
-pub enum GroupedSource {
-    /// bf16 `[rows, cols]`.
-    Contiguous = 0,
-    /// An [`crate::gemm::Interleaved`] GEMM output bf16 `[rows, 2 cols]`: its SwiGLU columns
-    /// (`16b + 8 .. 16b + 15`) are quantized (the old flow's `swiglu_quantize`).
-    InterleavedSwiglu = 1,
-}
-
-/// The device buffers of a grouped quantize or dequantize call as the checks see them (`x` is the
-/// BF16 side: the input of a quantize, the output of a dequantize).
-#[derive(Clone, Copy, Debug)]
-pub struct GroupedBuffers {
-    /// BF16 `[rows, cols]` (or `[rows, 2 cols]` for [`GroupedSource::InterleavedSwiglu`]).
-    pub x: BufferInfo,
-    /// i32 `[E + 1]`.
-    pub expert_offsets: BufferInfo,
-    /// f32 `[E]` or `[1]`.
-    pub decode_scales: BufferInfo,
-    /// Packed E2M1 codes, `[rows, cols / 2]` bytes.
-    pub codes: BufferInfo,
-    /// Grouped 128x4 E4M3 scales, [`crate::layout::grouped_scale_len`] bytes.
-    pub scales: BufferInfo,
-}
-
-/// Validates a grouped quantize call (pure; no GPU).
-///
-/// # Errors
-/// A bad shape, fewer than 2 expert offsets, a decode scale count that is neither 1 nor E, or a
-/// buffer too small or misaligned.
-pub fn check_quantize_grouped(source: GroupedSource, rows: usize, cols: usize, bufs: &GroupedBuffers) -> Result<()> {
-    let (offsets_len, decode_scales_len) = (bufs.expert_offsets.len, bufs.decode_scales.len);
-    validate_quantize_shape(rows, cols)?;
-    if offsets_len < 2 {
-        return Err(Error::InvalidShape("expert_offsets needs at least 2 entries (E + 1, E >= 1)".into()));
-    }
-    let experts = offsets_len - 1;
-    if decode_scales_len != 1 && decode_scales_len != experts {
-        return Err(Error::InvalidShape(format!(
-            "need 1 shared decode scale or one per expert ({experts}), got {decode_scales_len}"
-        )));
-    }
-    if rows > i32::MAX as usize || cols > 1 << 26 {
-        return Err(Error::InvalidShape(format!("[{rows}, {cols}] is too large")));
-    }
-    let width = match source {
-        GroupedSource::Contiguous => cols,
-        GroupedSource::InterleavedSwiglu => 2 * cols,
-    };
-    check_len("x", bufs.x.len, rows * width)?;
-    check_len("codes", bufs.codes.len, rows * cols / 2)?;
-    check_len("scales", bufs.scales.len, crate::layout::grouped_scale_len(rows, experts, cols))?;
-    if rows > 0 {
-        check_align("x", bufs.x.addr, 16)?;
-        check_align("codes", bufs.codes.addr, 8)?;
-    }
-    Ok(())
-}
-
-/// A grouped NVFP4 tensor's rows and how they are grouped: `rows` rows of `cols` columns permuted
-/// by expert (rows of expert e are `expert_offsets[e]..expert_offsets[e + 1]`, i32 `[E + 1]` on
-/// the device), with one decode scale per expert or one for all (f32 `[E]` or `[1]`, device).
-#[derive(Debug)]
-pub struct GroupedDesc<'a, O, G> {
-    /// Rows of the `[rows, cols]` tensor (the permuted (token, slot) pairs).
-    pub rows: usize,
-    /// Columns (K), a multiple of 16.
-    pub cols: usize,
-    /// i32 `[E + 1]` on the device.
-    pub expert_offsets: &'a O,
-    /// f32 `[E]` or `[1]` on the device.
-    pub decode_scales: &'a G,
-}
-
-/// Quantizes grouped activations `x` (as `desc` says) into codes `[rows, cols/2]` and 128x4 scales
-/// with one region per expert ([`crate::layout::grouped_scale_len`] bytes, padding written 0).
-/// Bit-exact with [`crate::reference::quantize_grouped`]. No host synchronization.
-///
-/// # Errors
-/// As [`check_quantize_grouped`], or a failed launch.
-pub fn quantize_nvfp4_grouped_into<X, O, G, C, S>(
-    stream: &CudaStream,
-    source: GroupedSource,
-    x: &X,
-    desc: &GroupedDesc<'_, O, G>,
-    codes: &mut C,
-    scales: &mut S,
-) -> Result<()>
-where
-    X: DevicePtr<bf16>,
-    O: DevicePtr<i32>,
-    G: DevicePtr<f32>,
-    C: DevicePtrMut<u8>,
-    S: DevicePtrMut<u8>,
-{
-    let (c_len, s_len) = (codes.len(), scales.len());
-    let (x_ptr, _gx) = x.device_ptr(stream);
-    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr_mut(stream);
-    let (s_ptr, _gs) = scales.device_ptr_mut(stream);
-    let bufs = GroupedBuffers {
-        x: BufferInfo { addr: x_ptr, len: x.len() },
-        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
-        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
-        codes: BufferInfo { addr: c_ptr, len: c_len },
-        scales: BufferInfo { addr: s_ptr, len: s_len },
-    };
-    let p = grouped_params(stream, source, desc.rows, desc.cols, &bufs)?;
-    // SAFETY: check_quantize_grouped proved the lengths and alignment.
-    unsafe { raw::quantize_nvfp4_grouped(&p)? };
-    Ok(())
-}
-
-/// The parameters of a grouped quantize or dequantize call, after [`check_quantize_grouped`] has
-/// proved every length and alignment.
-fn grouped_params(
-    stream: &CudaStream,
-    source: GroupedSource,
-    rows: usize,
-    cols: usize,
-    bufs: &GroupedBuffers,
-) -> Result<raw::QuantizeGroupedParams> {
-    check_quantize_grouped(source, rows, cols, bufs)?;
-    Ok(raw::QuantizeGroupedParams {
-        x: bufs.x.addr,
-        source: source as i32,
-        rows: rows as i64,
-        cols: cols as i64,
-        expert_offsets: bufs.expert_offsets.addr,
-        experts: (bufs.expert_offsets.len - 1) as i64,
-        decode_scales: bufs.decode_scales.addr,
-        num_decode_scales: bufs.decode_scales.len as i64,
-        codes: bufs.codes.addr,
-        scales: bufs.scales.addr,
-        stream: stream_handle(stream)?,
-    })
-}
-
-/// Dequantizes grouped activations (the inverse of [`quantize_nvfp4_grouped_into`], e.g. the
-/// output of [`crate::gemm::SwigluNvfp4`]): codes `[rows, cols/2]` + grouped scales + the decode
-/// scales of `desc` -> `out` bf16 `[rows, cols]` = `bf16_rne((e2m1 * e4m3) * g)`. Rows past
-/// `expert_offsets[E]` are not written. No host synchronization.
-///
-/// # Errors
-/// As [`check_quantize_grouped`] (with `out` in the place of `x`), or a failed launch.
-pub fn dequantize_nvfp4_grouped_into<C, S, O, G, X>(
-    stream: &CudaStream,
-    codes: &C,
-    scales: &S,
-    desc: &GroupedDesc<'_, O, G>,
-    out: &mut X,
-) -> Result<()>
-where
-    C: DevicePtr<u8>,
-    S: DevicePtr<u8>,
-    O: DevicePtr<i32>,
-    G: DevicePtr<f32>,
-    X: DevicePtrMut<bf16>,
-{
-    let x_len = out.len();
-    let (x_ptr, _gx) = out.device_ptr_mut(stream);
-    let (o_ptr, _go) = desc.expert_offsets.device_ptr(stream);
-    let (g_ptr, _gg) = desc.decode_scales.device_ptr(stream);
-    let (c_ptr, _gc) = codes.device_ptr(stream);
-    let (s_ptr, _gs) = scales.device_ptr(stream);
-    // The same lengths and alignment as the quantizer's, with `out` in the place of `x`.
-    let bufs = GroupedBuffers {
-        x: BufferInfo { addr: x_ptr, len: x_len },
-        expert_offsets: BufferInfo { addr: o_ptr, len: desc.expert_offsets.len() },
-        decode_scales: BufferInfo { addr: g_ptr, len: desc.decode_scales.len() },
-        codes: BufferInfo { addr: c_ptr, len: codes.len() },
-        scales: BufferInfo { addr: s_ptr, len: scales.len() },
-    };
-    let p = grouped_params(stream, GroupedSource::Contiguous, desc.rows, desc.cols, &bufs)?;
-    // SAFETY: check_quantize_grouped proved the lengths and alignment.
-    unsafe { raw::dequantize_nvfp4_grouped(&p)? };
-    Ok(())
-}
-
-/// The separate SwiGLU kernel (a baseline for the fused epilogue): `gate_up` is a plain GEMM
-/// output of gate/up weights, bf16 `[rows, 2 inter]` in `[gate x8, up x8]` bands; `out` bf16
-/// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.
-///
-/// # Errors
-/// An `inter` that is not a positive multiple of 8, a buffer too small or misaligned, or a failed
-/// launch.
-pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
-    stream: &CudaStream,
-    gate_up: &X,
-    rows: usize,
-    inter: usize,
-    out: &mut O,
-) -> Result<()> {
-    if inter == 0 || !inter.is_multiple_of(8) {
-        return Err(Error::InvalidShape(format!("inter must be a positive multiple of 8, got {inter}")));
-    }
-    let (i_len, o_len) = (gate_up.len(), out.len());
-    let (i_ptr, _gi) = gate_up.device_ptr(stream);
-    let (o_ptr, _go) = out.device_ptr_mut(stream);
-    check_len("gate_up", i_len, rows * 2 * inter)?;
-    check_len("out", o_len, rows * inter)?;
-    if rows == 0 {
-        return Ok(());
-    }
-    check_align("gate_up", i_ptr, 16)?;
-    check_align("out", o_ptr, 16)?;
-    // SAFETY: lengths and alignment checked.
-    unsafe { raw::swiglu_bf16(i_ptr, rows as i64, inter as i64, o_ptr, stream_handle(stream)?)? };
-    Ok(())
-}
-
-/// Bytes of a grouped scale buffer as the C++ core computes it (checked equal to
-/// [`crate::layout::grouped_scale_len`] in tests).
-pub fn core_grouped_scale_bytes(rows: usize, experts: usize, cols: usize) -> usize {
-    raw::core_grouped_scale_bytes(rows as i64, experts as i64, cols as i64) as usize
-}
-
-#[cfg(test)]
-mod grouped_tests {
-    use super::*;
-
-    #[test]
-    fn grouped_checks() {
-        let b = |addr: u64, len: usize| BufferInfo { addr, len };
-        let (rows, cols, e) = (300usize, 2048usize, 8usize);
-        let sl = crate::layout::grouped_scale_len(rows, e, cols);
-        let (x, c, s) = (b(0x1000, rows * cols), b(0x2000, rows * cols / 2), b(0x3001, sl));
-        // (source, rows, cols, expert offsets, decode scales, x, codes, scales)
-        let check = |source, rows, cols, n_offsets, n_scales, x, codes, scales| {
-            let bufs = GroupedBuffers {
-                x,
-                expert_offsets: b(0x5000, n_offsets),
-                decode_scales: b(0x6000, n_scales),
-                codes,
-                scales,
-            };
-            check_quantize_grouped(source, rows, cols, &bufs)
-        };
-        assert!(check(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, s).is_ok());
-        assert!(check(GroupedSource::Contiguous, rows, cols, e + 1, 1, x, c, s).is_ok());
-        // The interleaved source is twice as wide.
-        assert!(matches!(
-            check(GroupedSource::InterleavedSwiglu, rows, cols, e + 1, 1, x, c, s),
-            Err(Error::BufferTooSmall { name: "x", .. })
-        ));
-        assert!(matches!(check(GroupedSource::Contiguous, rows, cols, e + 1, 3, x, c, s), Err(Error::InvalidShape(_))));
-        assert!(matches!(check(GroupedSource::Contiguous, rows, cols, 1, 1, x, c, s), Err(Error::InvalidShape(_))));
-        assert!(matches!(
-            check(GroupedSource::Contiguous, rows, cols, e + 1, e, x, c, b(0x3000, sl - 1)),
-            Err(Error::BufferTooSmall { name: "scales", .. })
-        ));
-        assert!(matches!(
-            check(GroupedSource::Contiguous, rows, cols, e + 1, e, b(0x1004, rows * cols), c, s),
-            Err(Error::Misaligned { name: "x", .. })
-        ));
-        assert!(matches!(check(GroupedSource::Contiguous, rows, 40, e + 1, e, x, c, s), Err(Error::InvalidShape(_))));
-        for rows in [0usize, 1, 127, 128, 5000] {
-            for (e, cols) in [(1usize, 16usize), (8, 2048), (256, 768)] {
-                assert_eq!(core_grouped_scale_bytes(rows, e, cols), crate::layout::grouped_scale_len(rows, e, cols));
-            }
-        }
-    }
-}
+mod grouped;
+pub use grouped::{
+    check_quantize_grouped, core_grouped_scale_bytes, dequantize_nvfp4_grouped_into, quantize_nvfp4_grouped_into,
+    swiglu_bf16_into, GroupedBuffers, GroupedDesc, GroupedSource,
+};

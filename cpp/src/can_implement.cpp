@@ -1,0 +1,114 @@
+// can_implement: the host-side checks of each entry point, without a launch (pointers are not
+// looked at). The limits come from nvfp4moe/types.h, the one declaration every language shares.
+// Each launch function checks the same rules before it enqueues; these let a plan (the Rust
+// crate's GroupedGemm, MoeLayer) report a typed error once, at construction.
+#include "nvfp4moe/nvfp4moe.h"
+#include "status.hpp"
+
+#include <cmath>
+
+namespace nvfp4moe {
+namespace {
+
+Status check_dense(const char* what, int64_t rows, int64_t cols, float g, ScaleLayout layout) {
+  if (rows < 0 || cols <= 0 || cols % 16 != 0) {
+    return fail(Status::kInvalidShape, "%s: rows must be >= 0 and cols a positive multiple of 16 (rows=%lld, cols=%lld)",
+                what, (long long)rows, (long long)cols);
+  }
+  if (!(std::isfinite(g) && g > 0.0f)) {
+    return fail(Status::kInvalidDecodeScale, "%s: decode scale must be finite and > 0 (got %g)", what, double(g));
+  }
+  if (layout != ScaleLayout::kLinear && layout != ScaleLayout::kSwizzled128x4) {
+    return fail(Status::kUnsupportedLayout, "%s: unknown scale layout %d", what, int(layout));
+  }
+  return Status::kSuccess;
+}
+
+Status check_grouped(const char* what, int64_t rows, int64_t cols, int64_t experts, int64_t num_decode_scales) {
+  if (rows < 0 || cols <= 0 || cols % 16 || experts <= 0 || rows > 0x7FFFFFFF || cols > (1 << 26)) {
+    return fail(Status::kInvalidShape, "%s: rows >= 0, experts > 0, cols a positive multiple of 16 "
+                "(rows=%lld cols=%lld experts=%lld)", what, (long long)rows, (long long)cols, (long long)experts);
+  }
+  if (num_decode_scales != 1 && num_decode_scales != experts) {
+    return fail(Status::kInvalidShape, "%s: 1 or E = %lld decode scales (got %lld)", what, (long long)experts,
+                (long long)num_decode_scales);
+  }
+  return Status::kSuccess;
+}
+
+}  // namespace
+
+Status quantize_nvfp4_can_implement(const QuantizeNvfp4Args& a) noexcept {
+  return check_dense("quantize_nvfp4", a.rows, a.cols, a.decode_scale, a.layout);
+}
+
+Status dequantize_nvfp4_can_implement(const DequantizeNvfp4Args& a) noexcept {
+  return check_dense("dequantize_nvfp4", a.rows, a.cols, a.decode_scale, a.layout);
+}
+
+Status quantize_nvfp4_grouped_can_implement(const QuantizeGroupedArgs& a) noexcept {
+  if (Status s = check_grouped("quantize_nvfp4_grouped", a.rows, a.cols, a.experts, a.num_decode_scales);
+      s != Status::kSuccess) {
+    return s;
+  }
+  if (a.source != GroupedSource::kContiguous && a.source != GroupedSource::kInterleavedSwiglu) {
+    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: unknown source %d", int(a.source));
+  }
+  return Status::kSuccess;
+}
+
+Status dequantize_nvfp4_grouped_can_implement(const DequantizeGroupedArgs& a) noexcept {
+  return check_grouped("dequantize_nvfp4_grouped", a.rows, a.cols, a.experts, a.num_decode_scales);
+}
+
+Status permute_and_gather_can_implement(const PermuteArgs& a) noexcept {
+  if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kExpertLimit || a.hidden_size <= 0 ||
+      a.hidden_size % 8 || a.tokens * a.top_k > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %lld, "
+                "hidden_size a positive multiple of 8 (tokens=%lld top_k=%lld experts=%lld hidden_size=%lld)",
+                (long long)kExpertLimit, (long long)a.tokens, (long long)a.top_k, (long long)a.experts,
+                (long long)a.hidden_size);
+  }
+  return Status::kSuccess;
+}
+
+Status prepare_nvfp4_weights_can_implement(const PrepareWeightsArgs& a) noexcept {
+  if (a.experts <= 0 || a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64) {
+    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: experts > 0 and n, k positive multiples of 64 "
+                "(experts=%lld n=%lld k=%lld)", (long long)a.experts, (long long)a.n, (long long)a.k);
+  }
+  if (a.row_order != RowOrder::kIdentity && a.row_order != RowOrder::kGateUpBands8) {
+    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: unknown row order %d", int(a.row_order));
+  }
+  return Status::kSuccess;
+}
+
+Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
+  if (a.experts <= 0 || a.experts > kExpertLimit) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: experts must be in [1, %lld] (got %lld)",
+                (long long)kExpertLimit, (long long)a.experts);
+  }
+  if (a.epilogue != GemmEpilogue::kPlain && a.epilogue != GemmEpilogue::kInterleaved &&
+      a.epilogue != GemmEpilogue::kSwigluBf16 && a.epilogue != GemmEpilogue::kSwigluNvfp4) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
+  }
+  if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
+                (long long)a.n, (long long)a.k);
+  }
+  if (a.total_rows > (int64_t(1) << 31) - 1 || a.n * a.total_rows > (int64_t(1) << 62)) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
+  }
+  if (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&
+      a.num_act_decode_scales != a.experts) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
+                (long long)a.num_act_decode_scales);
+  }
+  if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N16 && a.tile != GemmTile::kM128N64 &&
+      a.tile != GemmTile::kM128N128) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(a.tile));
+  }
+  return Status::kSuccess;
+}
+
+}  // namespace nvfp4moe

@@ -1,0 +1,562 @@
+//! Round trips and every error path of the checkpoint reader and writer.
+
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use super::write::expert_tensors;
+use super::*;
+use crate::error::{Error, Result};
+use crate::host::{ExpertWeightsHost, MoeCheckpoint};
+use crate::rng::Rng;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A fresh directory under the temporary directory, removed on drop.
+struct TmpDir(PathBuf);
+
+impl TmpDir {
+    fn new(tag: &str) -> Self {
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        let dir = std::env::temp_dir().join(format!("nvfp4moe-ckpt-{}-{nanos}-{n}-{tag}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        TmpDir(dir)
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TmpDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn rng() -> (Rng, String) {
+    let r = Rng::from_entropy();
+    let seed = format!("seed = {:#x}", r.seed());
+    eprintln!("{seed}");
+    (r, seed)
+}
+
+const QWEN: &str = "model.layers.3.mlp.experts";
+const MIXTRAL: &str = "model.layers.0.block_sparse_moe.experts";
+
+/// Random valid E4M3 scale bytes in 0x20..0x48 (about 2^-4 .. 2^1).
+fn scale_bytes(r: &mut Rng, n: usize) -> Vec<u8> {
+    (0..n).map(|_| 0x20 + r.below(0x28) as u8).collect()
+}
+
+/// A random checkpoint: gate and up decode scales 10x apart, up input scales different from
+/// gate's, all input scales present.
+fn random_ckpt(r: &mut Rng, experts: usize, h: usize, i: usize) -> MoeCheckpoint {
+    let mut weights = |n: usize, k: usize, g: &mut dyn FnMut(&mut Rng) -> f32| ExpertWeightsHost {
+        experts,
+        n,
+        k,
+        codes: r.bytes(experts * n * k / 2),
+        scales: scale_bytes(r, experts * n * k / 16),
+        decode_scales: (0..experts).map(|_| g(r)).collect(),
+    };
+    let w13 = weights(2 * i, h, &mut |r| r.uniform(1e-4, 1e-3));
+    let w2 = weights(h, i, &mut |r| r.uniform(1e-4, 1e-3));
+    let up_decode_scales = w13.decode_scales.iter().map(|g| g * 10.0).collect();
+    let mut vals = |s: f32| (0..experts).map(|_| r.uniform(0.01, 1.0) * s).collect::<Vec<f32>>();
+    let l1 = vals(1.0);
+    let up = l1.iter().map(|x| x * 2.0).collect();
+    MoeCheckpoint {
+        experts,
+        hidden: h,
+        intermediate: i,
+        w13,
+        up_decode_scales,
+        w2,
+        l1_input_scales: Some(l1),
+        up_input_scales: Some(up),
+        l2_input_scales: Some(vals(3.0)),
+        naming: ExpertNaming::GateUpDown,
+    }
+}
+
+/// The checkpoint a fused naming can hold: up's decode scales equal to gate's, no separate up
+/// input scales.
+fn fusable(c: &MoeCheckpoint) -> MoeCheckpoint {
+    let mut c = c.clone();
+    c.up_decode_scales = c.w13.decode_scales.clone();
+    c.up_input_scales = None;
+    c
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn opt_bits(v: &Option<Vec<f32>>) -> Option<Vec<u32>> {
+    v.as_deref().map(bits)
+}
+
+fn assert_same_weights(a: &ExpertWeightsHost, b: &ExpertWeightsHost, what: &str, seed: &str) {
+    assert_eq!((a.experts, a.n, a.k), (b.experts, b.n, b.k), "{what} dims; {seed}");
+    assert!(a.codes == b.codes, "{what} codes differ; {seed}");
+    assert!(a.scales == b.scales, "{what} scales differ; {seed}");
+    assert_eq!(bits(&a.decode_scales), bits(&b.decode_scales), "{what} decode scales; {seed}");
+}
+
+/// Every field equal, bytes and f32 bits (the naming aside).
+fn assert_same(a: &MoeCheckpoint, b: &MoeCheckpoint, seed: &str) {
+    assert_eq!((a.experts, a.hidden, a.intermediate), (b.experts, b.hidden, b.intermediate), "{seed}");
+    assert_same_weights(&a.w13, &b.w13, "w13", seed);
+    assert_same_weights(&a.w2, &b.w2, "w2", seed);
+    assert_eq!(bits(&a.up_decode_scales), bits(&b.up_decode_scales), "up decode scales; {seed}");
+    assert_eq!(opt_bits(&a.l1_input_scales), opt_bits(&b.l1_input_scales), "l1 input scales; {seed}");
+    assert_eq!(opt_bits(&a.up_input_scales), opt_bits(&b.up_input_scales), "up input scales; {seed}");
+    assert_eq!(opt_bits(&a.l2_input_scales), opt_bits(&b.l2_input_scales), "l2 input scales; {seed}");
+}
+
+/// A raw tensor: name, dtype, shape, bytes.
+type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
+
+fn raw_tensors(prefix: &str, naming: ExpertNaming, c: &MoeCheckpoint) -> Vec<Raw> {
+    expert_tensors(prefix, naming, c)
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.name, t.dtype, t.shape, t.data.into_owned()))
+        .collect()
+}
+
+fn write_raw(path: &Path, tensors: &[Raw]) {
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+fn find(ts: &[Raw], name: &str) -> usize {
+    ts.iter().position(|t| t.0 == name).unwrap_or_else(|| panic!("no `{name}`"))
+}
+
+fn assert_tensor_err(r: Result<MoeCheckpoint>, name: &str, contains: &[&str], seed: &str) {
+    let e = r.err().unwrap_or_else(|| panic!("expected an error for `{name}`; {seed}"));
+    let msg = e.to_string();
+    match &e {
+        Error::Tensor { name: n, what } => {
+            assert_eq!(n, name, "{msg}; {seed}");
+            for c in contains {
+                assert!(what.contains(c), "`{msg}` lacks `{c}`; {seed}");
+            }
+        }
+        _ => panic!("expected Error::Tensor for `{name}`, got {e:?}; {seed}"),
+    }
+    assert!(msg.contains(name), "{msg}; {seed}");
+}
+
+/// Writes the tensors of a random checkpoint (GateUpDown under [`QWEN`]) after `edit`, then
+/// loads them.
+fn load_edited(r: &mut Rng, edit: &dyn Fn(&mut Vec<Raw>)) -> Result<MoeCheckpoint> {
+    let c = random_ckpt(r, 4, 64, 32);
+    let mut ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &c);
+    edit(&mut ts);
+    let d = TmpDir::new("edit");
+    let path = d.path("model.safetensors");
+    write_raw(&path, &ts);
+    load_modelopt(&path, QWEN)
+}
+
+#[test]
+fn round_trip_every_naming() {
+    let (mut r, seed) = rng();
+    let d = TmpDir::new("rt");
+    for naming in ExpertNaming::ALL {
+        let experts = r.range(3, 5);
+        let c = random_ckpt(&mut r, experts, 64, 32);
+        assert!(c.w13.codes.iter().any(|&b| b != 0), "{seed}");
+        let want = if naming.is_fused() { fusable(&c) } else { c.clone() };
+        let path = d.path(&format!("{naming:?}.safetensors"));
+        let proj0 = naming.projections()[0];
+        if naming.is_fused() {
+            // One weight_scale_2 for gate and up: different ones cannot be written.
+            let e = write_modelopt_experts(&path, QWEN, naming, &c).unwrap_err();
+            let name = format!("{QWEN}.0.{proj0}.weight_scale_2");
+            assert!(matches!(&e, Error::Tensor { name: n, .. } if *n == name), "{e}; {seed}");
+        }
+        // A trailing dot in the prefix is tolerated, on writing and on loading.
+        write_modelopt_experts(&path, &format!("{QWEN}."), naming, &want).unwrap();
+        for prefix in [QWEN.to_string(), format!("{QWEN}.")] {
+            let got = load_modelopt(&path, &prefix).unwrap();
+            assert_eq!(got.naming, naming, "{seed}");
+            assert_same(&got, &want, &seed);
+        }
+
+        // The file holds exactly the expected tensors, dtypes and shapes.
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let per_expert = 4 * naming.projections().len();
+        assert_eq!(st.len(), experts * per_expert, "{seed}");
+        let (rows0, k0) = if naming.is_fused() { (64, 64) } else { (32, 64) };
+        let t = st.tensor(&format!("{QWEN}.1.{proj0}.weight")).unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::U8, &[rows0, k0 / 2][..]), "{seed}");
+        let t = st.tensor(&format!("{QWEN}.1.{proj0}.weight_scale")).unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::F8_E4M3, &[rows0, k0 / 16][..]), "{seed}");
+        let t = st.tensor(&format!("{QWEN}.1.{proj0}.weight_scale_2")).unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::F32, &[][..]), "{seed}");
+        assert_eq!(t.data(), want.w13.decode_scales[1].to_le_bytes(), "{seed}");
+        let down = naming.projections().last().unwrap();
+        let t = st.tensor(&format!("{QWEN}.2.{down}.weight")).unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::U8, &[64, 16][..]), "{seed}");
+        let t = st.tensor(&format!("{QWEN}.2.{down}.input_scale")).unwrap();
+        assert_eq!((t.dtype(), t.shape()), (Dtype::F32, &[][..]), "{seed}");
+
+        // Writing again gives the same bytes.
+        let path2 = d.path(&format!("{naming:?}-2.safetensors"));
+        write_modelopt_experts(&path2, QWEN, naming, &want).unwrap();
+        assert_eq!(std::fs::read(&path2).unwrap(), bytes, "{seed}");
+    }
+    // Different gate and up decode scales survive a separate naming exactly.
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let path = d.path("scales.safetensors");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    let got = load_modelopt(&path, QWEN).unwrap();
+    assert!(got.up_decode_scales.iter().zip(&got.w13.decode_scales).all(|(u, g)| u != g), "{seed}");
+    assert!(got.up_input_scales.is_some(), "{seed}");
+    assert_same(&got, &c, &seed);
+}
+
+#[test]
+fn mixtral_names() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 4, 64, 32);
+    let d = TmpDir::new("mixtral");
+    let path = d.path("model.safetensors");
+    write_modelopt_experts(&path, MIXTRAL, ExpertNaming::W1W3W2, &c).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for name in [
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.3.w3.weight_scale",
+        "model.layers.0.block_sparse_moe.experts.2.w2.weight_scale_2",
+        "model.layers.0.block_sparse_moe.experts.1.w1.input_scale",
+    ] {
+        assert!(st.tensor(name).is_ok(), "{name}; {seed}");
+    }
+    // The up rows of expert 3 are w3's.
+    let w3 = st.tensor("model.layers.0.block_sparse_moe.experts.3.w3.weight").unwrap();
+    assert_eq!(w3.data(), &c.w13.codes[(3 * 64 + 32) * 32..4 * 64 * 32], "{seed}");
+    let got = load_modelopt(&path, MIXTRAL).unwrap();
+    assert_eq!(got.naming, ExpertNaming::W1W3W2, "{seed}");
+    assert_same(&got, &c, &seed);
+    // A wrong prefix finds nothing and says which expert prefixes there are.
+    let e = load_modelopt(&path, "model.layers.0.mlp.experts").unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)) && e.to_string().contains(MIXTRAL), "{e}; {seed}");
+}
+
+/// Splits `ts` over two shard files (alternating, so one expert's tensors land in both) plus an
+/// index in `dir`, with an unrelated tensor in the first shard; returns the index path.
+fn write_sharded(dir: &Path, ts: &[Raw]) -> PathBuf {
+    let mut shards: [Vec<Raw>; 2] = [vec![], vec![]];
+    for (j, t) in ts.iter().enumerate() {
+        shards[j % 2].push(t.clone());
+    }
+    shards[0].push(("model.layers.3.mlp.gate.weight".to_string(), Dtype::BF16, vec![4, 64], vec![1; 512]));
+    let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+    let mut map = serde_json::Map::new();
+    for (shard, file) in shards.iter().zip(files) {
+        write_raw(&dir.join(file), shard);
+        for t in shard {
+            map.insert(t.0.clone(), serde_json::Value::String(file.to_string()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 0}, "weight_map": map});
+    let path = dir.join("model.safetensors.index.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&index).unwrap()).unwrap();
+    path
+}
+
+#[test]
+fn sharded_checkpoint_via_index_and_directory() {
+    let (mut r, seed) = rng();
+    for naming in [ExpertNaming::GateUpDown, ExpertNaming::FusedW13] {
+        let c = random_ckpt(&mut r, 3, 64, 32);
+        let c = if naming.is_fused() { fusable(&c) } else { c };
+        let d = TmpDir::new("sharded");
+        let index = write_sharded(&d.0, &raw_tensors(QWEN, naming, &c));
+        for path in [index.clone(), d.0.clone()] {
+            let got = load_modelopt(&path, QWEN).unwrap();
+            assert_eq!(got.naming, naming, "{seed}");
+            assert_same(&got, &c, &seed);
+        }
+        // A shard that lacks a tensor the index lists for it.
+        let name = format!("{QWEN}.1.{}.weight_scale", naming.projections()[0]);
+        let ts = raw_tensors(QWEN, naming, &c);
+        let j = find(&ts, &name);
+        let index = write_sharded(&d.0, &ts);
+        let files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"];
+        let shard = d.path(files[j % 2]);
+        let kept: Vec<Raw> =
+            ts.iter().enumerate().filter(|(k, t)| k % 2 == j % 2 && t.0 != name).map(|(_, t)| t.clone()).collect();
+        write_raw(&shard, &kept);
+        assert_tensor_err(load_modelopt(&index, QWEN), &name, &["does not hold it"], &seed);
+        // A shard file that is gone.
+        std::fs::remove_file(&shard).unwrap();
+        match load_modelopt(&index, QWEN).unwrap_err() {
+            Error::Io(e) => assert!(e.to_string().contains(&*shard.to_string_lossy()), "{e}; {seed}"),
+            e => panic!("expected Error::Io, got {e:?}; {seed}"),
+        }
+    }
+}
+
+#[test]
+fn directory_with_one_file_and_ambiguous_directories() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let d = TmpDir::new("dir");
+    let invalid_with = |e: Error, what: &str| {
+        assert!(matches!(e, Error::Invalid(_)), "{e:?}; {seed}");
+        assert!(e.to_string().contains(&*d.0.to_string_lossy()) && e.to_string().contains(what), "{e}; {seed}");
+    };
+    invalid_with(load_modelopt(&d.0, QWEN).unwrap_err(), "no `.safetensors`");
+    write_modelopt_experts(d.path("experts.safetensors"), QWEN, ExpertNaming::FusedGateUp, &fusable(&c)).unwrap();
+    std::fs::write(d.path("config.json"), b"{}").unwrap();
+    let got = load_modelopt(&d.0, QWEN).unwrap();
+    assert_eq!(got.naming, ExpertNaming::FusedGateUp, "{seed}");
+    assert_same(&got, &fusable(&c), &seed);
+    // Two files and no index: ambiguous.
+    write_modelopt_experts(d.path("other.safetensors"), QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    invalid_with(load_modelopt(&d.0, QWEN).unwrap_err(), "2 `.safetensors` files");
+    // An index is preferred over the files.
+    let index = serde_json::json!({"weight_map": raw_tensors(QWEN, ExpertNaming::GateUpDown, &c)
+        .iter().map(|t| (t.0.clone(), serde_json::Value::from("other.safetensors"))).collect::<serde_json::Map<_, _>>()});
+    std::fs::write(d.path("a.safetensors.index.json"), index.to_string()).unwrap();
+    let got = load_modelopt(&d.0, QWEN).unwrap();
+    assert_eq!(got.naming, ExpertNaming::GateUpDown, "{seed}");
+    assert_same(&got, &c, &seed);
+    // Two indexes: ambiguous.
+    std::fs::write(d.path("b.safetensors.index.json"), index.to_string()).unwrap();
+    invalid_with(load_modelopt(&d.0, QWEN).unwrap_err(), "2 `*.index.json`");
+}
+
+#[test]
+fn file_errors_name_the_path() {
+    let d = TmpDir::new("files");
+    let absent = d.path("absent.safetensors");
+    match load_modelopt(&absent, QWEN).unwrap_err() {
+        Error::Io(e) => assert!(e.to_string().contains(&*absent.to_string_lossy()), "{e}"),
+        e => panic!("expected Error::Io, got {e:?}"),
+    }
+    let bad = d.path("bad.safetensors");
+    std::fs::write(&bad, b"this is not a safetensors file").unwrap();
+    let e = load_modelopt(&bad, QWEN).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)) && e.to_string().contains(&*bad.to_string_lossy()), "{e:?}");
+    let json = d.path("model.safetensors.index.json");
+    std::fs::write(&json, b"{\"weight_map\": ").unwrap();
+    let e = load_modelopt(&json, QWEN).unwrap_err();
+    assert!(matches!(e, Error::Invalid(_)) && e.to_string().contains(&*json.to_string_lossy()), "{e:?}");
+    std::fs::write(&json, b"{\"metadata\": {}}").unwrap();
+    let e = load_modelopt(&json, QWEN).unwrap_err();
+    assert!(e.to_string().contains("weight_map") && e.to_string().contains(&*json.to_string_lossy()), "{e}");
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    let (mut r, seed) = rng();
+    for field in ["weight", "weight_scale", "weight_scale_2"] {
+        let name = format!("{QWEN}.2.up_proj.{field}");
+        let res = load_edited(&mut r, &|ts| {
+            let j = find(ts, &name);
+            ts.remove(j);
+        });
+        assert_tensor_err(res, &name, &["not found"], &seed);
+    }
+    // Through an index too.
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let mut ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &c);
+    let name = format!("{QWEN}.1.down_proj.weight");
+    let j = find(&ts, &name);
+    ts.remove(j);
+    let d = TmpDir::new("missing-index");
+    let index = write_sharded(&d.0, &ts);
+    assert_tensor_err(load_modelopt(&index, QWEN), &name, &["not found", "weight_map"], &seed);
+}
+
+#[test]
+fn wrong_dtype_and_shape_are_named() {
+    let (mut r, seed) = rng();
+    let name = format!("{QWEN}.1.gate_proj.weight");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].1 = Dtype::F32;
+        ts[j].3 = ts[j].3.repeat(4);
+    });
+    assert_tensor_err(res, &name, &["F32", "U8"], &seed);
+    let name = format!("{QWEN}.2.down_proj.weight_scale");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].1 = Dtype::U8;
+    });
+    assert_tensor_err(res, &name, &["U8", "F8_E4M3"], &seed);
+    // Scale [N, K/8] instead of [N, K/16].
+    let name = format!("{QWEN}.3.up_proj.weight_scale");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![32, 8];
+        ts[j].3 = ts[j].3.repeat(2);
+    });
+    assert_tensor_err(res, &name, &["[32, 8]", "expected [32, 4]"], &seed);
+    let name = format!("{QWEN}.0.down_proj.weight_scale_2");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].1 = Dtype::BF16;
+        ts[j].3 = vec![0x80, 0x3f];
+    });
+    assert_tensor_err(res, &name, &["BF16", "F32"], &seed);
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![2];
+        ts[j].3 = ts[j].3.repeat(2);
+    });
+    assert_tensor_err(res, &name, &["scalar"], &seed);
+    // weight_scale_2 of shape [1] is accepted.
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![1];
+    });
+    assert!(res.is_ok(), "{res:?}; {seed}");
+    // H or I not a multiple of 16 (expert 0's gate decides them).
+    let name = format!("{QWEN}.0.gate_proj.weight");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![24, 32];
+        ts[j].3.truncate(24 * 32);
+    });
+    assert_tensor_err(res, &name, &["I = 24", "multiple of 16"], &seed);
+}
+
+#[test]
+fn gap_in_experts_is_named() {
+    let (mut r, seed) = rng();
+    let res = load_edited(&mut r, &|ts| ts.retain(|t| !t.0.starts_with(&format!("{QWEN}.2."))));
+    assert_tensor_err(res, &format!("{QWEN}.2.gate_proj.weight"), &["not found", "without gaps"], &seed);
+    // Expert 0 missing: the naming comes from expert 1.
+    let res = load_edited(&mut r, &|ts| ts.retain(|t| !t.0.starts_with(&format!("{QWEN}.0."))));
+    assert_tensor_err(res, &format!("{QWEN}.0.gate_proj.weight"), &["not found"], &seed);
+}
+
+#[test]
+fn bad_decode_scale_is_named() {
+    let (mut r, seed) = rng();
+    for bad in [f32::NAN, 0.0, -1.0, f32::INFINITY] {
+        let name = format!("{QWEN}.2.up_proj.weight_scale_2");
+        let res = load_edited(&mut r, &|ts| {
+            let j = find(ts, &name);
+            ts[j].3 = bad.to_le_bytes().to_vec();
+        });
+        assert_tensor_err(res, &name, &["finite and > 0"], &seed);
+    }
+    let name = format!("{QWEN}.1.down_proj.input_scale");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].3 = f32::NAN.to_le_bytes().to_vec();
+    });
+    assert_tensor_err(res, &name, &["finite"], &seed);
+}
+
+#[test]
+fn inconsistent_hidden_is_named() {
+    let (mut r, seed) = rng();
+    // Expert 1 with H = 128: every one of its tensors consistent with that.
+    let other = random_ckpt(&mut r, 4, 128, 32);
+    let other_ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &other);
+    let res = load_edited(&mut r, &|ts| {
+        for t in ts.iter_mut().filter(|t| t.0.starts_with(&format!("{QWEN}.1."))) {
+            *t = other_ts.iter().find(|o| o.0 == t.0).unwrap().clone();
+        }
+    });
+    assert_tensor_err(res, &format!("{QWEN}.1.gate_proj.weight"), &["[32, 64]", "expected [32, 32]", "H = 64"], &seed);
+    // Up with another I than gate.
+    let name = format!("{QWEN}.0.up_proj.weight");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![16, 64];
+    });
+    assert_tensor_err(res, &name, &["[16, 64]", "expected [32, 32]"], &seed);
+}
+
+#[test]
+fn input_scales_absent_or_partial() {
+    let (mut r, seed) = rng();
+    let got = load_edited(&mut r, &|ts| ts.retain(|t| !t.0.ends_with(".input_scale"))).unwrap();
+    assert!(got.l1_input_scales.is_none() && got.up_input_scales.is_none(), "{seed}");
+    assert!(got.l2_input_scales.is_none(), "{seed}");
+    // Only down has them.
+    let got =
+        load_edited(&mut r, &|ts| ts.retain(|t| !t.0.ends_with("_proj.input_scale") || t.0.contains("down"))).unwrap();
+    assert!(got.l1_input_scales.is_none() && got.l2_input_scales.is_some(), "{seed}");
+    // Up's equal to gate's are not kept twice.
+    let c = fusable(&random_ckpt(&mut r, 3, 64, 32));
+    let d = TmpDir::new("inputs");
+    let path = d.path("m.safetensors");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    let got = load_modelopt(&path, QWEN).unwrap();
+    assert!(got.up_input_scales.is_none(), "{seed}");
+    assert_same(&got, &c, &seed);
+    // In some experts only.
+    let name = format!("{QWEN}.2.gate_proj.input_scale");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts.remove(j);
+    });
+    assert_tensor_err(res, &name, &["not found", "every expert or none"], &seed);
+    let res = load_edited(&mut r, &|ts| {
+        ts.retain(|t| !t.0.ends_with("gate_proj.input_scale") || t.0.starts_with(&format!("{QWEN}.3.")));
+    });
+    assert_tensor_err(res, &format!("{QWEN}.3.gate_proj.input_scale"), &["every expert or none"], &seed);
+}
+
+#[test]
+fn mixed_or_unexpected_names_are_refused() {
+    let (mut r, seed) = rng();
+    // Expert 1 in the Mixtral naming while expert 0 uses gate_proj/up_proj/down_proj.
+    let res = load_edited(&mut r, &|ts| {
+        for t in ts.iter_mut().filter(|t| t.0.starts_with(&format!("{QWEN}.1."))) {
+            t.0 = t.0.replace("gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2");
+        }
+    });
+    assert_tensor_err(res, &format!("{QWEN}.1.w1.input_scale"), &["one naming"], &seed);
+    // A bias.
+    let name = format!("{QWEN}.0.down_proj.bias");
+    let res = load_edited(&mut r, &|ts| ts.push((name.clone(), Dtype::BF16, vec![64], vec![0; 128])));
+    assert_tensor_err(res, &name, &["bias"], &seed);
+    // Expert 0 with both gate_proj and gate_up_proj.
+    let name = format!("{QWEN}.0.gate_up_proj.weight");
+    let res = load_edited(&mut r, &|ts| ts.push((name.clone(), Dtype::U8, vec![64, 32], vec![0; 2048])));
+    assert_tensor_err(res, &name, &["mixes"], &seed);
+    // Something under the prefix that is not an expert.
+    let name = format!("{QWEN}.gate_up_proj_bias");
+    let res = load_edited(&mut r, &|ts| ts.push((name.clone(), Dtype::BF16, vec![4], vec![0; 8])));
+    assert_tensor_err(res, &name, &["unexpected"], &seed);
+}
+
+#[test]
+fn write_refuses_inconsistent_checkpoints() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let d = TmpDir::new("write");
+    let path = d.path("w.safetensors");
+    let mut bad = c.clone();
+    bad.w13.codes.pop();
+    assert!(matches!(write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &bad), Err(Error::InvalidShape(_))));
+    let mut bad = c.clone();
+    bad.up_decode_scales[1] = f32::NAN;
+    assert!(matches!(write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &bad), Err(Error::Invalid(_))));
+    let mut bad = c.clone();
+    bad.l2_input_scales = Some(vec![1.0; 2]);
+    assert!(matches!(write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &bad), Err(Error::InvalidShape(_))));
+    // Different up input scales cannot go into a fused naming.
+    let mut bad = fusable(&c);
+    bad.up_input_scales = c.up_input_scales.clone();
+    let e = write_modelopt_experts(&path, QWEN, ExpertNaming::FusedW13, &bad).unwrap_err();
+    assert!(matches!(&e, Error::Tensor { name, .. } if *name == format!("{QWEN}.0.w13.input_scale")), "{e}; {seed}");
+    assert!(!path.exists(), "{seed}");
+}

@@ -1,0 +1,153 @@
+//! The one place a launch is put together: the stream handle, each device buffer's address and
+//! length (with the guard that keeps cudarc's stream ordering until the launch is enqueued), the
+//! host-side length and alignment checks, and the core's status turned into a typed [`Error`].
+//! Each wrapper states only what is specific to it: which buffers, how long, which `*Args`.
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
+
+use crate::abi::Status;
+use crate::error::{Error, Result};
+use crate::ffi::raw;
+
+/// `actual` elements are at least `needed`.
+pub(crate) fn check_len(name: &'static str, actual: usize, needed: usize) -> Result<()> {
+    if actual < needed {
+        return Err(Error::BufferTooSmall { name, needed, actual });
+    }
+    Ok(())
+}
+
+/// The device address is a multiple of `align` bytes.
+pub(crate) fn check_align(name: &'static str, addr: u64, align: usize) -> Result<()> {
+    if !addr.is_multiple_of(align as u64) {
+        return Err(Error::Misaligned { name, align, addr });
+    }
+    Ok(())
+}
+
+/// A core status as a typed error: a shape the core rejects is [`Error::InvalidShape`], an unknown
+/// enum value [`Error::UnsupportedLayout`], a CUDA failure [`Error::Core`], anything else
+/// [`Error::Rejected`]; each with the core's message.
+pub(crate) fn status(raw_status: i32) -> Result<()> {
+    let status = Status::from_raw(raw_status);
+    if status == Some(Status::Success) {
+        return Ok(());
+    }
+    let message = raw::last_error_message();
+    Err(match status {
+        Some(Status::InvalidShape) => Error::InvalidShape(message),
+        Some(Status::UnsupportedLayout) => Error::UnsupportedLayout(message),
+        Some(Status::CudaError) => Error::Core(message),
+        Some(status) => Error::Rejected { status, message },
+        None => Error::Core(format!("unknown status {raw_status}: {message}")),
+    })
+}
+
+/// A device buffer as the checks see it: its address and its length in elements.
+#[derive(Clone, Copy, Debug)]
+pub struct BufferInfo {
+    /// Device address.
+    pub addr: u64,
+    /// Length in elements.
+    pub len: usize,
+}
+
+/// A device buffer as a launch sees it.
+pub(crate) struct Buf<'a> {
+    /// Its device address.
+    pub addr: u64,
+    /// Its length in elements.
+    pub len: usize,
+    _guard: SyncOnDrop<'a>,
+}
+
+impl Buf<'_> {
+    /// Address and length, for the pure checks.
+    pub fn info(&self) -> BufferInfo {
+        BufferInfo { addr: self.addr, len: self.len }
+    }
+}
+
+/// One launch on one stream.
+pub(crate) struct Launch<'a> {
+    stream: &'a CudaStream,
+    handle: u64,
+}
+
+impl<'a> Launch<'a> {
+    /// Makes the stream's context current on this thread (the core launches through the CUDA
+    /// runtime, which uses the calling thread's context; cudarc uses the device's primary context,
+    /// as the runtime does) and takes the raw stream.
+    pub fn new(stream: &'a CudaStream) -> Result<Self> {
+        stream.context().bind_to_thread()?;
+        Ok(Launch { stream, handle: stream.cu_stream() as u64 })
+    }
+
+    /// A buffer the launch reads.
+    pub fn input<'b, T, B: DevicePtr<T>>(&'b self, buf: &'b B) -> Buf<'b> {
+        let len = buf.len();
+        let (addr, guard) = buf.device_ptr(self.stream);
+        Buf { addr, len, _guard: guard }
+    }
+
+    /// A buffer the launch writes.
+    pub fn output<'b, T, B: DevicePtrMut<T>>(&'b self, buf: &'b mut B) -> Buf<'b> {
+        let len = buf.len();
+        let (addr, guard) = buf.device_ptr_mut(self.stream);
+        Buf { addr, len, _guard: guard }
+    }
+
+    /// Runs the core's `can_implement` on `args` (a typed error for a shape the core rejects),
+    /// then enqueues `launch` with them.
+    ///
+    /// # Safety
+    /// `launch` must be the core entry point of `args`, whose pointers the caller checked: each a
+    /// live device allocation of the size the arguments imply, alive until the work finished.
+    pub unsafe fn launch<A>(
+        &self,
+        args: &A,
+        can_implement: fn(&A) -> i32,
+        launch: unsafe fn(&A, u64) -> i32,
+    ) -> Result<()> {
+        status(can_implement(args))?;
+        // SAFETY: the caller's contract.
+        status(unsafe { launch(args, self.handle) })
+    }
+
+    /// Enqueues the call `f` makes with the raw stream (entry points without an `*Args` struct),
+    /// and types its status.
+    ///
+    /// # Safety
+    /// `f` must call one core entry point with arguments that the caller checked: every pointer a
+    /// live device allocation of the size the arguments imply, alive until the work finished.
+    pub unsafe fn run(&self, f: impl FnOnce(u64) -> i32) -> Result<()> {
+        status(f(self.handle))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{GroupedGemmArgs, QuantizeNvfp4Args};
+
+    /// The core's can_implement runs on the host and its statuses arrive as typed errors.
+    #[test]
+    fn core_checks_surface_as_typed_errors() {
+        let ok = QuantizeNvfp4Args { rows: 3, cols: 32, ..Default::default() };
+        assert!(status(raw::quantize_nvfp4_can_implement(&ok)).is_ok());
+        let bad_cols = QuantizeNvfp4Args { cols: 40, ..ok };
+        match status(raw::quantize_nvfp4_can_implement(&bad_cols)) {
+            Err(Error::InvalidShape(m)) => assert!(m.contains("multiple of 16"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        let bad_g = QuantizeNvfp4Args { decode_scale: f32::NAN, ..ok };
+        assert!(matches!(
+            status(raw::quantize_nvfp4_can_implement(&bad_g)),
+            Err(Error::Rejected { status: Status::InvalidDecodeScale, .. })
+        ));
+        let gemm = GroupedGemmArgs { experts: 8, n: 128, k: 256, ..Default::default() };
+        assert!(status(raw::grouped_gemm_nvfp4_can_implement(&gemm)).is_ok());
+        let too_many = GroupedGemmArgs { experts: crate::abi::EXPERT_LIMIT as i64 + 1, ..gemm };
+        assert!(matches!(status(raw::grouped_gemm_nvfp4_can_implement(&too_many)), Err(Error::InvalidShape(_))));
+    }
+}

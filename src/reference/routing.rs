@@ -1,0 +1,326 @@
+//! MoE routing, permutation and combine on the CPU, and the f64 reference of a whole MoE
+//! feed-forward layer: the oracle of the device routing kernels and of the layer.
+//!
+//! Conventions shared with the device side:
+//! - top-k selection breaks ties by the lower expert id;
+//! - the permutation is a stable counting sort of the `T x k` (token, slot) pairs by expert: pair
+//!   `(t, j)` (flattened `t * k + j`) goes before every later pair of the same expert;
+//! - combine sums `topk_weights[t, j] * y[pos(t, j)]` over `j = 0..k` in that order.
+
+use half::bf16;
+
+use crate::error::{Error, Result};
+use crate::host::MoeCheckpoint;
+
+/// Softmax over each token's `experts` router logits (FP32, max-subtracted), then the `top_k`
+/// largest probabilities. The experts are chosen by comparing the logits themselves (softmax is
+/// monotonic), so the choice is exact and identical on every device; ties go to the lower expert
+/// id. With `renormalize` the k weights are divided by their sum. Returns
+/// `(topk_ids [T, k], topk_weights [T, k])`.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a `top_k` outside `1..=experts` or logits of the wrong length.
+pub fn softmax_topk(
+    logits: &[f32],
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    renormalize: bool,
+) -> Result<(Vec<i32>, Vec<f32>)> {
+    if experts == 0 || top_k == 0 || top_k > experts {
+        return Err(Error::InvalidShape(format!("need 1 <= top_k ({top_k}) <= experts ({experts})")));
+    }
+    if logits.len() != tokens * experts {
+        return Err(Error::InvalidShape(format!(
+            "router logits hold {} values, expected tokens x experts = {}",
+            logits.len(),
+            tokens * experts
+        )));
+    }
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    let mut weights = Vec::with_capacity(tokens * top_k);
+    for row in logits.chunks_exact(experts) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = row.iter().map(|&v| (v - max).exp()).collect();
+        let sum: f32 = exps.iter().sum();
+        let mut order: Vec<usize> = (0..experts).collect();
+        // Stable sort by descending logit keeps the lower id first among ties.
+        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap_or(std::cmp::Ordering::Equal));
+        let chosen = &order[..top_k];
+        let probs: Vec<f32> = chosen.iter().map(|&e| exps[e] / sum).collect();
+        let norm: f32 = if renormalize { probs.iter().sum() } else { 1.0 };
+        for (&e, &p) in chosen.iter().zip(&probs) {
+            ids.push(e as i32);
+            weights.push(p / norm);
+        }
+    }
+    Ok((ids, weights))
+}
+
+/// The stable counting sort of the (token, slot) pairs by expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Permutation {
+    /// `[E + 1]`: rows of expert e are `[expert_offsets[e], expert_offsets[e + 1])`.
+    pub expert_offsets: Vec<i32>,
+    /// `[T * k]`: the permuted row of pair `t * k + j`.
+    pub row_of_pair: Vec<i32>,
+    /// `[T * k]`: the pair `t * k + j` at each permuted row.
+    pub pair_of_row: Vec<i32>,
+}
+
+/// Sorts the pairs of `topk_ids` (`[T, k]`) by expert, stably. An id outside `[0, experts)` is an
+/// error naming the first such (token, slot, id) in flattened order; the device kernels record
+/// the same one in their error word.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a length not a multiple of `top_k`, [`Error::Invalid`] for a bad id.
+pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permutation> {
+    if top_k == 0 || !topk_ids.len().is_multiple_of(top_k) {
+        return Err(Error::InvalidShape(format!(
+            "topk_ids has {} entries, not a multiple of k = {top_k}",
+            topk_ids.len()
+        )));
+    }
+    if let Some((i, &id)) = topk_ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= experts) {
+        return Err(Error::Invalid(format!(
+            "topk_ids[{}, {}] = {id} is not an expert id in [0, {experts})",
+            i / top_k,
+            i % top_k
+        )));
+    }
+    let mut counts = vec![0i32; experts];
+    for &id in topk_ids {
+        counts[id as usize] += 1;
+    }
+    let mut expert_offsets = Vec::with_capacity(experts + 1);
+    expert_offsets.push(0);
+    for c in &counts {
+        expert_offsets.push(expert_offsets.last().unwrap() + c);
+    }
+    let mut next: Vec<i32> = expert_offsets[..experts].to_vec();
+    let mut row_of_pair = vec![0i32; topk_ids.len()];
+    let mut pair_of_row = vec![0i32; topk_ids.len()];
+    for (pair, &id) in topk_ids.iter().enumerate() {
+        let row = next[id as usize];
+        next[id as usize] += 1;
+        row_of_pair[pair] = row;
+        pair_of_row[row as usize] = pair as i32;
+    }
+    Ok(Permutation { expert_offsets, row_of_pair, pair_of_row })
+}
+
+/// The rows of `hidden` (`[T, H]`) in permuted order (`[T * k, H]`).
+pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_k: usize) -> Vec<bf16> {
+    let mut out = Vec::with_capacity(perm.pair_of_row.len() * hidden_size);
+    for &pair in &perm.pair_of_row {
+        let t = pair as usize / top_k;
+        out.extend_from_slice(&hidden[t * hidden_size..(t + 1) * hidden_size]);
+    }
+    out
+}
+
+/// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair(t, j)]` over `j = 0..k` in order, in f64.
+pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: &[f32], top_k: usize) -> Vec<f64> {
+    let tokens = topk_weights.len() / top_k;
+    let mut out = vec![0f64; tokens * hidden_size];
+    for t in 0..tokens {
+        for j in 0..top_k {
+            let row = perm.row_of_pair[t * top_k + j] as usize;
+            let w = f64::from(topk_weights[t * top_k + j]);
+            for (o, v) in out[t * hidden_size..(t + 1) * hidden_size].iter_mut().zip(&y[row * hidden_size..]) {
+                *o += w * v;
+            }
+        }
+    }
+    out
+}
+
+/// One MoE feed-forward layer in f64: route, `silu(x W_gate^T g_gate) * (x W_up^T g_up)` per
+/// chosen expert, `W_down`, and the weighted sum over the k experts. `w13` holds per expert the
+/// gate rows then the up rows (`n = 2I`, `k = H`), its decode scales the gate's; `w2` is `n = H`,
+/// `k = I` (the fields of a [`MoeCheckpoint`] `experts`). The oracle for the device layer (which
+/// rounds the SwiGLU output to BF16 between the GEMMs, well inside the 1e-2 tolerance).
+///
+/// # Errors
+/// Weights that do not make one layer, inputs of the wrong length, or an expert id outside
+/// `[0, E)`.
+pub fn moe_layer(
+    hidden: &[bf16],
+    tokens: usize,
+    topk_ids: &[i32],
+    topk_weights: &[f32],
+    top_k: usize,
+    experts: &MoeCheckpoint,
+) -> Result<Vec<f64>> {
+    let (w13, up_decode_scales, w2) = (&experts.w13, &experts.up_decode_scales, &experts.w2);
+    let (h, inter, experts) = (w13.k, w13.n / 2, w13.experts);
+    if w2.n != h || w2.k != inter || w2.experts != experts || up_decode_scales.len() != experts {
+        return Err(Error::InvalidShape("w13, up scales and w2 do not describe one MoE layer".into()));
+    }
+    if hidden.len() != tokens * h || topk_ids.len() != tokens * top_k || topk_weights.len() != tokens * top_k {
+        return Err(Error::InvalidShape("hidden, topk_ids or topk_weights has the wrong length".into()));
+    }
+    let perm = permute(topk_ids, top_k, experts)?;
+    let rows = perm.pair_of_row.len();
+    let mut y = vec![0f64; rows * h];
+    let mut act = vec![0f64; inter];
+    for row in 0..rows {
+        let pair = perm.pair_of_row[row] as usize;
+        let (t, e) = (pair / top_k, topk_ids[pair] as usize);
+        let x = &hidden[t * h..(t + 1) * h];
+        for (f, a) in act.iter_mut().enumerate() {
+            let (mut g, mut u) = (0f64, 0f64);
+            for (kk, xv) in x.iter().enumerate() {
+                let xv = f64::from(xv.to_f32());
+                g += xv * f64::from(w13.weight(e, f, kk));
+                u += xv * f64::from(w13.weight(e, inter + f, kk));
+            }
+            let (g, u) = (g * f64::from(w13.decode_scales[e]), u * f64::from(up_decode_scales[e]));
+            *a = g / (1.0 + (-g).exp()) * u;
+        }
+        for (o, yv) in y[row * h..(row + 1) * h].iter_mut().enumerate() {
+            let dot: f64 = act.iter().enumerate().map(|(kk, a)| a * f64::from(w2.weight(e, o, kk))).sum();
+            *yv = dot * f64::from(w2.decode_scales[e]);
+        }
+    }
+    Ok(combine(&y, h, &perm, topk_weights, top_k))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    #[test]
+    fn topk_picks_the_largest_with_low_id_ties() {
+        let logits = [0.5f32, 2.0, 2.0, -1.0, 1.0, 3.0, 0.0, 3.0];
+        let (ids, w) = softmax_topk(&logits, 2, 4, 2, false).unwrap();
+        assert_eq!(ids, vec![1, 2, 1, 3]);
+        // Token 0: two equal probabilities; token 1: experts 1 and 3 tie at 3.0.
+        assert_eq!(w[0], w[1]);
+        let (_, wn) = softmax_topk(&logits, 2, 4, 2, true).unwrap();
+        assert!((wn[0] + wn[1] - 1.0).abs() < 1e-6 && (wn[2] + wn[3] - 1.0).abs() < 1e-6);
+        assert!(softmax_topk(&logits, 2, 4, 5, false).is_err());
+        assert!(softmax_topk(&logits[..7], 2, 4, 2, false).is_err());
+    }
+
+    #[test]
+    fn topk_weights_are_softmax_probabilities() {
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let (t, e, k) = (37usize, 64usize, 8usize);
+        let logits: Vec<f32> = (0..t * e).map(|_| rng.normal() * 3.0).collect();
+        let (ids, w) = softmax_topk(&logits, t, e, k, false).unwrap();
+        for tok in 0..t {
+            let row = &logits[tok * e..(tok + 1) * e];
+            let z: f64 = row.iter().map(|&v| f64::from(v).exp()).sum();
+            for j in 0..k {
+                let id = ids[tok * k + j] as usize;
+                let p = f64::from(row[id]).exp() / z;
+                assert!((f64::from(w[tok * k + j]) - p).abs() < 1e-5, "seed {seed}");
+                // Every unchosen expert has a logit no larger than the chosen ones.
+                if j + 1 < k {
+                    assert!(row[id] >= row[ids[tok * k + j + 1] as usize], "seed {seed}");
+                }
+            }
+            let min_chosen = (0..k).map(|j| row[ids[tok * k + j] as usize]).fold(f32::INFINITY, f32::min);
+            let chosen: Vec<i32> = ids[tok * k..(tok + 1) * k].to_vec();
+            for (x, &v) in row.iter().enumerate() {
+                if !chosen.contains(&(x as i32)) {
+                    assert!(v <= min_chosen, "seed {seed}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn permutation_is_a_stable_sort_by_expert() {
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let (t, k, e) = (300usize, 8usize, 16usize);
+        // Skewed: experts 0..3 hot, some experts empty.
+        let ids: Vec<i32> =
+            (0..t * k).map(|_| if rng.below(2) == 0 { rng.below(4) as i32 } else { rng.range(8, 16) as i32 }).collect();
+        let p = permute(&ids, k, e).unwrap();
+        assert_eq!(p.expert_offsets[0], 0);
+        assert_eq!(*p.expert_offsets.last().unwrap() as usize, t * k);
+        assert_eq!(p.expert_offsets[5], p.expert_offsets[4], "expert 4 is empty (seed {seed})");
+        for row in 0..t * k {
+            let pair = p.pair_of_row[row] as usize;
+            assert_eq!(p.row_of_pair[pair] as usize, row);
+            let ex = ids[pair] as usize;
+            assert!((p.expert_offsets[ex] as usize..p.expert_offsets[ex + 1] as usize).contains(&row));
+            if row + 1 < t * k && ids[p.pair_of_row[row + 1] as usize] as usize == ex {
+                assert!(p.pair_of_row[row + 1] as usize > pair, "not stable (seed {seed})");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_ids_are_named() {
+        let ids = [0i32, 3, 1, 7, -1, 2];
+        let msg = permute(&ids, 2, 4).unwrap_err().to_string();
+        assert!(msg.contains("topk_ids[1, 1] = 7"), "{msg}");
+        assert!(permute(&ids[..5], 2, 4).is_err());
+    }
+
+    #[test]
+    fn gather_and_combine_invert_each_other_for_identity_experts() {
+        let mut rng = Rng::from_entropy();
+        let (t, k, e, h) = (9usize, 2usize, 4usize, 16usize);
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
+        let p = permute(&ids, k, e).unwrap();
+        let rows = gather_rows(&hidden, h, &p, k);
+        let y: Vec<f64> = rows.iter().map(|v| f64::from(v.to_f32())).collect();
+        let w = vec![0.5f32; t * k];
+        let out = combine(&y, h, &p, &w, k);
+        for (o, x) in out.iter().zip(&hidden) {
+            assert!((o - f64::from(x.to_f32())).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn layer_reference_agrees_with_the_element_references() {
+        use crate::reference::{swiglu_element, ExpertWeightsHost};
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let (t, e, h, inter, k) = (5usize, 3usize, 32usize, 16usize, 2usize);
+        let mk = |rng: &mut Rng, n: usize, kk: usize| ExpertWeightsHost {
+            experts: e,
+            n,
+            k: kk,
+            codes: rng.bytes(e * n * kk / 2),
+            scales: (0..e * n * kk / 16).map(|_| rng.range(0x28, 0x40) as u8).collect(),
+            decode_scales: (0..e).map(|_| rng.uniform(0.5, 2.0)).collect(),
+        };
+        let w13 = mk(&mut rng, 2 * inter, h);
+        let w2 = mk(&mut rng, h, inter);
+        let up: Vec<f32> = (0..e).map(|_| rng.uniform(0.5, 2.0)).collect();
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        let ids: Vec<i32> = (0..t * k).map(|i| ((i * 7 + 1) % e) as i32).collect();
+        let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+        let layer = MoeCheckpoint::from_experts(w13.clone(), up.clone(), w2.clone());
+        let out = moe_layer(&hidden, t, &ids, &w, k, &layer).unwrap();
+        for tok in 0..t {
+            for o in 0..h {
+                let mut want = 0f64;
+                for j in 0..k {
+                    let ex = ids[tok * k + j] as usize;
+                    let y: f64 = (0..inter)
+                        .map(|f| {
+                            let (_, a) = swiglu_element(&hidden, &w13, ex, tok, f, w13.decode_scales[ex], up[ex]);
+                            a * f64::from(w2.weight(ex, o, f))
+                        })
+                        .sum();
+                    want += f64::from(w[tok * k + j]) * y * f64::from(w2.decode_scales[ex]);
+                }
+                let got = out[tok * h + o];
+                assert!(
+                    (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+                    "token {tok} out {o}: {got} vs {want} (seed {seed})"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,315 @@
+//! The grouped GEMM and its epilogues, the grouped quantizers, graph capture.
+
+use super::*;
+
+// ------------------------------------------------------------------------------------------------
+// Grouped GEMM
+
+pub(crate) mod grouped {
+    use super::*;
+    use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+    use nvfp4_moe::{
+        host::ExpertWeightsHost,
+        reference::{dequantize_element, grouped_gemm_element},
+    };
+
+    const OUT_POISON: u16 = 0x7FBF; // a NaN payload the kernel never produces
+
+    /// Random checkpoint-layout weights: random codes, scales mostly in [2^-3, 2^2] with some
+    /// subnormal and zero blocks, decode scales per expert in [1e-3, 1e-2].
+    pub fn random_weights(rng: &mut Rng, experts: usize, n: usize, k: usize) -> ExpertWeightsHost {
+        let codes = rng.bytes(experts * n * k / 2);
+        let scales = (0..experts * n * k / 16)
+            .map(|_| match rng.below(64) {
+                0 => 0x00,
+                1 => rng.range(1, 8) as u8,
+                _ => rng.range(0x20, 0x48) as u8,
+            })
+            .collect();
+        let decode_scales = (0..experts).map(|_| rng.uniform(1e-3, 1e-2)).collect();
+        ExpertWeightsHost { experts, n, k, codes, scales, decode_scales }
+    }
+
+    /// Random uneven row counts (0 included) and their offsets.
+    pub fn random_offsets(rng: &mut Rng, experts: usize, max_rows: usize) -> Vec<i32> {
+        let mut off = vec![0i32];
+        for _ in 0..experts {
+            let rows = match rng.below(5) {
+                0 => 0,
+                1 => 1,
+                _ => rng.range(0, max_rows + 1),
+            };
+            off.push(off.last().unwrap() + rows as i32);
+        }
+        off
+    }
+
+    fn expert_of(off: &[i32], row: usize) -> usize {
+        off.partition_point(|&o| o as usize <= row) - 1
+    }
+
+    /// Runs the GEMM into a poisoned output with `extra` rows past offsets[E].
+    fn run(
+        s: &Arc<CudaStream>,
+        w: &Nvfp4Weights,
+        x: &CudaSlice<bf16>,
+        total_rows: usize,
+        off: &[i32],
+        tile: GemmTile,
+    ) -> Vec<bf16> {
+        let off_dev = s.clone_htod(off).unwrap();
+        let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
+        let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile).unwrap();
+        plan.launch(s, x, total_rows, &off_dev, &mut out).unwrap();
+        s.clone_dtoh(&out).unwrap()
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn grouped_gemm_matches_reference_per_expert() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let mut cases = 0;
+        for &e in &[1usize, 8, 128, 256] {
+            for &n in &[128usize, 2880, 4096] {
+                for &k in &[256usize, 2880, 7168] {
+                    if e * n * k > 1_100_000_000 {
+                        continue;
+                    }
+                    let seed = rng.seed();
+                    let w = random_weights(&mut rng, e, n, k);
+                    let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+                    let off = random_offsets(&mut rng, e, (40_000 / e).clamp(2, 600));
+                    let rows = *off.last().unwrap() as usize;
+                    let extra = 3;
+                    let total = rows + extra;
+                    let x = rng.normal_bf16(total * k, 1.0);
+                    let xd = s.clone_htod(&x).unwrap();
+                    for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+                        let out = run(&s, &wd, &xd, total, &off, tile);
+                        let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?} seed={seed}");
+                        // Every row of an expert written (no poison), rows past off[E] untouched.
+                        for (i, v) in out.iter().enumerate() {
+                            let written = v.to_bits() != OUT_POISON;
+                            assert_eq!(written, i / n < rows, "element {i} (row {}) written={written}: {ctx}", i / n);
+                        }
+                        // Relative Frobenius error per expert on sampled elements.
+                        let samples = (4000 / e.max(1)).clamp(24, 400);
+                        let mut case_err = RelErr::default();
+                        for ex in 0..e {
+                            let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
+                            if b == end {
+                                continue;
+                            }
+                            let mut err = RelErr::default();
+                            for _ in 0..samples {
+                                let row = rng.range(b, end);
+                                let f = rng.range(0, n);
+                                let want = grouped_gemm_element(&x, &w, ex, row, f);
+                                let got = f64::from(out[row * n + f].to_f32());
+                                err.add(got, want);
+                            }
+                            let rel = err.rel();
+                            assert!(rel <= 1e-2, "expert {ex}: relative error {rel:.3e} > 1e-2: {ctx}");
+                            assert_eq!(expert_of(&off, b), ex);
+                            case_err.merge(&err);
+                        }
+                        case_err.report(&ctx);
+                        cases += 1;
+                    }
+                }
+            }
+        }
+        eprintln!("{cases} grouped GEMM cases within 1e-2 per expert");
+        assert!(cases >= 30);
+    }
+
+    /// One-hot activations read single weights back exactly: out[r, f] = bf16(e2m1 * e4m3 * g).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn one_hot_rows_read_weights_exactly() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (e, n, k) = (3usize, 192usize, 320usize);
+        let w = random_weights(&mut rng, e, n, k);
+        let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+        let off = vec![0i32, 40, 40, 77];
+        let rows = 77;
+        let mut x = vec![bf16::ZERO; rows * k];
+        let mut hot = vec![0usize; rows];
+        for r in 0..rows {
+            hot[r] = rng.range(0, k);
+            x[r * k + hot[r]] = bf16::ONE;
+        }
+        let xd = s.clone_htod(&x).unwrap();
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+            let out = run(&s, &wd, &xd, rows, &off, tile);
+            for r in 0..rows {
+                let ex = expert_of(&off, r);
+                for f in 0..n {
+                    let row = ex * n + f;
+                    let kk = hot[r];
+                    let byte = w.codes[row * (k / 2) + kk / 2];
+                    let code = if kk % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                    let want = dequantize_element(code, w.scales[row * (k / 16) + kk / 16], w.decode_scales[ex]);
+                    let got = out[r * n + f];
+                    // A sum of products cannot return -0 (+0 plus -0 is +0): zero weights read
+                    // back as zero of either sign; every other weight bit for bit.
+                    if want.to_f32() == 0.0 {
+                        assert_eq!(got.to_f32(), 0.0, "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}");
+                    } else {
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn results_are_bit_identical_across_runs() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (e, n, k) = (16usize, 2880usize, 2880usize);
+        let w = random_weights(&mut rng, e, n, k);
+        let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+        let off = random_offsets(&mut rng, e, 300);
+        let rows = *off.last().unwrap() as usize;
+        let xd = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
+        let a = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
+        let b = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
+        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order).
+        for &(e, n, k, max_rows) in &[(4usize, 1024usize, 2048usize, 3usize), (2, 5760, 2880, 5)] {
+            let w = random_weights(&mut rng, e, n, k);
+            let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+            let mut off = random_offsets(&mut rng, e, max_rows);
+            off.iter_mut().skip(1).for_each(|o| *o += 1); // expert 0 gets a row: rows > 0
+            let rows = *off.last().unwrap() as usize;
+            let x = rng.normal_bf16(rows * k, 1.0);
+            let xd = s.clone_htod(&x).unwrap();
+            let a = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            let b = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "split-K E={e} n={n} k={k}");
+            let mut err = RelErr::default();
+            for _ in 0..2000.min(rows * n) {
+                let (row, f) = (rng.range(0, rows), rng.range(0, n));
+                let ex = expert_of(&off, row);
+                err.add(f64::from(a[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
+            }
+            eprintln!("split-K E={e} n={n} k={k} rows={rows}: relative error {:.3e}", err.rel());
+            assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}", err.rel());
+            err.report(&format!("split-K E={e} n={n} k={k} rows={rows}"));
+        }
+    }
+
+    /// Fused gate/up weights prepared in GateUpBands8 order, gate and up decode scales 10x apart:
+    /// output column p is source row gate_up_source_row(p) with its own half's decode scale.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gate_up_weights_come_out_interleaved_with_their_scales() {
+        use nvfp4_moe::gemm::gate_up_source_row;
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let (e, inter, k) = (4usize, 2880usize, 256usize);
+        let n = 2 * inter;
+        let w = random_weights(&mut rng, e, n, k);
+        let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+        let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+        let codes = s.clone_htod(&w.codes).unwrap();
+        let scales = s.clone_htod(&w.scales).unwrap();
+        let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &gate_g, &up_g, ExpertShape::new(e, n, k)).unwrap();
+        let off = random_offsets(&mut rng, e, 90);
+        let rows = *off.last().unwrap() as usize;
+        let x = rng.normal_bf16(rows * k, 1.0);
+        let xd = s.clone_htod(&x).unwrap();
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+            let out = run(&s, &wd, &xd, rows, &off, tile);
+            let mut case_err = RelErr::default();
+            for ex in 0..e {
+                let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
+                if b == end {
+                    continue;
+                }
+                let mut err = RelErr::default();
+                for _ in 0..300 {
+                    let row = rng.range(b, end);
+                    let p = rng.range(0, n);
+                    let src = gate_up_source_row(p, n);
+                    let g = if p % 16 < 8 { gate_g[ex] } else { up_g[ex] };
+                    let dot: f64 =
+                        (0..k).map(|kk| f64::from(x[row * k + kk].to_f32()) * f64::from(w.weight(ex, src, kk))).sum();
+                    let want = dot * f64::from(g);
+                    err.add(f64::from(out[row * n + p].to_f32()), want);
+                }
+                let rel = err.rel();
+                assert!(rel <= 1e-2, "expert {ex}: {rel:.3e} {tile:?}");
+                case_err.merge(&err);
+            }
+            case_err.report(&format!("gate/up rows {tile:?}"));
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn nan_scale_is_rejected_at_preparation() {
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let mut w = random_weights(&mut rng, 2, 64, 128);
+        // Expert 1, row 5, block 3.
+        w.scales[(64 + 5) * 8 + 3] = 0x7F;
+        let err = Nvfp4Weights::from_host(&s, &w).expect_err("a NaN scale must be rejected");
+        let msg = err.to_string();
+        assert!(msg.contains("expert 1 row 5 block 3"), "{msg}");
+    }
+}
+
+mod graph {
+    use super::*;
+    use crate::gemm::grouped::{random_offsets, random_weights};
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
+
+    /// The GEMM launch captured into a CUDA graph and replayed gives the eager result, bit for bit
+    /// (no host synchronization or allocation inside a launch).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn grouped_gemm_is_graph_capturable() {
+        let ctx = CudaContext::new(0).unwrap();
+        // cudarc's cross-stream event tracking would wait on events recorded outside the capture.
+        unsafe { ctx.disable_event_tracking() };
+        let s = ctx.new_stream().unwrap();
+        let mut rng = Rng::from_entropy();
+        let (e, n, k) = (32usize, 256usize, 512usize);
+        let w = random_weights(&mut rng, e, n, k);
+        let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+        let off = random_offsets(&mut rng, e, 70);
+        let rows = *off.last().unwrap() as usize;
+        let x = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
+        let off_dev = s.clone_htod(&off).unwrap();
+        let mut out = s.alloc_zeros::<bf16>(rows * n).unwrap();
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+            let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap();
+            plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
+            let eager = s.clone_dtoh(&out).unwrap();
+            s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); rows * n], &mut out).unwrap();
+            s.synchronize().unwrap();
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+            plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
+            let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+            graph.launch().unwrap();
+            s.synchronize().unwrap();
+            let replay = s.clone_dtoh(&out).unwrap();
+            assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()), "{tile:?}");
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// SwiGLU epilogues (issue 4): the old Interleaved flow and the compact SwigluBf16.
+
+pub(crate) mod swiglu;

@@ -1,0 +1,415 @@
+use super::*;
+use crate::gemm::grouped::{random_offsets, random_weights};
+use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
+use nvfp4_moe::quantize::GroupedDesc;
+use nvfp4_moe::{host::ExpertWeightsHost, reference::swiglu_element};
+
+/// `quantize_nvfp4_grouped` of a compact SwiGLU output and `swiglu_quantize` of an interleaved
+/// one (poisoned outputs first), on the host: `[(codes, scales) compact, (codes, scales)
+/// interleaved]`.
+#[allow(clippy::too_many_arguments)]
+fn quantize_compact_and_interleaved(
+    s: &Arc<CudaStream>,
+    compact: &CudaSlice<bf16>,
+    interleaved: &CudaSlice<bf16>,
+    rows: usize,
+    inter: usize,
+    experts: usize,
+    offsets: &CudaSlice<i32>,
+    act_scales: &CudaSlice<f32>,
+) -> [(Vec<u8>, Vec<u8>); 2] {
+    use nvfp4_moe::layout::grouped_scale_len;
+    use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+    let sl = grouped_scale_len(rows, experts, inter);
+    [(GroupedSource::Contiguous, compact), (GroupedSource::InterleavedSwiglu, interleaved)].map(|(source, x)| {
+        let (mut c, mut sc) = (poisoned_u8(s, rows * inter / 2), poisoned_u8(s, sl));
+        quantize_nvfp4_grouped_into(
+            s,
+            source,
+            x,
+            &GroupedDesc { rows, cols: inter, expert_offsets: offsets, decode_scales: act_scales },
+            &mut c,
+            &mut sc,
+        )
+        .unwrap();
+        (s.clone_dtoh(&c).unwrap(), s.clone_dtoh(&sc).unwrap())
+    })
+}
+
+const OUT_POISON: u16 = 0x7FBF;
+
+/// Random gate/up weights `[e, n, k]` with gate decode scales in [1e-3, 2e-3) and up's 10x
+/// larger, prepared for the SwiGLU epilogues: (host weights, gate scales, up scales, prepared).
+pub fn gate_up_weights(
+    s: &Arc<CudaStream>,
+    rng: &mut Rng,
+    e: usize,
+    n: usize,
+    k: usize,
+) -> (ExpertWeightsHost, Vec<f32>, Vec<f32>, Nvfp4Weights) {
+    let w = random_weights(rng, e, n, k);
+    let gate_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 2e-3)).collect();
+    let up_g: Vec<f32> = gate_g.iter().map(|g| g * 10.0).collect();
+    let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+    let wd = Nvfp4Weights::prepare_gate_up(s, &codes, &scales, &gate_g, &up_g, ExpertShape::new(e, n, k)).unwrap();
+    (w, gate_g, up_g, wd)
+}
+
+/// For each I, random fused weights (gate and up decode scales 10x apart), uneven rows with
+/// empty experts: SwigluBf16 within 1e-2 of the f64 reference per expert; Interleaved's swiglu
+/// columns bit-identical to SwigluBf16 and its gate columns within 1e-2 of the reference;
+/// every expert row written, rows past offsets[E] untouched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_epilogues_match_reference_and_each_other() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    // The last four shapes have so few tiles that the N16 tile splits K (2 or 4 CTAs per tile,
+    // one with an uneven split: 9 K stages over 2 CTAs).
+    for &(inter, k, e, max_rows) in &[
+        (768usize, 2048usize, 16usize, 150usize),
+        (1536, 256, 8, 150),
+        (2048, 512, 32, 150),
+        (2880, 2880, 4, 150),
+        (14336, 256, 2, 150),
+        (512, 2048, 4, 3),
+        (768, 768, 8, 2),
+        (2880, 2880, 2, 5),
+        (256, 576, 3, 4),
+    ] {
+        let seed = rng.seed();
+        let n = 2 * inter;
+        let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
+        let off = random_offsets(&mut rng, e, max_rows);
+        let rows = *off.last().unwrap() as usize;
+        let total = rows + 2;
+        let x = rng.normal_bf16(total * k, 1.0);
+        let xd = s.clone_htod(&x).unwrap();
+        let off_dev = s.clone_htod(&off).unwrap();
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+            let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
+            let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
+            let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
+            GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, total, &off_dev, &mut compact).unwrap();
+            GroupedGemm::<Interleaved>::new(&wd, tile)
+                .unwrap()
+                .launch(&s, &xd, total, &off_dev, &mut inter_out)
+                .unwrap();
+            let compact = s.clone_dtoh(&compact).unwrap();
+            let inter_out = s.clone_dtoh(&inter_out).unwrap();
+            for (i, v) in compact.iter().enumerate() {
+                assert_eq!(v.to_bits() != OUT_POISON, i / inter < rows, "compact element {i}: {ctx}");
+            }
+            for r in 0..total {
+                for b in 0..inter / 8 {
+                    for i in 0..8 {
+                        let (gate_col, sw_col) = (r * n + 16 * b + i, r * n + 16 * b + 8 + i);
+                        if r >= rows {
+                            assert_eq!(inter_out[gate_col].to_bits(), OUT_POISON, "{ctx}");
+                            assert_eq!(inter_out[sw_col].to_bits(), OUT_POISON, "{ctx}");
+                            continue;
+                        }
+                        // The swiglu columns of Interleaved are SwigluBf16, bit for bit.
+                        assert_eq!(
+                            inter_out[sw_col].to_bits(),
+                            compact[r * inter + 8 * b + i].to_bits(),
+                            "row {r} feature {}: {ctx}",
+                            8 * b + i
+                        );
+                    }
+                }
+            }
+            let (mut case_sw, mut case_gate) = (RelErr::default(), RelErr::default());
+            for ex in 0..e {
+                let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
+                if b == end {
+                    continue;
+                }
+                let (mut sw_err, mut gate_err) = (RelErr::default(), RelErr::default());
+                for _ in 0..200 {
+                    let row = rng.range(b, end);
+                    let f = rng.range(0, inter);
+                    let (gate, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
+                    let got = f64::from(compact[row * inter + f].to_f32());
+                    sw_err.add(got, want);
+                    gate_err.add(f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32()), gate);
+                }
+                let (rel, grel) = (sw_err.rel(), gate_err.rel());
+                assert!(rel <= 1e-2, "expert {ex}: swiglu relative error {rel:.3e}: {ctx}");
+                assert!(grel <= 1e-2, "expert {ex}: gate relative error {grel:.3e}: {ctx}");
+                case_sw.merge(&sw_err);
+                case_gate.merge(&gate_err);
+            }
+            case_sw.report(&format!("swiglu {ctx}"));
+            case_gate.report(&format!("interleaved gate {ctx}"));
+        }
+    }
+}
+
+/// The grouped quantizer against the CPU oracle, every byte (codes, scales, padding), with
+/// per-expert and shared decode scales, empty experts and rows past offsets[E].
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_quantize_matches_reference() {
+    use nvfp4_moe::layout::grouped_scale_len;
+    use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    for &(e, cols) in &[(1usize, 16usize), (4, 768), (16, 2048), (128, 1536), (8, 2880)] {
+        let seed = rng.seed();
+        let off = random_offsets(&mut rng, e, 200);
+        let rows = *off.last().unwrap() as usize;
+        let total = rows + 5;
+        let x = rng.varied_bf16(total * cols);
+        for shared in [false, true] {
+            let g: Vec<f32> = (0..if shared { 1 } else { e }).map(|_| rng.uniform(1e-3, 1.0)).collect();
+            let (want_codes, want_scales) = reference::quantize_grouped(&x[..rows * cols], &off, cols, &g).unwrap();
+            let xd = s.clone_htod(&x).unwrap();
+            let offd = s.clone_htod(&off).unwrap();
+            let gd = s.clone_htod(&g).unwrap();
+            let mut codes = poisoned_u8(&s, total * cols / 2);
+            let mut scales = poisoned_u8(&s, grouped_scale_len(total, e, cols));
+            quantize_nvfp4_grouped_into(
+                &s,
+                GroupedSource::Contiguous,
+                &xd,
+                &GroupedDesc { rows: total, cols, expert_offsets: &offd, decode_scales: &gd },
+                &mut codes,
+                &mut scales,
+            )
+            .unwrap();
+            let (codes, scales) = (s.clone_dtoh(&codes).unwrap(), s.clone_dtoh(&scales).unwrap());
+            let ctx = format!("E={e} cols={cols} rows={rows} shared={shared} seed={seed}");
+            assert!(codes[..rows * cols / 2] == want_codes[..], "codes {:?}: {ctx}", first_diff(&codes, &want_codes));
+            assert!(codes[rows * cols / 2..].iter().all(|&b| b == POISON), "rows past offsets[E] written: {ctx}");
+            assert!(
+                scales[..want_scales.len()] == want_scales[..],
+                "scales {:?}: {ctx}",
+                first_diff(&scales, &want_scales)
+            );
+            assert!(scales[want_scales.len()..].iter().all(|&b| b == 0), "padding: {ctx}");
+            report_exact(&format!("grouped quantize {ctx}"), codes.len() + scales.len());
+        }
+    }
+}
+
+/// The old flow's swiglu_quantize(Interleaved) equals quantize_grouped(SwigluBf16) in the same
+/// per-expert layout, every byte; and the separate SwiGLU kernel is close to the reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_quantize_equals_quantize_of_compact() {
+    use nvfp4_moe::gemm::PlainBf16;
+    use nvfp4_moe::quantize::swiglu_bf16_into;
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    let (inter, k, e) = (1536usize, 512usize, 16usize);
+    let n = 2 * inter;
+    let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
+    let off = random_offsets(&mut rng, e, 100);
+    let rows = *off.last().unwrap() as usize;
+    let x = rng.normal_bf16(rows * k, 1.0);
+    let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
+    let act_g: Vec<f32> = (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect();
+    let gd = s.clone_htod(&act_g).unwrap();
+    let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+    let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
+    let mut plain = s.alloc_zeros::<bf16>(rows * n).unwrap();
+    GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut compact).unwrap();
+    GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto)
+        .unwrap()
+        .launch(&s, &xd, rows, &offd, &mut interleaved)
+        .unwrap();
+    GroupedGemm::<PlainBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut plain).unwrap();
+    let [(c1, s1), (c2, s2)] = quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
+    for (name, h1, h2) in [("codes", &c1, &c2), ("scales", &s1, &s2)] {
+        assert!(h1 == h2, "{name} differ at {:?}", first_diff(h1, h2));
+    }
+    // The separate kernel (from BF16-rounded gate/up) against the f64 reference.
+    let mut sep = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+    swiglu_bf16_into(&s, &plain, rows, inter, &mut sep).unwrap();
+    let sep = s.clone_dtoh(&sep).unwrap();
+    let mut err = RelErr::default();
+    for _ in 0..2000 {
+        let row = rng.range(0, rows.max(1));
+        if rows == 0 {
+            break;
+        }
+        let ex = off.partition_point(|&o| o as usize <= row) - 1;
+        let f = rng.range(0, inter);
+        let (_, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
+        err.add(f64::from(sep[row * inter + f].to_f32()), want);
+    }
+    let rel = err.rel();
+    assert!(rel <= 1e-2, "separate swiglu relative error {rel:.3e}");
+    err.report("separate swiglu kernel");
+}
+
+/// NVFP4 packed in the epilogue: `SwigluNvfp4` equals `quantize_nvfp4_grouped(SwigluBf16)` and
+/// `swiglu_quantize(Interleaved)` in every byte (codes, scales, padding), for I in {768, 1536,
+/// 2048, 2880, 14336} and 96 (n % 128 == 64: a half-empty last feature tile), every tile, rows
+/// per expert 0, 1 and not a multiple of the tile, gate and
+/// up decode scales 10x apart, one or per-expert activation scales, and all-zero blocks (an
+/// expert whose rows of x are zero).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_nvfp4_equals_quantized_compact() {
+    use nvfp4_moe::gemm::{SwigluNvfp4, SwigluNvfp4Out};
+    use nvfp4_moe::layout::grouped_scale_len;
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    for (ci, &(inter, k, e, max_rows)) in [
+        (768usize, 256usize, 8usize, 70usize),
+        (1536, 128, 4, 300),
+        (2048, 512, 16, 40),
+        (2880, 192, 3, 150),
+        (14336, 64, 2, 20),
+        (96, 64, 5, 33),
+        (512, 2048, 4, 3), // split-K: few tiles
+        (768, 768, 8, 2),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let seed = rng.seed();
+        let n = 2 * inter;
+        let (_, _, _, wd) = gate_up_weights(&s, &mut rng, e, n, k);
+        let mut off = random_offsets(&mut rng, e, max_rows);
+        if off[1] == 0 {
+            // Expert 0 must have rows: they are the all-zero blocks below.
+            off.iter_mut().skip(1).for_each(|o| *o += 1);
+        }
+        let rows = *off.last().unwrap() as usize + 3; // 3 rows past off[E]: never written
+        let mut x = rng.normal_bf16(rows * k, 1.0);
+        // Expert 0's rows are zero: all-zero SwiGLU blocks.
+        for v in &mut x[..off[1] as usize * k] {
+            *v = bf16::ZERO;
+        }
+        let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
+        let act_g: Vec<f32> =
+            if ci % 2 == 0 { (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect() } else { vec![rng.uniform(1e-3, 1e-1)] };
+        let gd = s.clone_htod(&act_g).unwrap();
+        let sl = grouped_scale_len(rows, e, inter);
+        for tile in [GemmTile::M128N16, GemmTile::M128N64, GemmTile::M128N128] {
+            let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
+            let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
+            GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut compact).unwrap();
+            GroupedGemm::<Interleaved>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut interleaved).unwrap();
+            let [(c1, s1), (c2, s2)] =
+                quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
+            let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
+            GroupedGemm::<SwigluNvfp4>::new(&wd, tile)
+                .unwrap()
+                .launch_nvfp4(
+                    &s,
+                    &xd,
+                    rows,
+                    &offd,
+                    SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
+                )
+                .unwrap();
+            let (h1, h2, h3) = (c1, c2, s.clone_dtoh(&c3).unwrap());
+            assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?} (seed {seed})", first_diff(&h3, &h1));
+            assert!(
+                h3 == h2,
+                "I={inter} {tile:?}: codes vs swiglu_quantize at {:?} (seed {seed})",
+                first_diff(&h3, &h2)
+            );
+            let (h1, h2, h3) = (s1, s2, s.clone_dtoh(&s3).unwrap());
+            assert!(h3 == h1, "I={inter} {tile:?}: scales differ at {:?} (seed {seed})", first_diff(&h3, &h1));
+            assert!(
+                h3 == h2,
+                "I={inter} {tile:?}: scales vs swiglu_quantize at {:?} (seed {seed})",
+                first_diff(&h3, &h2)
+            );
+            // The codes of the zero expert are zero (and were written: the buffer was poisoned).
+            let zc = s.clone_dtoh(&c3).unwrap();
+            assert!(zc[..off[1] as usize * inter / 2].iter().all(|&b| b == 0), "zero expert (seed {seed})");
+        }
+    }
+    // Bad input: wrong scale-buffer length and wrong activation-scale count are typed errors.
+    let w = random_weights(&mut rng, 2, 128, 64);
+    let g = [1e-3f32, 1e-3];
+    let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+    let wd = Nvfp4Weights::prepare_gate_up(&s, &codes, &scales, &g, &g, ExpertShape::new(2, 128, 64)).unwrap();
+    let plan = GroupedGemm::<SwigluNvfp4>::new(&wd, GemmTile::Auto).unwrap();
+    let (xd, offd) = (s.clone_htod(&rng.normal_bf16(8 * 64, 1.0)).unwrap(), s.clone_htod(&[0i32, 3, 8]).unwrap());
+    let mut c = s.alloc_zeros::<u8>(8 * 32).unwrap();
+    let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64) - 1).unwrap();
+    let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
+    assert!(
+        plan.launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
+            .is_err(),
+        "short scale buffer"
+    );
+    let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64)).unwrap();
+    assert!(plan
+        .launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
+        .is_ok());
+    let gd = s.clone_htod(&[0.01f32; 3]).unwrap();
+    assert!(
+        plan.launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
+            .is_err(),
+        "3 scales for 2 experts"
+    );
+    // No rows: the scale buffer is still zeroed (its padding), as the grouped quantizer does.
+    let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
+    let off0 = s.clone_htod(&[0i32, 0, 0]).unwrap();
+    let mut sc0 = poisoned_u8(&s, grouped_scale_len(0, 2, 64));
+    plan.launch_nvfp4(&s, &xd, 0, &off0, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc0 })
+        .unwrap();
+    assert!(s.clone_dtoh(&sc0).unwrap().iter().all(|&b| b == 0), "scales not zeroed with no rows");
+}
+
+/// The grouped dequantizer against the CPU decode of every element (per-expert and shared
+/// decode scales; rows past `expert_offsets[E]` stay untouched).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_dequantize_matches_reference() {
+    use nvfp4_moe::layout::{grouped_scale_len, grouped_swizzled_offset};
+    use nvfp4_moe::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4_grouped_into, GroupedSource};
+    use nvfp4_moe::reference::dequantize_element;
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    for &(cols, e, max_rows, shared) in &[(64usize, 3usize, 40usize, true), (2880, 5, 70, false), (768, 16, 9, false)] {
+        let seed = rng.seed();
+        let off = random_offsets(&mut rng, e, max_rows);
+        let total = *off.last().unwrap() as usize;
+        let rows = total + 2;
+        let x = rng.normal_bf16(rows * cols, 1.0);
+        let g: Vec<f32> = (0..if shared { 1 } else { e }).map(|_| rng.uniform(1e-3, 1e-1)).collect();
+        let (xd, offd, gd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap(), s.clone_htod(&g).unwrap());
+        let sl = grouped_scale_len(rows, e, cols);
+        let (mut c, mut sc) = (poisoned_u8(&s, rows * cols / 2), poisoned_u8(&s, sl));
+        let desc = GroupedDesc { rows, cols, expert_offsets: &offd, decode_scales: &gd };
+        quantize_nvfp4_grouped_into(&s, GroupedSource::Contiguous, &xd, &desc, &mut c, &mut sc).unwrap();
+        let mut out = poisoned_bf16(&s, rows * cols);
+        dequantize_nvfp4_grouped_into(&s, &c, &sc, &desc, &mut out).unwrap();
+        let (ch, sh, got) = (s.clone_dtoh(&c).unwrap(), s.clone_dtoh(&sc).unwrap(), s.clone_dtoh(&out).unwrap());
+        for row in 0..rows {
+            for col in 0..cols {
+                let v = got[row * cols + col];
+                if row >= total {
+                    assert_eq!(v.to_bits(), 0x7F81, "row {row} past the experts was written (seed {seed})");
+                    continue;
+                }
+                let ex = off.partition_point(|&o| o as usize <= row) - 1;
+                let byte = ch[row * cols / 2 + col / 2];
+                let code = if col % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                let scale = sh[grouped_swizzled_offset(&off, row, col / 16, cols)];
+                let want = dequantize_element(code, scale, g[if shared { 0 } else { ex }]);
+                assert_eq!(v.to_bits(), want.to_bits(), "[{row}, {col}] cols={cols} (seed {seed})");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn swiglu_needs_gate_up_weights() {
+    let s = stream();
+    let mut rng = Rng::from_entropy();
+    let w = random_weights(&mut rng, 2, 128, 64);
+    let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
+    assert!(GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).is_err());
+    assert!(GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto).is_err());
+}

@@ -1,0 +1,163 @@
+//! GPU tests: every kernel against the CPU reference on fresh random data, grouped by area as
+//! modules of this one test binary (each statically linked test binary carries every kernel, and
+//! what travels to the GPU is limited):
+//!
+//! - [`codec`]: the quantizer and dequantizer (bit-exact with the oracle, and with ModelOpt);
+//! - [`gemm`]: the grouped GEMM, its epilogues, the grouped quantizers, graph capture;
+//! - [`layer`]: routing, permutation, combine and the MoE layer;
+//! - [`cli`]: the `nvfp4-moe` commands that need a GPU.
+//!
+//! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
+//! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
+//! case prints its max and mean error (`err` lines).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use half::bf16;
+use nvfp4_moe::layout::{scale_len, ScaleLayout};
+use nvfp4_moe::quantize::{
+    dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Desc, Nvfp4Tensor,
+};
+use nvfp4_moe::testing::Rng;
+use nvfp4_moe::Error;
+use nvfp4_moe::{host, host::Nvfp4Host, reference};
+
+mod cli;
+mod codec;
+#[path = "../common/mod.rs"]
+mod common;
+mod gemm;
+mod layer;
+#[path = "../modelopt_fixture/mod.rs"]
+mod modelopt_fixture;
+
+const POISON: u8 = 0xA5;
+
+fn stream() -> Arc<CudaStream> {
+    CudaContext::new(0).expect("CUDA device 0").default_stream()
+}
+
+/// A device buffer filled with a poison byte, so an unwritten output byte cannot pass.
+fn poisoned_u8(s: &Arc<CudaStream>, n: usize) -> CudaSlice<u8> {
+    s.clone_htod(&vec![POISON; n]).unwrap()
+}
+
+fn poisoned_bf16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
+    s.clone_htod(&vec![bf16::from_bits(0x7F81); n]).unwrap()
+}
+
+/// Data kinds that stress the recipe.
+#[derive(Clone, Copy, Debug)]
+enum Data {
+    Normal,
+    Varied,
+    Tiny,
+    Huge,
+    NonFinite,
+    Ties,
+}
+
+/// Random inputs of one kind. `Ties` builds blocks whose elements sit exactly on E2M1 decision
+/// points (and the scale exactly on the amax), assuming decode scale `g` is a power of two.
+fn make_data(rng: &mut Rng, kind: Data, rows: usize, cols: usize, g: f32) -> Vec<bf16> {
+    let n = rows * cols;
+    match kind {
+        Data::Normal => rng.normal_bf16(n, 1.0),
+        Data::Varied => rng.varied_bf16(n),
+        Data::Tiny => rng.normal_bf16(n, 1e-30),
+        Data::Huge => rng.normal_bf16(n, 1e30),
+        Data::NonFinite => {
+            let mut v = rng.varied_bf16(n);
+            for _ in 0..(n / 97).max(1) {
+                let i = rng.below(n as u64) as usize;
+                v[i] = match rng.below(4) {
+                    0 => bf16::NAN,
+                    1 => bf16::INFINITY,
+                    2 => bf16::NEG_INFINITY,
+                    _ => bf16::from_f32(-0.0),
+                };
+            }
+            v
+        }
+        Data::Ties => {
+            const POINTS: [f32; 14] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+            let mut v = Vec::with_capacity(n);
+            for _ in 0..n / 16 {
+                // A normal E4M3 scale with any mantissa; amax = 6 * s * g pins the scale to s.
+                let s = nvfp4_moe::format::e4m3_decode((rng.range(8, 0x7E) as u8) & 0x7F);
+                let d = s * g;
+                let lead = rng.below(16) as usize;
+                for i in 0..16 {
+                    let t = if i == lead { 6.0 } else { POINTS[rng.below(POINTS.len() as u64) as usize] };
+                    let sign = if rng.below(2) == 0 { 1.0 } else { -1.0 };
+                    let x = sign * t * d;
+                    let b = bf16::from_f32(x);
+                    assert_eq!(b.to_f32(), x, "tie value must be exact in bf16");
+                    v.push(b);
+                }
+            }
+            v
+        }
+    }
+}
+
+/// Relative Frobenius error ||got - want|| / ||want|| accumulated over samples, with the max and
+/// mean absolute error for the per-case `err` lines.
+#[derive(Default)]
+struct RelErr {
+    num: f64,
+    den: f64,
+    max_abs: f64,
+    sum_abs: f64,
+    n: usize,
+}
+
+impl RelErr {
+    fn add(&mut self, got: f64, want: f64) {
+        self.num += (got - want) * (got - want);
+        self.den += want * want;
+        let d = (got - want).abs();
+        self.max_abs = if d.is_nan() { f64::NAN } else { self.max_abs.max(d) };
+        self.sum_abs += d;
+        self.n += 1;
+    }
+    fn rel(&self) -> f64 {
+        (self.num / self.den.max(1e-300)).sqrt()
+    }
+    /// Folds another accumulator in (per-expert or per-token errors into the case's).
+    fn merge(&mut self, o: &RelErr) {
+        self.num += o.num;
+        self.den += o.den;
+        self.max_abs = self.max_abs.max(o.max_abs);
+        self.sum_abs += o.sum_abs;
+        self.n += o.n;
+    }
+    /// Prints the case's line: `err <case>: max <abs>, mean <abs>, rel <frobenius> (<n> values)`.
+    fn report(&self, case: &str) {
+        let mean = self.sum_abs / self.n.max(1) as f64;
+        eprintln!("err {case}: max {:.3e}, mean {mean:.3e}, rel {:.3e} ({} values)", self.max_abs, self.rel(), self.n);
+    }
+}
+
+/// The `err` line of a bit-exact case: every byte compared equal, so the error is 0.
+fn report_exact(case: &str, bytes: usize) {
+    eprintln!("err {case}: max 0, mean 0 (bit-exact, {bytes} bytes)");
+}
+
+/// Layer inputs with top-2 routing to two distinct experts per token: hidden states bf16
+/// `[t, h]` ~ N(0, 1), expert ids `[t, 2]`, routing weights `[t, 2]` in [0.1, 1).
+fn two_expert_inputs(rng: &mut Rng, t: usize, h: usize, e: usize) -> (Vec<bf16>, Vec<i32>, Vec<f32>) {
+    let ids: Vec<i32> = (0..t)
+        .flat_map(|_| {
+            let a = rng.below(e as u64) as i32;
+            [a, (a + 1 + rng.below(e as u64 - 1) as i32) % e as i32]
+        })
+        .collect();
+    let wts: Vec<f32> = (0..t * 2).map(|_| rng.uniform(0.1, 1.0)).collect();
+    (rng.normal_bf16(t * h, 1.0), ids, wts)
+}
+
+fn first_diff(a: &[u8], b: &[u8]) -> Option<(usize, u8, u8)> {
+    a.iter().zip(b).enumerate().find(|(_, (x, y))| x != y).map(|(i, (x, y))| (i, *x, *y))
+}
