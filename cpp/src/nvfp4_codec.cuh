@@ -290,6 +290,24 @@ CUTLASS_DEVICE void quantize_codes_rcp(const uint32_t (&w)[8], float r, float d,
   }
 }
 
+// Steps 2-4 through the exact block scale and Markstein or true division (amax not NaN).
+CUTLASS_DEVICE Block16 quantize_block16_exact(const uint32_t (&w)[8], uint32_t amax_bits, const TensorScale& ts) {
+  float x[16];
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    x[2 * j] = __uint_as_float(w[j] << 16);
+    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+  const BlockScale b = block_scale(amax_bits, ts.g, ts.six_g);
+  uint32_t packed[2] = {0u, 0u};
+  if (b.fast) {
+    quantize_codes_fast(x, b.d, packed);
+  } else {
+    quantize_codes_exact(x, b.d, packed);
+  }
+  return Block16{b.scale, packed[0], packed[1]};
+}
+
 // `w` holds the 16 inputs as 8 packed bf16 pairs (element 2j in the low half of w[j]). Recipe v2
 // (design/NVFP4.md): ModelOpt 0.47's bytes on every finite input; a NaN anywhere gives scale 0x7F
 // and zero codes. Paths, all exact: an all-zero block (scale 1.0, codes 0); the reciprocal paths
@@ -325,19 +343,7 @@ CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScal
     }
     return Block16{s1, packed[0], packed[1]};
   }
-  float x[16];
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < 8; ++j) {
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-  }
-  const BlockScale b = block_scale(amax_bits, ts.g, ts.six_g);
-  if (b.fast) {
-    quantize_codes_fast(x, b.d, packed);
-  } else {
-    quantize_codes_exact(x, b.d, packed);
-  }
-  return Block16{b.scale, packed[0], packed[1]};
+  return quantize_block16_exact(w, amax_bits, ts);
 }
 
 CUTLASS_DEVICE Block16 quantize_block16(const uint32_t (&w)[8], const TensorScale& ts) {
@@ -352,20 +358,7 @@ CUTLASS_DEVICE Block16 quantize_block16_compact(const uint32_t (&w)[8], const Te
   if (amax_bits > 0x7F80u) {
     return Block16{0x7Fu, 0u, 0u};
   }
-  float x[16];
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < 8; ++j) {
-    x[2 * j] = __uint_as_float(w[j] << 16);
-    x[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-  }
-  const BlockScale b = block_scale(amax_bits, ts.g, ts.six_g);
-  uint32_t packed[2] = {0u, 0u};
-  if (b.fast) {
-    quantize_codes_fast(x, b.d, packed);
-  } else {
-    quantize_codes_exact(x, b.d, packed);
-  }
-  return Block16{b.scale, packed[0], packed[1]};
+  return quantize_block16_exact(w, amax_bits, ts);
 }
 
 // Decodes one block: 8 code bytes (element 2j in the low nibble) and its scale byte -> 16 bf16 at
