@@ -11,8 +11,10 @@ use nvfp4_moe::reference::quantize_block;
 use nvfp4_moe::testing::Rng;
 
 /// `codec::scale_reciprocal`: (RN(1/d), d) for d = RN(e4m3(s) g), d negated where the plain
-/// product needs the Markstein correction; (0, 0) where neither reciprocal path is sound.
-fn scale_reciprocal(s: u8, g: f32) -> (f32, f32) {
+/// product needs the Markstein correction; (0, 0) where neither reciprocal path is sound. `tuned`:
+/// `codec::scale_reciprocal_tuned` (the per-CTA table), which first looks for a reciprocal within an
+/// ulp of RN(1/d) that puts every near-tie input on its quotient's side of the decision point.
+fn scale_reciprocal(s: u8, g: f32, tuned: bool) -> (f32, f32) {
     if !(0x09..=0x7D).contains(&s) {
         return (0.0, 0.0);
     }
@@ -20,8 +22,29 @@ fn scale_reciprocal(s: u8, g: f32) -> (f32, f32) {
     if !((2.0f32).powi(-60)..=65536.0).contains(&d) {
         return (0.0, 0.0);
     }
-    let plain = [1.0f32, 3.0, 5.0, 7.0].iter().all(|m| ((m * d).to_bits().wrapping_add(7) & 0xFFFF) >= 15);
-    (1.0 / d, if plain { d } else { -d })
+    let r = 1.0 / d;
+    let near = |m: f32| ((m * d).to_bits().wrapping_add(7) & 0xFFFF) < 15;
+    if ![1.0f32, 3.0, 5.0, 7.0].iter().any(|&m| near(m)) {
+        return (r, d);
+    }
+    if tuned {
+        for rc in [r, f32::from_bits(r.to_bits() + 1), f32::from_bits(r.to_bits() - 1)] {
+            let ok = [1.0f32, 3.0, 5.0, 7.0].iter().all(|&m| {
+                if !near(m) {
+                    return true;
+                }
+                // The one bf16 value near m d: its true quotient and its product, on the same
+                // side of m (or both exactly m).
+                let x = f32::from_bits(((m * d).to_bits() + 0x8000) & 0xFFFF_0000);
+                let (t, p) = (x / d, x * rc);
+                t.partial_cmp(&m) == p.partial_cmp(&m)
+            });
+            if ok {
+                return (rc, d);
+            }
+        }
+    }
+    (r, -d)
 }
 
 /// The fast scale estimate of `codec::quantize_block16`: Some(byte) where the kernel takes it.
@@ -29,7 +52,7 @@ fn fast_scale(amax: f32, g: f32) -> Option<(u8, f32, f32)> {
     let inv_six_g = 1.0 / (6.0 * g);
     let t1 = amax * inv_six_g;
     let s1 = e4m3_encode(t1);
-    let (r, d) = scale_reciprocal(s1, g);
+    let (r, d) = scale_reciprocal(s1, g, true);
     let far = (t1.to_bits().wrapping_add(8).wrapping_sub(0x80000) & 0xFFFFF) >= 16;
     (r > 0.0 && far).then_some((s1, r, d))
 }
@@ -74,12 +97,18 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
     let seed = rng.seed();
     let n_g = if cfg!(debug_assertions) { 24 } else { 400 };
     let (mut vouched, mut offered, mut checked) = (0usize, 0usize, 0u64);
+    let (mut plain_modelopt, mut tuned_modelopt, mut offered_modelopt) = (0usize, 0usize, 0usize);
     for (i, g) in decode_scales(&mut rng, n_g).into_iter().enumerate() {
-        for s in 0u8..0x80 {
-            let (r, signed_d) = scale_reciprocal(s, g);
-            if i % 4 < 2 && r > 0.0 {
+        for (s, tuned) in (0u8..0x80).flat_map(|s| [(s, false), (s, true)]) {
+            let (r, signed_d) = scale_reciprocal(s, g, tuned);
+            if i % 4 < 2 && r > 0.0 && !tuned {
                 offered += 1;
                 vouched += (signed_d > 0.0) as usize;
+            }
+            if i % 4 == 2 && r > 0.0 {
+                offered_modelopt += !tuned as usize;
+                plain_modelopt += (!tuned && signed_d > 0.0) as usize;
+                tuned_modelopt += (tuned && signed_d > 0.0) as usize;
             }
             if r == 0.0 {
                 continue;
@@ -102,7 +131,10 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
     }
     // A log-uniform g leaves nearly every normal scale byte (with d in range) on the plain product.
     assert!(vouched * 100 >= offered * 98, "plain product for {vouched} of {offered} scale bytes");
-    eprintln!("{checked} elements equal; random g: plain product for {vouched} of {offered} scale bytes; seed={seed}");
+    eprintln!(
+        "{checked} elements equal; random g: plain product for {vouched} of {offered} scale bytes; ModelOpt's \
+         g: {plain_modelopt} plain, {tuned_modelopt} with the tuned reciprocal, of {offered_modelopt}; seed={seed}"
+    );
 }
 
 #[test]

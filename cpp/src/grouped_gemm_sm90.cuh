@@ -3,18 +3,23 @@
 //   out[r, f] = sum_k x[r, k] * W_e[f, k] * g_e      for rows r of expert e
 //
 // GEMM view: M = output features f (weights, register-sourced wgmma A), N = rows/tokens (x, wgmma B
-// from shared memory), K = k. A CTA tile is 128 features x kBlockN rows; a K stage is 64 wide.
+// from shared memory), K = k. A CTA tile is 128 features x kBlockN rows; a K stage is kChunks x 64
+// wide (the N16 and N64 tiles take 128 per stage, so each barrier wait and release covers 9 KB of
+// weights; a K whose 64-chunk count is odd ends in a half stage whose x part past K the TMA unit
+// zero-fills).
 //
 // Roles (384 threads):
-//   warpgroup 0 (producer, one elected thread): per stage, two bulk copies of prepared weight
-//     chunks (one per consumer warpgroup, nvfp4_weights.cuh) and one TMA 2-D load of the x tile
-//     (kBlockN rows x 64 k, 128-byte swizzle, the GMMA K-major SW128 layout), all completing on
-//     the stage's full barrier (cutlass::PipelineTmaAsync).
-//   warpgroups 1, 2 (consumers): each owns 64 of the 128 features. Per stage, each thread reads
-//     its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly (shift/mask/or
-//     and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas; the epilogue
-//     multiplies by g_e * 2^8, rounds to BF16 and stores through shared memory with 16-byte
-//     row-masked stores (rows past the expert's end are never written).
+//   warpgroup 0 (producer, one elected thread): per stage, one bulk copy of kChunks prepared
+//     weight chunks per consumer warpgroup (nvfp4_weights.cuh) and kChunks TMA 2-D loads of the
+//     x tile (kBlockN rows x 64 k each, 128-byte swizzle, the GMMA K-major SW128 layout), all
+//     completing on the stage's full barrier (cutlass::PipelineTmaAsync).
+//   warpgroups 1, 2 (consumers): each owns 64 of the 128 features. Per 64-K chunk, each thread
+//     reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
+//     (shift/mask/or and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas
+//     as one group. Pipelined: two fragments, one group in flight, so a chunk is converted while
+//     the previous chunk's wgmmas run (with two chunks per stage this fits the 80 registers of
+//     two CTAs per SM). The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
+//     shared memory with 16-byte row-masked stores (rows past the expert's end are never written).
 //   kSwigluNvfp4 only: warps 1-3 of warpgroup 0 (idle otherwise) are the quantizer. Each consumer
 //     hands over its staged BF16 SwiGLU tile through named barriers and goes on to the next
 //     tile's mainloop while these warps encode it to NVFP4, so the encoding overlaps the wgmmas
@@ -56,7 +61,7 @@ constexpr int kMaxExperts = 1024;
 constexpr int kConsumerThreads = 256;
 constexpr int kThreads = 128 + kConsumerThreads;
 constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
-constexpr int kTileK = 64;   // one prepared chunk per consumer warpgroup per stage
+constexpr int kTileK = 64;   // K of one prepared chunk; a stage holds Cfg::kChunks of them per consumer
 // kSwigluNvfp4: the quantizer warps (warps 1-3 of the producer warpgroup) and the named barriers
 // (CUTLASS user ids) of the hand-over: consumer cw arrives on full + cw when its tile is staged;
 // the quantizer warps arrive on empty + cw when they have read it.
@@ -93,45 +98,56 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
 // small-N tiles need few registers, and two CTAs double the warps that convert weights, which
 // bounds decode throughput.
 template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true,
-          int kMaxSplits_ = 1>
+          int kMaxSplits_ = 1, int kChunks_ = 1>
 struct Config {
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr int kMinBlocks = kMinBlocks_;
-  // kSwigluNvfp4 on one CTA per SM: the producer warpgroup also quantizes (56 registers, 40 spill);
-  // its consumers keep 224.
+  // kSwigluNvfp4: the producer warpgroup also quantizes (one CTA per SM: 56 registers, 40 spill,
+  // its consumers keep 224; two: 48, which uses all of the 80 x 384 a CTA is given).
   static constexpr bool kQuantizerWarps = kEpilogue_ == GemmEpilogue::kSwigluNvfp4;
-  static constexpr int kProducerRegs = kQuantizerWarps && kMinBlocks == 1 ? 56 : 40;
+  static constexpr int kProducerRegs = kQuantizerWarps ? (kMinBlocks == 1 ? 56 : 48) : 40;
   static constexpr int kConsumerRegs = kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
   // Split-K over clusters of up to kMaxSplits CTAs (gemm_splitk.cuh); 1: never split.
   static constexpr int kMaxSplits = kMaxSplits_;
+  // Prepared 64-K chunks per consumer warpgroup per stage: K per stage is 64 kChunks.
+  static constexpr int kChunks = kChunks_;
+  static constexpr int kStageK = kTileK * kChunks_;
+  static_assert(kChunks_ == 1 || kChunks_ == 2, "one or two chunks per stage");
+  // The A fragment: a whole stage, or with two pipelined chunks per stage one chunk (the wgmmas
+  // of one chunk run while the next chunk is converted into the other fragment).
+  static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
+  static constexpr int kFragK = kChunkPipelined ? kTileK : kStageK;
   static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536 / kMinBlocks, "register budget");
+  // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
+                "register budget");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
 
   using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
-                                                    Shape<_64, Int<kBlockN>, Int<kTileK>>>());
+                                                    Shape<_64, Int<kBlockN>, Int<kStageK>>>());
   using TiledMma = decltype(make_tiled_mma(MmaOp{}));
-  // x tile per stage: (kBlockN, 64, stages), K-major with the 128-byte swizzle TMA writes.
+  // x tile per stage: (kBlockN, 64 kChunks, stages), K-major with the 128-byte swizzle TMA writes;
+  // the swizzle atoms are 64 wide, so each 64-K piece is one contiguous (kBlockN, 64) TMA box.
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{},
-                                             make_shape(Int<kBlockN>{}, Int<kTileK>{}, Int<kStages>{})));
+                                             make_shape(Int<kBlockN>{}, Int<kStageK>{}, Int<kStages>{})));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
   struct alignas(1024) SharedStorage {
-    alignas(1024) bfloat16_t b[kBlockN * kTileK * kStages];        // (kBlockN, 64, stages)
-    alignas(128) uint8_t a[kStages][2][weights::kChunkBytes];      // two weight chunks per stage
+    alignas(1024) bfloat16_t b[kBlockN * kStageK * kStages];           // (kBlockN, kStageK, stages)
+    alignas(128) uint8_t a[kStages][2][kChunks * weights::kChunkBytes];  // (stage, consumer, chunk)
     alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
     int tile_prefix[kMaxExperts + 1];
     typename Pipeline::SharedStorage pipeline;
     std::conditional_t<(kMaxSplits > 1), splitk::Storage<kMaxSplits, kAccum>, splitk::NoStorage> split;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static constexpr uint32_t kStageBytes = 2 * weights::kChunkBytes + kBlockN * kTileK * 2;
+  static constexpr uint32_t kStageBytes = kChunks * (2 * weights::kChunkBytes + kBlockN * kTileK * 2);
 };
 
 // silu(g) * u in FP32, shared by the Interleaved, SwigluBf16 and SwigluNvfp4 epilogues so that
@@ -171,7 +187,8 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
   const float act_g = p.act_scale[p.num_act_scales == 1 ? 0 : expert];
   const codec::TensorScale ts = codec::make_tensor_scale(act_g);
   uint8_t* codes = reinterpret_cast<uint8_t*>(p.out);
-  const int64_t region = (int64_t(expert_row0) + int64_t(expert) * 127) / 128 * 128;  // expert's scale rows
+  // The expert's first scale row (< total_rows + 127 E < 2^32: one register across the encoder).
+  const uint32_t region = uint32_t((int64_t(expert_row0) + int64_t(expert) * 127) / 128 * 128);
   for (int piece = t; piece < kBlockN * 2; piece += nthreads) {
     int r = piece / 2, blk = piece % 2;
     int row = row_begin + r;
@@ -182,7 +199,7 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
       codec::Block16 q = codec::quantize_block16_compact(w8, ts);
       int col = feature0 / 2 + blk * 16;  // first logical output feature of the block
       *reinterpret_cast<uint2*>(codes + int64_t(row) * (inter / 2) + col / 2) = make_uint2(q.codes_lo, q.codes_hi);
-      p.out_scales[codec::swizzled_offset(region + (row - expert_row0), col / 16, sf_k_tiles)] = uint8_t(q.scale);
+      p.out_scales[codec::swizzled_offset(int64_t(region) + (row - expert_row0), col / 16, sf_k_tiles)] = uint8_t(q.scale);
     }
   }
 }
@@ -200,7 +217,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   const int warp_group = threadIdx.x / 128;
   const bool producer = warp_group == 0;
   const int m_tiles = (p.n + kTileM - 1) / kTileM;
-  const int k_tiles = p.k / kTileK;
+  const int k_tiles = p.k / kTileK;                                // 64-K chunks
+  const int k_stages = (k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;  // the last one may be partial
   const int chunks_m = p.n / weights::kChunkRows;
 
   // Tile prefix: counts first (e's count stored at e + 1), then an exclusive scan.
@@ -236,12 +254,12 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   }
   const int total_tiles = ss.tile_prefix[p.experts];
   // Split-K: the cluster of `splits` CTAs is one unit of the persistent tile walk; CTA `rank`
-  // takes K stages [kc_begin, kc_end) of every tile (the host keeps each range non-empty).
+  // takes K stages [kc_begin, kc_end) of every tile, an even partition (non-empty: the host keeps
+  // k_stages >= splits).
   const int splits = Cfg::kMaxSplits > 1 ? p.splits : 1;
   const int rank = splits > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int unit0 = int(blockIdx.x) / splits, units = int(gridDim.x) / splits;
-  const int kps = (k_tiles + splits - 1) / splits;
-  const int kc_begin = rank * kps, kc_end = min(k_tiles, kc_begin + kps);
+  const int kc_begin = rank * k_stages / splits, kc_end = (rank + 1) * k_stages / splits;
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kStageBytes;
@@ -276,12 +294,33 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
           pipeline.producer_acquire(state);
           uint64_t* bar = pipeline.producer_get_barrier(state);
           int s = state.index();
-          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, kc, p.n, p.k), bar,
-                                   ss.a[s][0], weights::kChunkBytes);
-          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, kc, p.n, p.k), bar,
-                                   ss.a[s][1], weights::kChunkBytes);
-          SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-                                 ss.b + s * (kBlockN * kTileK), kc * kTileK, row0);
+          const int c0 = kc * Cfg::kChunks;
+          if (c0 + Cfg::kChunks <= k_tiles) {
+            // A stage's chunks are consecutive in K, so adjacent in the prepared layout: one bulk
+            // copy per consumer.
+            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c0, p.n, p.k), bar,
+                                     ss.a[s][0], Cfg::kChunks * weights::kChunkBytes);
+            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c0, p.n, p.k), bar,
+                                     ss.a[s][1], Cfg::kChunks * weights::kChunkBytes);
+          } else {
+            // The partial last stage: its missing weight chunks repeat the last one, so every
+            // stage completes the same transaction bytes, and its x pieces past K are zero-filled
+            // by the TMA unit, so those products add exact zeros (the weights are finite).
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < Cfg::kChunks; ++h) {
+              const int c = min(c0 + h, k_tiles - 1);
+              SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c, p.n, p.k), bar,
+                                       ss.a[s][0] + h * weights::kChunkBytes, weights::kChunkBytes);
+              SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c, p.n, p.k), bar,
+                                       ss.a[s][1] + h * weights::kChunkBytes, weights::kChunkBytes);
+            }
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int h = 0; h < Cfg::kChunks; ++h) {
+            SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   ss.b + s * (kBlockN * Cfg::kStageK) + h * (kBlockN * kTileK),
+                                   (c0 + h) * kTileK, row0);
+          }
           ++state;
         }
       }
@@ -328,9 +367,10 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   Tensor sB = make_tensor(make_smem_ptr(ss.b), typename Cfg::SmemLayoutB{});  // (BN, 64, stages)
   Tensor tCsB = thr_mma.partition_B(sB);                                       // (MMA, MMA_N, MMA_K, stages)
   Tensor tCrB = thr_mma.make_fragment_B(tCsB);
-  // Two A fragments in registers, (MMA = 8 values, MMA_M = 1, MMA_K = 4) each: the weights of
-  // stage k + 1 are converted into one while the wgmmas of stage k still read the other.
-  auto a_layout = make_layout(make_shape(_64{}, Int<kTileK>{}), LayoutRight{});
+  // Two A fragments in registers, (MMA = 8 values, MMA_M = 1, MMA_K = kFragK / 16) each: the
+  // weights of the next stage (or chunk) are converted into one while the wgmmas of the current
+  // one still read the other.
+  auto a_layout = make_layout(make_shape(_64{}, Int<Cfg::kFragK>{}), LayoutRight{});
   Tensor tCrA0 = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b), a_layout));
   Tensor tCrA1 = thr_mma.partition_fragment_A(make_tensor(make_smem_ptr(ss.b), a_layout));
   Tensor accum = partition_fragment_C(tiled_mma, make_shape(_64{}, Int<kBlockN>{}));  // (MMA, 1, 1)
@@ -345,29 +385,39 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   const int n_k = kc_end - kc_begin;  // K stages per tile for this CTA
   int handed = 0;                     // split-K hand-overs so far (leader: reductions)
 
-  // Stage s's weight chunk -> BF16 A fragment `frag` (exact; see nvfp4_weights.cuh).
-  auto convert = [&](int s, auto& frag) {
-    const uint8_t* chunk = ss.a[s][cw];
-    uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
-    uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
-    const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
-    Tensor a_words = recast<uint32_t>(frag);  // 16 registers: bf16 pairs, 4 per k-block
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < 4; ++kb) {
-      uint32_t sw = kb < 2 ? sc.x : sc.y;
-      // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
-      // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
-      uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-      uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
-      const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-      const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-      const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
-                             weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
+  // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see
+  // nvfp4_weights.cuh).
+  auto convert_chunk = [&](int s, int h, auto& frag, int h0) {
+    Tensor a_words = recast<uint32_t>(frag);  // 16 registers per chunk: bf16 pairs, 4 per k-block
+    {
+      const uint8_t* chunk = ss.a[s][cw] + h * weights::kChunkBytes;
+      uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
+      uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
+      const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 4; ++j) {
-        __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
-        a_words(kb * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
+      for (int kb = 0; kb < 4; ++kb) {
+        uint32_t sw = kb < 2 ? sc.x : sc.y;
+        // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
+        // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
+        uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+        uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+        const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
+                               weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
+          a_words((h0 * 4 + kb) * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
+        }
       }
+    }
+  };
+  // All of stage s's chunks -> `frag` (a whole-stage fragment).
+  auto convert = [&](int s, auto& frag) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < Cfg::kChunks; ++h) {
+      convert_chunk(s, h, frag, h);
     }
   };
   // Keeps the compiler from moving fragment writes across the asynchronous wgmmas that read them.
@@ -378,14 +428,28 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       asm volatile("" : "+r"(a_words(i))::"memory");
     }
   };
-  // Four m64 x kBlockN x k16 wgmmas over stage s, committed as one group.
+  // 4 kChunks m64 x kBlockN x k16 wgmmas over stage s, committed as one group. (All of them in a
+  // partial last stage too: a predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
   auto issue = [&](int s, auto& frag) {
     fence_a(frag);
     warpgroup_fence_operand(accum);
     warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < 4; ++kb) {
+    for (int kb = 0; kb < 4 * Cfg::kChunks; ++kb) {
       cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, s), accum);
+      tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_fence_operand(accum);
+  };
+  // The 4 wgmmas of chunk h of stage s from a one-chunk fragment, committed as one group.
+  auto issue_chunk = [&](int s, int h, auto& frag) {
+    fence_a(frag);
+    warpgroup_fence_operand(accum);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < 4; ++kb) {
+      cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, 4 * h + kb, s), accum);
       tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
@@ -404,7 +468,33 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    if constexpr (Cfg::kPipelined) {
+    if constexpr (Cfg::kChunkPipelined) {
+      // Two chunks per stage, one wgmma group in flight: chunk 0 goes to A0, chunk 1 to A1; each
+      // chunk is converted while the previous chunk's group runs. A stage is released once its
+      // chunk 1 group has retired (seen by the wait after the next stage's chunk 0 is issued).
+      auto release = state;
+      for (int kc = kc_begin; kc < kc_end; ++kc) {
+        pipeline.consumer_wait(state);
+        const int s = state.index();
+        convert_chunk(s, 0, tCrA0, 0);
+        issue_chunk(s, 0, tCrA0);
+        if (kc > kc_begin) {
+          warpgroup_wait<1>();  // the previous stage's chunk 1: A1 and that stage are free
+          fence_a(tCrA1);
+          release_stage(release);
+        }
+        release = state;
+        convert_chunk(s, 1, tCrA1, 0);
+        issue_chunk(s, 1, tCrA1);
+        warpgroup_wait<1>();  // this stage's chunk 0: A0 is free
+        fence_a(tCrA0);
+        ++state;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      fence_a(tCrA1);
+      release_stage(release);
+    } else if constexpr (Cfg::kPipelined) {
       // Software pipeline, one wgmma group in flight: stage kc's group is issued, then the wait for
       // at most one outstanding group retires stage kc - 1's, whose shared memory is released and
       // whose A fragment is free for stage kc + 1. Fragments alternate A0, A1 (k_tiles >= 1).
@@ -436,7 +526,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       warpgroup_fence_operand(accum);
       release_stage(release);
     } else {
-      for (int kc = 0; kc < n_k; ++kc) {
+      for (int kc = kc_begin; kc < kc_end; ++kc) {
         pipeline.consumer_wait(state);
         convert(state.index(), tCrA0);
         issue(state.index(), tCrA0);
@@ -562,15 +652,21 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
 }
 
 // The configurations (declared here, each defined in its own translation unit).
+// The decode tile: two 64-K chunks per stage, unpipelined (each stage's wgmmas retire before the
+// next conversion; four consumer warpgroups per SM hide that). 128-K stages made the layer 4-10%
+// faster at T = 1-128 than 64-K ones; pipelining the two chunks made it 3-20% slower again
+// (PERF_NOTES.md, 2026-12-02).
 template <GemmEpilogue E>
-using ConfigN16 = Config<16, 12, 2, E, false>;  // 80 registers: too few to pipeline (C7512)
+using ConfigN16 = Config<16, 6, 2, E, false, 1, 2>;
 // The same tile for launches with few tiles, split over K by clusters of up to 4 CTAs. A separate
 // instantiation: the reduction's 24 KB of shared memory and its code made the unsplit N16 kernel
 // 4-7% slower (measured 2026-12-02, PERF_NOTES.md).
 template <GemmEpilogue E>
-using ConfigN16SplitK = Config<16, 12, 2, E, false, 4>;
+using ConfigN16SplitK = Config<16, 6, 2, E, false, 4, 2>;
+// 17-80 rows per expert: two chunks per stage, chunk-pipelined (mixtral-8x7b's layer at T = 128
+// 4% faster than with 64-K stages, 2026-12-02).
 template <GemmEpilogue E>
-using ConfigN64 = Config<64, 15, 1, E>;
+using ConfigN64 = Config<64, 8, 1, E, true, 1, 2>;
 template <GemmEpilogue E>
 using ConfigN128 = Config<128, 8, 1, E>;
 extern template Status launch_grouped_gemm<ConfigN16<GemmEpilogue::kPlain>>(const CUtensorMap&, const Params&, int,

@@ -115,10 +115,11 @@ CUTLASS_DEVICE uint32_t absmax_bf16x2(uint32_t a, uint32_t b) {
 }
 
 // |x| bits of the block's largest element (bf16, sign cleared); any NaN gives bits > 0x7F80.
+// (The last step maxes the two lanes with a half-swapped copy: PRMT, HMNMX2 and a mask.)
 CUTLASS_DEVICE uint32_t block_amax_bits(const uint32_t (&w)[8]) {
   const uint32_t m = absmax_bf16x2(absmax_bf16x2(absmax_bf16x2(w[0], w[1]), absmax_bf16x2(w[2], w[3])),
                                    absmax_bf16x2(absmax_bf16x2(w[4], w[5]), absmax_bf16x2(w[6], w[7])));
-  return max(m & 0x7FFFu, (m >> 16) & 0x7FFFu);
+  return absmax_bf16x2(m, __byte_perm(m, 0, 0x1032)) & 0x7FFFu;
 }
 
 // Recipe v2 steps 2-3 for one block: the scale byte s and d = e4m3(s) * g, and whether the codes may
@@ -200,8 +201,16 @@ CUTLASS_DEVICE void quantize_codes_fast(const float (&x)[16], float d, uint32_t 
 //   the 1.5 ulps between RN(x r) and x / d, so both round to the same side of c and neither lands
 //   on it. A random g passes for ~99.9% of the scale bytes; ModelOpt's weight convention
 //   g = amax RN(1/2688) often does not (m s amax / 2688 is then often short: a near tie);
+// - otherwise, kTuned (the per-CTA table, built once for ~20 blocks per thread): near such an m d
+//   there is exactly one bf16 value X (its neighbours are 2^16 ulps away), and every x that can
+//   meet a decision point there is X 2^j. So a reciprocal r' within an ulp of RN(1/d) serves every
+//   input when, for each near m, RN(X r') lies on the same side of m as RN(X / d) (or both equal
+//   m): the far decision points keep their margin (2^-21 relative against the 2^-22 error of
+//   RN(x r')). r, r + 1 ulp and r - 1 ulp are tried, RN(X / d) taken as the Markstein quotient;
+//   with ModelOpt's weight convention this saves the correction for ~93% of the scale bytes that
+//   would need it;
 // - otherwise q0 + RN(x - d q0) r with q0 = RN(x r) (Markstein) is RN(x / d) exactly.
-// tests/codec_fast_path.rs checks both claims against the reference on every bf16 x for
+// tests/codec_fast_path.rs checks these claims against the reference on every bf16 x for
 // thousands of (g, s).
 // RN(1/d) for d in [2^-60, 2^16]: the sequence __frcp_rn runs for operands away from the exponent
 // extremes (MUFU.RCP and one Newton step), without its slow-path call, whose calling convention
@@ -217,6 +226,7 @@ struct ScaleRcp {
   float d;  // d, negated when the plain product is not enough (Markstein)
 };
 
+template <bool kTuned = false>
 CUTLASS_DEVICE ScaleRcp scale_reciprocal(uint32_t s, float g) {
   if (s < 0x09u || s > 0x7Du) {
     return ScaleRcp{0.0f, 0.0f};
@@ -225,13 +235,39 @@ CUTLASS_DEVICE ScaleRcp scale_reciprocal(uint32_t s, float g) {
   if (!(d >= 0x1p-60f && d <= 0x1p16f)) {
     return ScaleRcp{0.0f, 0.0f};
   }
-  bool plain = true;
+  const float r = rcp_rn_normal(d);
+  // Bit m / 2 set: m d lies within 7 FP32 ulps of a bf16 value (low 16 bits of its FP32 bits).
+  uint32_t near = 0;
   CUTLASS_PRAGMA_UNROLL
   for (int m = 1; m <= 7; m += 2) {
     const uint32_t y = __float_as_uint(__fmul_rn(float(m), d));
-    plain &= ((y + 7u) & 0xFFFFu) >= 15u;  // low 16 bits: FP32 ulps from the nearest bf16 value
+    near |= (((y + 7u) & 0xFFFFu) < 15u ? 1u : 0u) << (m / 2);
   }
-  return ScaleRcp{rcp_rn_normal(d), plain ? d : -d};
+  if (near == 0) {
+    return ScaleRcp{r, d};
+  }
+  if constexpr (kTuned) {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int c = 0; c < 3; ++c) {
+      const float rc = __uint_as_float(__float_as_uint(r) + (c == 0 ? 0u : c == 1 ? 1u : 0xFFFFFFFFu));
+      bool ok = true;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 1; m <= 7; m += 2) {
+        if (near & (1u << (m / 2))) {
+          const float fm = float(m);
+          const float x = __uint_as_float((__float_as_uint(__fmul_rn(fm, d)) + 0x8000u) & 0xFFFF0000u);
+          const float q0 = __fmul_rn(x, r);
+          const float t = __fmaf_rn(__fmaf_rn(-q0, d, x), r, q0);  // RN(x / d) (Markstein)
+          const float q = __fmul_rn(x, rc);
+          ok &= (t < fm) == (q < fm) && (t > fm) == (q > fm);
+        }
+      }
+      if (ok) {
+        return ScaleRcp{rc, d};
+      }
+    }
+  }
+  return ScaleRcp{r, -d};
 }
 
 // A tensor's decode scale with what the block-scale step needs: six_g = RN(6 g) (step 2 rounds the
@@ -260,7 +296,7 @@ struct RcpTable {
   CUTLASS_DEVICE ScaleRcp operator()(uint32_t s, float) const { return table[s & 0x7Fu]; }
 };
 struct RcpInline {
-  CUTLASS_DEVICE ScaleRcp operator()(uint32_t s, float g) const { return scale_reciprocal(s, g); }
+  CUTLASS_DEVICE ScaleRcp operator()(uint32_t s, float g) const { return scale_reciprocal<false>(s, g); }
 };
 
 // Step 4 on a reciprocal path (see scale_reciprocal): q = RN(x r + 0), Markstein-corrected when

@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 5) quantize_kernel(const QuantizePar
   // persistent: each CTA then encodes ~20 blocks per thread).
   __shared__ codec::ScaleRcp rcp_table[128];  // (128) per scale byte
   if (threadIdx.x < 128) {
-    rcp_table[threadIdx.x] = codec::scale_reciprocal(threadIdx.x, p.ts.g);
+    rcp_table[threadIdx.x] = codec::scale_reciprocal<true>(threadIdx.x, p.ts.g);
   }
   __syncthreads();
   const codec::RcpTable rcp{rcp_table};
