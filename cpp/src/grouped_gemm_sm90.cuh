@@ -34,6 +34,7 @@
 #include "nvfp4_codec.cuh"
 #include "gemm_splitk.cuh"
 #include "nvfp4_weights.cuh"
+#include "pdl.cuh"
 #include "status.hpp"
 
 #include <cuda.h>
@@ -221,6 +222,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   const int k_stages = (k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;  // the last one may be partial
   const int chunks_m = p.n / weights::kChunkRows;
 
+  // Launched with programmatic dependent launch: nothing global is touched before this.
+  pdl::wait_and_release();
   // Tile prefix: counts first (e's count stored at e + 1), then an exclusive scan.
   {
     int* prefix = ss.tile_prefix;
@@ -620,30 +623,34 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: %d splits (this tile allows 1..%d, powers of two)",
                 p.splits, Cfg::kMaxSplits);
   }
-  if (p.splits == 1) {
-    kernel<<<ctas * Cfg::kMinBlocks, kThreads, Cfg::kSmemBytes, stream>>>(tma_x, p);
-    return check_launch("grouped_gemm_nvfp4");
-  }
-  // Clusters of `splits` CTAs, as many as can be resident at once (the walk is persistent).
+  // Programmatic dependent launch (pdl.cuh), and for split-K clusters of `splits` CTAs, as many as
+  // can be resident at once (the walk is persistent).
   cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = unsigned(p.splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / p.splits * p.splits));
+  cudaLaunchAttribute attr[2] = {pdl::attribute(), {}};
+  cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = Cfg::kSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (e != cudaSuccess || clusters < 1) {
-    return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits (%s)", p.splits,
-                cudaGetErrorString(e));
+  if (p.splits > 1) {
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = unsigned(p.splits);
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / p.splits * p.splits));
+    cfg.attrs = attr + 1;  // the occupancy query sees the cluster shape only
+    int clusters = 0;
+    e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    cfg.attrs = attr;
+    cfg.numAttrs = 2;
+    if (e != cudaSuccess || clusters < 1) {
+      (void)cudaGetLastError();
+      return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits (%s)", p.splits,
+                  cudaGetErrorString(e));
+    }
+    cfg.gridDim = dim3(unsigned(clusters * p.splits));
   }
-  cfg.gridDim = dim3(unsigned(clusters * p.splits));
   e = cudaLaunchKernelEx(&cfg, kernel, tma_x, p);
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaLaunchKernelEx: %s", cudaGetErrorString(e));

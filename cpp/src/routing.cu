@@ -10,6 +10,7 @@
 //            the 32 warps claim their ids' slots in warp order, so pair i precedes every later pair
 //            of its id.
 #include "nvfp4moe/nvfp4moe.h"
+#include "pdl.cuh"
 #include "status.hpp"
 
 #include <cuda_bf16.h>
@@ -30,6 +31,7 @@ CUTLASS_DEVICE bool better(float v, int id, float v2, int id2) { return v > v2 |
 // One warp per token.
 __global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
                                     bool renormalize, int* __restrict__ ids, float* __restrict__ weights) {
+  pdl::wait_and_release();
   __shared__ unsigned char chosen[8][kMaxExperts];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.x * 8 + warp;
@@ -81,6 +83,7 @@ __global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens
 
 __global__ void count_kernel(const int* __restrict__ ids, int pairs, int experts, int* __restrict__ counts,
                              unsigned long long* __restrict__ error) {
+  pdl::wait_and_release();
   __shared__ int hist[kMaxExperts];
   for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
@@ -99,6 +102,7 @@ __global__ void count_kernel(const int* __restrict__ ids, int pairs, int experts
 // One CTA of 1024 threads: counts (chunks, E) -> per-chunk bases (in place) and offsets [E+1].
 __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, int chunks, int experts,
                                                     int* __restrict__ offsets) {
+  pdl::wait_and_release();
   __shared__ int total[kMaxExperts];
   const int e = threadIdx.x;
   int run = 0;
@@ -158,6 +162,7 @@ CUTLASS_DEVICE void scatter_chunk(int id, int i, int pairs, int* next, int* clai
 __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, int experts,
                                                        const int* __restrict__ bases, int* __restrict__ row_of_pair,
                                                        int* __restrict__ pair_of_row) {
+  pdl::wait_and_release();
   __shared__ int next[kMaxExperts];
   __shared__ int claimed[1024];
   for (int e = threadIdx.x; e < experts; e += 1024) next[e] = bases[int64_t(blockIdx.x) * experts + e];
@@ -175,6 +180,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
                                                            int* __restrict__ offsets, int* __restrict__ row_of_pair,
                                                            int* __restrict__ pair_of_row,
                                                            unsigned long long* __restrict__ error) {
+  pdl::wait_and_release();
   static_assert(kChunk == 1024 && kMaxExperts == 1024, "one thread per pair and per expert slot");
   __shared__ int next[kMaxExperts];   // counts, then each expert's next free row
   __shared__ int total[kMaxExperts];  // the inclusive scan of the counts
@@ -211,47 +217,67 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   scatter_chunk(id, t, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
-// One CTA per permuted row: copy the token's hidden row.
-__global__ void gather_kernel(const __nv_bfloat16* __restrict__ hidden, int64_t vecs_per_row, int top_k,
-                              const int* __restrict__ offsets, int experts, const int* __restrict__ pair_of_row,
-                              __nv_bfloat16* __restrict__ x_perm) {
+// Rows are copied and combined in pieces of kVecsPerCta 16-byte vectors, one per thread: CTA
+// (r, c) takes piece c of row r, so that a decode step's few rows still spread over many SMs
+// (one CTA per row looped 7 times over a 7168-wide row, latency-bound at T = 1).
+constexpr int kVecsPerCta = 128;
+constexpr int64_t kMaxHidden = int64_t(65535) * kVecsPerCta * 8;  // pieces index gridDim.y
+
+// CTA (r, c): piece c of permuted row r, copied from its token's hidden row.
+__global__ void __launch_bounds__(kVecsPerCta) gather_kernel(const __nv_bfloat16* __restrict__ hidden,
+                                                             int64_t vecs_per_row, int top_k,
+                                                             const int* __restrict__ offsets, int experts,
+                                                             const int* __restrict__ pair_of_row,
+                                                             __nv_bfloat16* __restrict__ x_perm) {
+  pdl::wait_and_release();
   const int r = blockIdx.x;
-  if (r >= offsets[experts]) return;
+  const int64_t v = int64_t(blockIdx.y) * kVecsPerCta + threadIdx.x;
+  if (r >= offsets[experts] || v >= vecs_per_row) return;
   const int64_t t = pair_of_row[r] / top_k;
-  const uint4* src = reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row;
-  uint4* dst = reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row;
-  for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) dst[v] = __ldg(src + v);
+  reinterpret_cast<uint4*>(x_perm)[int64_t(r) * vecs_per_row + v] =
+      __ldg(reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row + v);
 }
 
-// One CTA per token, 8 bf16 per thread-step, FP32 accumulation in slot order.
-__global__ void combine_kernel(const __nv_bfloat16* __restrict__ y, int64_t y_rows, const int* __restrict__ row_of_pair,
-                               const float* __restrict__ w, int top_k, int64_t vecs_per_row,
-                               __nv_bfloat16* __restrict__ out) {
+// CTA (t, c): piece c of token t's output, 8 bf16 per thread, FP32 accumulation in slot order.
+__global__ void __launch_bounds__(kVecsPerCta) combine_kernel(const __nv_bfloat16* __restrict__ y, int64_t y_rows,
+                                                              const int* __restrict__ row_of_pair,
+                                                              const float* __restrict__ w, int top_k,
+                                                              int64_t vecs_per_row, __nv_bfloat16* __restrict__ out) {
+  pdl::wait_and_release();
   const int64_t t = blockIdx.x;
-  for (int64_t v = threadIdx.x; v < vecs_per_row; v += blockDim.x) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < top_k; ++j) {
-      int row = row_of_pair[t * top_k + j];
-      if (row < 0 || int64_t(row) >= y_rows) continue;  // bad slots (and any foreign index) skipped
-      float wj = w[t * top_k + j];
-      uint4 q = __ldg(reinterpret_cast<const uint4*>(y) + int64_t(row) * vecs_per_row + v);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
-      CUTLASS_PRAGMA_UNROLL
-      for (int p = 0; p < 4; ++p) {
-        float2 f = __bfloat1622float2(h[p]);
-        acc[2 * p] = __fmaf_rn(wj, f.x, acc[2 * p]);
-        acc[2 * p + 1] = __fmaf_rn(wj, f.y, acc[2 * p + 1]);
-      }
-    }
-    uint4 o;
-    __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
+  const int64_t v = int64_t(blockIdx.y) * kVecsPerCta + threadIdx.x;
+  if (v >= vecs_per_row) return;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < top_k; ++j) {
+    int row = row_of_pair[t * top_k + j];
+    if (row < 0 || int64_t(row) >= y_rows) continue;  // bad slots (and any foreign index) skipped
+    float wj = w[t * top_k + j];
+    uint4 q = __ldg(reinterpret_cast<const uint4*>(y) + int64_t(row) * vecs_per_row + v);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&q);
     CUTLASS_PRAGMA_UNROLL
-    for (int p = 0; p < 4; ++p) op[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
-    reinterpret_cast<uint4*>(out)[t * vecs_per_row + v] = o;
+    for (int p = 0; p < 4; ++p) {
+      float2 f = __bfloat1622float2(h[p]);
+      acc[2 * p] = __fmaf_rn(wj, f.x, acc[2 * p]);
+      acc[2 * p + 1] = __fmaf_rn(wj, f.y, acc[2 * p + 1]);
+    }
   }
+  uint4 o;
+  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
+  CUTLASS_PRAGMA_UNROLL
+  for (int p = 0; p < 4; ++p) op[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
+  reinterpret_cast<uint4*>(out)[t * vecs_per_row + v] = o;
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// A launch's status: the launch call's own error, then any pending one (check_launch).
+Status launched(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return fail(Status::kCudaError, "%s: launch failed: %s", what, cudaGetErrorString(e));
+  }
+  return check_launch(what);
+}
 
 }  // namespace
 
@@ -264,9 +290,10 @@ Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_
   }
   if (tokens == 0) return Status::kSuccess;
   if (!logits || !topk_ids || !topk_weights) return fail(Status::kNullPointer, "softmax_topk: null pointer");
-  softmax_topk_kernel<<<unsigned((tokens + 7) / 8), 256, 0, static_cast<cudaStream_t>(stream)>>>(
-      logits, int(tokens), int(experts), int(top_k), renormalize, topk_ids, topk_weights);
-  return check_launch("softmax_topk");
+  cudaError_t e = pdl::launch(softmax_topk_kernel, dim3(unsigned((tokens + 7) / 8)), dim3(256), 0,
+                              static_cast<cudaStream_t>(stream), logits, int(tokens), int(experts), int(top_k),
+                              renormalize, topk_ids, topk_weights);
+  return launched(e, "softmax_topk");
 }
 
 size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
@@ -277,9 +304,9 @@ size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
 Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
   const int64_t pairs = a.tokens * a.top_k;
   if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kMaxExperts || a.hidden_size <= 0 ||
-      a.hidden_size % 8 || pairs > 0x7FFFFFFF) {
+      a.hidden_size % 8 || a.hidden_size > kMaxHidden || pairs > 0x7FFFFFFF) {
     return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %d, "
-                "hidden_size a positive multiple of 8", kMaxExperts);
+                "hidden_size a positive multiple of 8 up to %lld", kMaxExperts, (long long)kMaxHidden);
   }
   if (!a.topk_ids || !a.hidden || !a.expert_offsets || !a.row_of_pair || !a.pair_of_row || !a.x_perm || !a.error ||
       (pairs > 0 && !a.workspace)) {
@@ -293,37 +320,44 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
   int* counts = static_cast<int*>(a.workspace);
   if (pairs <= kChunk) {
     // Decode and small batches: one launch for count, scan and scatter.
-    route_small_kernel<<<1, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), a.expert_offsets, a.row_of_pair,
-                                           a.pair_of_row, a.error);
-    if (Status s = check_launch("permute_and_gather (route)"); s != Status::kSuccess) return s;
+    cudaError_t e = pdl::launch(route_small_kernel, dim3(1), dim3(1024), 0, st, a.topk_ids, int(pairs),
+                                int(a.experts), a.expert_offsets, a.row_of_pair, a.pair_of_row, a.error);
+    if (Status s = launched(e, "permute_and_gather (route)"); s != Status::kSuccess) return s;
     if (pairs == 0) return Status::kSuccess;
   } else {
-    count_kernel<<<chunks, 256, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.error);
-    if (Status s = check_launch("permute_and_gather (count)"); s != Status::kSuccess) return s;
-    scan_kernel<<<1, 1024, 0, st>>>(counts, chunks, int(a.experts), a.expert_offsets);
-    if (Status s = check_launch("permute_and_gather (scan)"); s != Status::kSuccess) return s;
-    scatter_kernel<<<chunks, 1024, 0, st>>>(a.topk_ids, int(pairs), int(a.experts), counts, a.row_of_pair,
-                                            a.pair_of_row);
-    if (Status s = check_launch("permute_and_gather (scatter)"); s != Status::kSuccess) return s;
+    cudaError_t e = pdl::launch(count_kernel, dim3(chunks), dim3(256), 0, st, a.topk_ids, int(pairs),
+                                int(a.experts), counts, a.error);
+    if (Status s = launched(e, "permute_and_gather (count)"); s != Status::kSuccess) return s;
+    e = pdl::launch(scan_kernel, dim3(1), dim3(1024), 0, st, counts, chunks, int(a.experts), a.expert_offsets);
+    if (Status s = launched(e, "permute_and_gather (scan)"); s != Status::kSuccess) return s;
+    e = pdl::launch(scatter_kernel, dim3(chunks), dim3(1024), 0, st, a.topk_ids, int(pairs), int(a.experts),
+                    static_cast<const int*>(counts), a.row_of_pair, a.pair_of_row);
+    if (Status s = launched(e, "permute_and_gather (scatter)"); s != Status::kSuccess) return s;
   }
-  gather_kernel<<<unsigned(pairs), 128, 0, st>>>(static_cast<const __nv_bfloat16*>(a.hidden), a.hidden_size / 8,
-                                                 int(a.top_k), a.expert_offsets, int(a.experts), a.pair_of_row,
-                                                 static_cast<__nv_bfloat16*>(a.x_perm));
-  return check_launch("permute_and_gather (gather)");
+  const int64_t vecs = a.hidden_size / 8;
+  cudaError_t e = pdl::launch(gather_kernel, dim3(unsigned(pairs), unsigned((vecs + kVecsPerCta - 1) / kVecsPerCta)),
+                              dim3(kVecsPerCta), 0, st, static_cast<const __nv_bfloat16*>(a.hidden), vecs,
+                              int(a.top_k), static_cast<const int*>(a.expert_offsets), int(a.experts),
+                              static_cast<const int*>(a.pair_of_row), static_cast<__nv_bfloat16*>(a.x_perm));
+  return launched(e, "permute_and_gather (gather)");
 }
 
 Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
                int64_t hidden_size, void* out, void* stream) noexcept {
-  if (tokens < 0 || top_k <= 0 || hidden_size <= 0 || hidden_size % 8 || tokens > 0x7FFFFFFF) {
-    return fail(Status::kInvalidShape, "combine: need tokens >= 0, top_k > 0, hidden_size a positive multiple of 8");
+  if (tokens < 0 || top_k <= 0 || hidden_size <= 0 || hidden_size % 8 || hidden_size > kMaxHidden ||
+      tokens > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "combine: need tokens >= 0, top_k > 0, hidden_size a positive multiple of 8 up to %lld",
+                (long long)kMaxHidden);
   }
   if (tokens == 0) return Status::kSuccess;
   if (!y || !row_of_pair || !topk_weights || !out) return fail(Status::kNullPointer, "combine: null pointer");
   if (!aligned16(y) || !aligned16(out)) return fail(Status::kMisaligned, "combine: y and out must be 16-byte aligned");
-  combine_kernel<<<unsigned(tokens), 128, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const __nv_bfloat16*>(y), tokens * top_k, row_of_pair, topk_weights, int(top_k), hidden_size / 8,
-      static_cast<__nv_bfloat16*>(out));
-  return check_launch("combine");
+  const int64_t vecs = hidden_size / 8;
+  cudaError_t e = pdl::launch(combine_kernel, dim3(unsigned(tokens), unsigned((vecs + kVecsPerCta - 1) / kVecsPerCta)),
+                              dim3(kVecsPerCta), 0, static_cast<cudaStream_t>(stream),
+                              static_cast<const __nv_bfloat16*>(y), tokens * top_k, row_of_pair, topk_weights,
+                              int(top_k), vecs, static_cast<__nv_bfloat16*>(out));
+  return launched(e, "combine");
 }
 
 }  // namespace nvfp4moe

@@ -1,0 +1,49 @@
+// Programmatic dependent launch (sm_90): overlapping one kernel's launch and prologue with the tail
+// of the kernel before it in the stream (CUDA-graph safe: capture records programmatic edges).
+//
+// A kernel launched with the attribute may start while its predecessor still runs, so every such
+// kernel calls wait_and_release() before its first global memory access: griddepcontrol.wait
+// returns once the predecessor has completed and its writes are visible (at once when the kernel
+// was launched without the attribute). The kernel then lets its own successor launch; that one
+// waits in turn, so only launch latency and shared-memory setup overlap, never memory traffic.
+// (A successor's CTAs are placed only where this grid's CTAs leave room, and all of this grid's
+// CTAs have started before it releases: no CTA can wait on one that is not resident.)
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cutlass/cutlass.h>
+
+namespace nvfp4moe::pdl {
+
+CUTLASS_DEVICE void wait_and_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The launch attribute, for a cudaLaunchConfig_t's attribute list.
+inline cudaLaunchAttribute attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) with the attribute. The kernel must call
+// wait_and_release() before touching global memory.
+template <class... Params, class... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args... args) {
+  cudaLaunchAttribute attr[1] = {attribute()};
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
+}  // namespace nvfp4moe::pdl
