@@ -626,13 +626,14 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   // Programmatic dependent launch (pdl.cuh), and for split-K clusters of `splits` CTAs, as many as
   // can be resident at once (the walk is persistent).
   cudaLaunchConfig_t cfg = {};
+  const bool pdl_on = pdl::enabled(p.splits > 1);
   cudaLaunchAttribute attr[2] = {pdl::attribute(), {}};
   cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = Cfg::kSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = pdl_on ? 1 : 0;
   if (p.splits > 1) {
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = unsigned(p.splits);
@@ -640,10 +641,11 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
     attr[1].val.clusterDim.z = 1;
     cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / p.splits * p.splits));
     cfg.attrs = attr + 1;  // the occupancy query sees the cluster shape only
+    cfg.numAttrs = 1;
     int clusters = 0;
     e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    cfg.attrs = attr;
-    cfg.numAttrs = 2;
+    cfg.attrs = pdl_on ? attr : attr + 1;
+    cfg.numAttrs = pdl_on ? 2 : 1;
     if (e != cudaSuccess || clusters < 1) {
       (void)cudaGetLastError();
       return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits (%s)", p.splits,

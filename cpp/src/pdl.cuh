@@ -13,6 +13,9 @@
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
 
+#include <cstdlib>
+#include <cstring>
+
 namespace nvfp4moe::pdl {
 
 CUTLASS_DEVICE void wait_and_release() {
@@ -20,6 +23,19 @@ CUTLASS_DEVICE void wait_and_release() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// Whether a launch carries the attribute. NVFP4MOE_PDL=0 in the environment turns it off (for
+// tools that do not handle programmatic dependencies; read once). Split-K cluster launches never
+// carry it: launched early, mixtral-8x7b's L2 at T = 1 (clusters of 4) made the layer 13 us slower
+// (115 vs 102 us), while the other launches gained (deepseek-v3 T = 1: 108 -> 87 us; H200,
+// 2026-12-02, PERF_NOTES.md).
+inline bool enabled(bool cluster_launch) {
+  static const bool on = [] {
+    const char* v = std::getenv("NVFP4MOE_PDL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on && !cluster_launch;
 }
 
 // The launch attribute, for a cudaLaunchConfig_t's attribute list.
@@ -42,7 +58,7 @@ cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = enabled(false) ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 
