@@ -1,10 +1,13 @@
-//! ModelOpt NVFP4 Mixture-of-Experts checkpoints (Hugging Face layout): one MoE layer's experts
-//! loaded onto the host as a [`MoeCheckpoint`](crate::host::MoeCheckpoint) ([`load_modelopt`]), and written back
+//! NVFP4 Mixture-of-Experts checkpoints (Hugging Face layout) in both dialects, ModelOpt and
+//! compressed-tensors: one MoE layer's experts loaded onto the host as a
+//! [`MoeCheckpoint`](crate::host::MoeCheckpoint) ([`load_experts`], or one dialect only:
+//! [`load_modelopt`], [`load_compressed_tensors`]), and written back in ModelOpt's
 //! ([`write_modelopt_experts`]).
 //!
-//! Files: `catalog.rs` finds the tensors (a file, an index, a directory) from the files' headers;
-//! `load.rs` discovers the experts, checks every dtype and shape and copies the bytes by range;
-//! `write.rs` writes them back.
+//! Files: `catalog.rs` finds the tensors (a file, an index, a directory, a Hugging Face cache) from
+//! the files' headers; `dialect.rs` tells the dialects apart and reads the configs; `load.rs`
+//! discovers the experts, checks every dtype and shape and copies the bytes by range; `write.rs`
+//! writes them back.
 //!
 //! Expert `e`'s tensors are `{prefix}.{e}.{projection}.{field}`, with the projections of one of the
 //! [`ExpertNaming`] styles and the fields `weight` (U8 `[N, K/2]`), `weight_scale` (F8_E4M3
@@ -20,12 +23,14 @@
 //! without exactly one checkpoint, is an [`Error::Invalid`] naming the path.
 
 mod catalog;
+mod dialect;
 mod load;
 #[cfg(test)]
 mod tests;
 mod write;
 
-pub use load::load_modelopt;
+pub use dialect::{Dialect, QuantScheme};
+pub use load::{load_compressed_tensors, load_experts, load_modelopt, CheckpointFormat, LoadedExperts};
 pub use write::write_modelopt_experts;
 
 use crate::host::ExpertNaming;
@@ -66,8 +71,6 @@ pub(super) const WEIGHT: &str = "weight";
 pub(super) const WEIGHT_SCALE: &str = "weight_scale";
 pub(super) const WEIGHT_SCALE_2: &str = "weight_scale_2";
 pub(super) const INPUT_SCALE: &str = "input_scale";
-/// The fields every projection must have.
-pub(super) const REQUIRED: [&str; 3] = [WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2];
 
 /// `prefix` with exactly one trailing `.` (none for an empty prefix).
 pub(super) fn expert_prefix(prefix: &str) -> String {
