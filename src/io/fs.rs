@@ -286,3 +286,157 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// A fresh directory, removed on drop.
+    struct Dir(PathBuf);
+
+    impl Dir {
+        fn new(tag: &str) -> Dir {
+            let p = std::env::temp_dir().join(format!(
+                "nvfp4moe-fs-{}-{:016x}-{tag}",
+                std::process::id(),
+                unpredictable_u64()
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+
+        /// Every entry (links not followed) and, for regular files, the bytes.
+        fn snapshot(&self) -> BTreeMap<String, (FileKind, Vec<u8>)> {
+            std::fs::read_dir(&self.0)
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    let kind = FileKind::of(&e.file_type().unwrap());
+                    let bytes = if kind == FileKind::Regular { std::fs::read(e.path()).unwrap() } else { vec![] };
+                    (e.file_name().to_string_lossy().into_owned(), (kind, bytes))
+                })
+                .collect()
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn writes_and_replaces_regular_files() {
+        let d = Dir::new("ok");
+        let target = d.0.join("out.json");
+        write_file_atomically(&target, b"first").unwrap();
+        write_file_atomically(&target, b"second").unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), b"second");
+        // Nothing but the target is left.
+        assert_eq!(d.snapshot().keys().collect::<Vec<_>>(), ["out.json"]);
+        // A relative bare name works (its directory is `.`): checked through the directory logic.
+        assert_eq!(
+            match Path::new("x.json").parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            },
+            PathBuf::from(".")
+        );
+    }
+
+    #[test]
+    fn long_names_fit_the_file_name_limit() {
+        let d = Dir::new("long");
+        for len in [250, 255] {
+            let name = format!("{}.safetensors", "n".repeat(len - ".safetensors".len()));
+            assert_eq!(name.len(), len);
+            write_file_atomically(d.0.join(&name), b"data").unwrap();
+            assert_eq!(std::fs::read(d.0.join(&name)).unwrap(), b"data");
+        }
+        assert_eq!(d.snapshot().len(), 2);
+    }
+
+    #[test]
+    fn a_failing_writer_leaves_nothing_behind() {
+        let d = Dir::new("fail");
+        let target = d.0.join("out.safetensors");
+        std::fs::write(&target, b"old contents").unwrap();
+        let before = d.snapshot();
+        let e = write_atomically(&target, |w| {
+            w.write_all(&[7u8; 3 << 20]).unwrap();
+            Err(Error::Invalid("the writer gave up".into()))
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("gave up"), "{e}");
+        assert_eq!(d.snapshot(), before);
+    }
+
+    #[test]
+    fn a_missing_directory_is_an_io_error_naming_the_target() {
+        let d = Dir::new("nodir");
+        let target = d.0.join("no").join("such").join("out.json");
+        match write_file_atomically(&target, b"x").unwrap_err() {
+            Error::Io(e) => assert!(e.to_string().contains("out.json"), "{e}"),
+            e => panic!("expected Error::Io, got {e:?}"),
+        }
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn only_regular_files_are_replaced() {
+        use std::os::unix::ffi::OsStrExt;
+        use std::os::unix::fs::symlink;
+        let d = Dir::new("refuse");
+        let victim = d.0.join("victim.txt");
+        std::fs::write(&victim, b"must not change").unwrap();
+        let link = d.0.join("link.safetensors");
+        symlink(&victim, &link).unwrap();
+        let dangling = d.0.join("dangling.safetensors");
+        symlink(d.0.join("nowhere"), &dangling).unwrap();
+        let fifo = d.0.join("pipe.safetensors");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let sub = d.0.join("subdir");
+        std::fs::create_dir(&sub).unwrap();
+        // A device node: made here when allowed (as root), else /dev/null itself, which a
+        // non-root user cannot replace anyway (the refusal must come first all the same).
+        let node = d.0.join("null-device");
+        let c = std::ffi::CString::new(node.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path; makedev(1, 3) is the null device.
+        let made = unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | 0o666, libc::makedev(1, 3)) } == 0;
+        let device = if made { node } else { PathBuf::from("/dev/null") };
+        let before = d.snapshot();
+        let dev_before = std::fs::symlink_metadata(&device).unwrap();
+        for (target, kind) in [
+            (&link, FileKind::Symlink),
+            (&dangling, FileKind::Symlink),
+            (&fifo, FileKind::Fifo),
+            (&sub, FileKind::Directory),
+            (&device, FileKind::CharDevice),
+        ] {
+            match write_file_atomically(target, b"new data") {
+                Err(Error::NotRegularFile { path, kind: k }) => {
+                    assert_eq!((&path, k), (target, kind));
+                    let msg = Error::NotRegularFile { path, kind: k }.to_string();
+                    assert!(msg.contains("not a regular file"), "{msg}");
+                }
+                other => panic!("{}: expected NotRegularFile, got {other:?}", target.display()),
+            }
+            assert_eq!(d.snapshot(), before, "{}", target.display());
+        }
+        let dev_after = std::fs::symlink_metadata(&device).unwrap();
+        assert!(FileKind::of(&dev_after.file_type()) == FileKind::CharDevice);
+        assert_eq!(dev_before.len(), dev_after.len());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"must not change");
+    }
+
+    #[test]
+    fn temporary_names_are_short_and_differ() {
+        let a = unpredictable_u64();
+        let b = unpredictable_u64();
+        assert_ne!(a, b);
+        assert_eq!(format!(".nvfp4moe-{a:016x}.tmp").len(), 30);
+    }
+}
