@@ -227,6 +227,17 @@ impl SafetensorsFile {
         Err(tensor_err(name, format!("not found in `{}` ({present})", shown_path(&self.path))))
     }
 
+    /// The whole file as mapped (header and data), for another safetensors parser to read in
+    /// place (`safetensors::SafeTensors::deserialize`); pages are read only as they are touched.
+    /// The module's safety contract applies.
+    ///
+    /// # Errors
+    /// A file that has shrunk since it was opened ([`Error::FileChanged`]).
+    pub fn mapped(&self) -> Result<&[u8]> {
+        check_len(&self.file, &self.path, self.map.len())?;
+        Ok(&self.map)
+    }
+
     /// The bytes of `name`, borrowed from the mapping (no copy). See the module's safety contract:
     /// the file must not be truncated while the slice is in use.
     ///
