@@ -3,7 +3,7 @@
 //! checkpoints with compressed-tensors' own code on a GPU machine (outputs committed beside them).
 //!
 //! - `bf16_moe/`: three Qwen3-MoE-style experts (`gate_proj`, `up_proj`, `down_proj`, H = 64,
-//!   I = 32) as BF16 weights, the input of compressed-tensors' NVFP4A16 (W4A16) compressor.
+//!   I = 64: the smallest shape the GPU layer takes) as BF16 weights, the input of compressed-tensors' NVFP4A16 (W4A16) compressor.
 //! - `modelopt_w4a4/`: the same weights quantized by the crate's recipe-v2 quantizer (ModelOpt's
 //!   bytes) as a ModelOpt NVFP4 W4A4 checkpoint with `input_scale`, the input of compressed-tensors'
 //!   ModelOpt-NVFP4 converter. Expert 1's gate and up carry different `input_scale`s, and every
@@ -26,7 +26,7 @@ use safetensors::tensor::{Dtype, TensorView};
 pub const PREFIX: &str = "model.layers.0.mlp.experts";
 pub const EXPERTS: usize = 3;
 pub const HIDDEN: usize = 64;
-pub const INTERMEDIATE: usize = 32;
+pub const INTERMEDIATE: usize = 64;
 const SEED: u64 = 0x17_c0ffee;
 
 /// `tests/fixtures/checkpoints/`.
