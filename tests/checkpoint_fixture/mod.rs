@@ -170,3 +170,25 @@ pub fn inputs() -> Vec<(String, Vec<u8>)> {
         ("modelopt_w4a4/model.safetensors".into(), modelopt_file),
     ]
 }
+
+/// A fixture's files: (file name, bytes).
+pub type Files = &'static [(&'static str, &'static [u8])];
+
+/// The checkpoint fixtures of each dialect, built into the test binaries (the GPU tests run from
+/// the GPU bundle, away from the source tree): (folder, files).
+pub const DIALECT_FIXTURES: &[(&str, Files)] = &[(
+    "modelopt_w4a4",
+    &[
+        ("config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/config.json")),
+        ("hf_quant_config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/hf_quant_config.json")),
+        ("model.safetensors", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/model.safetensors")),
+    ],
+)];
+
+/// Writes one of [`DIALECT_FIXTURES`] into `dir`.
+pub fn unpack(files: &[(&str, &[u8])], dir: &Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    for (name, bytes) in files {
+        std::fs::write(dir.join(name), bytes).unwrap();
+    }
+}
