@@ -2,21 +2,26 @@
 //!
 //! [`SafetensorsFile::open`] memory-maps the file (`memmap2`) and parses the header alone (the
 //! 8-byte length, the JSON, every tensor's byte range checked against the file's length); a
-//! tensor is then read from its byte range only ([`SafetensorsFile::read_into`], or borrowed
-//! without a copy with [`SafetensorsFile::bytes`]), so opening a 2 GiB shard to read one 2 MiB
-//! tensor touches about 2 MiB of it, and the pages read are the page cache's (file-backed), not
-//! the process's anonymous memory. Only regular files are opened (`/dev/zero`, a FIFO or a
-//! directory is an [`Error::NotRegularFile`] before anything is read; see [`super::fs`]).
+//! tensor is then read from its byte range only, borrowed from the mapping without a copy
+//! ([`SafetensorsFile::bytes`]) or copied into the caller's buffer ([`SafetensorsFile::read_into`],
+//! on Unix with `pread` on the same open file). Opening a 2 GiB shard to read one 2 MiB tensor
+//! touches about 2 MiB of it, and the pages read are the page cache's (file-backed), not the
+//! process's anonymous memory. Only regular files are opened (`/dev/zero`, a FIFO or a directory
+//! is an [`Error::NotRegularFile`] before anything is read; see [`super::fs`]).
 //!
 //! # The mapping's safety contract
 //!
 //! A mapped file is read by the CPU as memory: if another process truncates the file while it is
-//! mapped, touching a page past the new end raises `SIGBUS` and ends the process (this is true of
-//! every mmap-based reader, the `safetensors` crate's and PyTorch's included). The crate narrows
-//! the window (each read first checks on the open descriptor that the file still has its
-//! length, and reports [`Error::FileChanged`] if not), but cannot close it: do not truncate or
-//! rewrite a checkpoint in place while it is open. Replacing it by rename, as every writer of this
-//! crate does, is safe: the mapping keeps the old file.
+//! mapped, touching a page past the new end raises `SIGBUS` and ends the process (true of every
+//! mmap-based reader, the `safetensors` crate's and PyTorch's included). What the crate does:
+//! copies ([`read_into`](SafetensorsFile::read_into), [`read`](SafetensorsFile::read), and so
+//! every checkpoint loader) do not read through the mapping on Unix, so truncation there is an
+//! [`Error::FileChanged`], never a signal; the borrowing calls ([`bytes`](SafetensorsFile::bytes),
+//! [`mapped`](SafetensorsFile::mapped)) and the header parse in `open` check on the open descriptor
+//! that the file still has its length first (also [`Error::FileChanged`]), which narrows the window
+//! but cannot close it while the caller holds the slice. So: do not truncate or rewrite a
+//! checkpoint in place while it is open. Replacing it by rename, as every writer of this crate
+//! does, is safe: the mapping keeps the old file.
 //!
 //! Writing goes through [`write_tensors`]: the header and data are streamed into
 //! [`write_atomically`](super::fs::write_atomically) (a temporary file renamed over the target,
@@ -257,7 +262,8 @@ impl SafetensorsFile {
         Ok(&self.map[range])
     }
 
-    /// Copies the bytes of `name` into `dst`, which must be exactly as long as the tensor.
+    /// Copies the bytes of `name` into `dst`, which must be exactly as long as the tensor (on
+    /// Unix with `pread` on the open file, bypassing the mapping: see the comment inside).
     ///
     /// # Errors
     /// A missing tensor or a `dst` of another length ([`Error::Tensor`]), or a file that has
@@ -267,8 +273,31 @@ impl SafetensorsFile {
         if dst.len() != end - begin {
             return Err(tensor_err(name, format!("holds {} bytes, the reader expected {}", end - begin, dst.len())));
         }
-        dst.copy_from_slice(self.bytes(name)?);
-        Ok(())
+        #[cfg(unix)]
+        {
+            // A copy is read with pread on the open file rather than from the mapping: the same
+            // one copy out of the page cache, but a file truncated meanwhile gives a short read,
+            // an error, instead of SIGBUS, and no page-table entries are made for pages the
+            // caller does not keep. (A deepseek-v3 layer loads as fast either way: filling the
+            // fresh destination pages is what takes the time.)
+            use std::os::unix::fs::FileExt;
+            let at = (self.data_start + begin) as u64;
+            return self.file.read_exact_at(dst, at).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    Error::FileChanged {
+                        path: self.path.clone(),
+                        what: format!("tensor `{}` ends past the end of the file (truncated while open)", shown(name)),
+                    }
+                } else {
+                    io_err("read", &self.path, e)
+                }
+            });
+        }
+        #[cfg(not(unix))]
+        {
+            dst.copy_from_slice(self.bytes(name)?);
+            Ok(())
+        }
     }
 
     /// The bytes of `name`, copied.
@@ -276,7 +305,10 @@ impl SafetensorsFile {
     /// # Errors
     /// As [`read_into`](Self::read_into).
     pub fn read(&self, name: &str) -> Result<Vec<u8>> {
-        Ok(self.bytes(name)?.to_vec())
+        let (begin, end) = self.get(name)?.data_offsets;
+        let mut out = vec![0u8; end - begin];
+        self.read_into(name, &mut out)?;
+        Ok(out)
     }
 }
 
