@@ -1,5 +1,5 @@
 //! The tiny checkpoints under `tests/fixtures/checkpoints/` that the crate writes itself: the
-//! inputs of `scripts/fixtures/compressed_tensors.py`, which turns them into compressed-tensors
+//! inputs of `scripts/fixtures/make_ct_fixtures.py`, which turns them into compressed-tensors
 //! checkpoints with compressed-tensors' own code on a GPU machine (outputs committed beside them).
 //!
 //! - `bf16_moe/`: three Qwen3-MoE-style experts (`gate_proj`, `up_proj`, `down_proj`, H = 64,
