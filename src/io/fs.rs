@@ -261,10 +261,14 @@ pub(crate) fn write_atomically(target: &Path, fill: impl FnOnce(&mut BufWriter<&
     sync_dir(&dir).map_err(|e| io_err("sync the directory of", target, e))
 }
 
-/// Writes `bytes` to `target` safely: [`write_atomically`] for callers that hold the whole file.
+/// Writes `bytes` to `target` the way the crate writes every file: into a new file in `target`'s
+/// directory, created exclusively under an unpredictable 30-byte name, synced, renamed over
+/// `target`, then the directory synced. Only a regular file (or nothing) is replaced; on any error
+/// the temporary file is removed and `target` is left as it was.
 ///
 /// # Errors
-/// As [`write_atomically`].
+/// [`Error::NotRegularFile`] if `target` exists and is not a regular file (a symlink included),
+/// [`Error::Io`] for a failed create, write, sync or rename (naming `target`).
 pub fn write_file_atomically(target: impl AsRef<Path>, bytes: &[u8]) -> Result<()> {
     let target = target.as_ref();
     write_atomically(target, |w| w.write_all(bytes).map_err(|e| io_err("write", target, e)))
