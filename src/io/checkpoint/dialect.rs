@@ -259,7 +259,7 @@ pub(super) fn declared(dir: &Path) -> Result<Declared> {
                     tracing::debug!(
                         "{}: config.json declares compressed-tensors; the hf_quant_config.json beside it is \
                          ModelOpt's original (compressed-tensors' converter copies it), ignored",
-                        dir.display()
+                        crate::io::shown_path(dir)
                     );
                 }
                 return Ok(Declared {

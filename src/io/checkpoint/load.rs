@@ -107,9 +107,9 @@ fn discover(cat: &Catalog, p: &str, dialect: Dialect) -> Result<Layout> {
         let hint = match prefixes_present(&all) {
             v if v.is_empty() => String::new(),
             v => {
-                let shown: Vec<String> = v.iter().take(6).map(|s| format!("`{s}`")).collect();
+                let listed: Vec<String> = v.iter().take(6).map(|s| format!("`{}`", shown(s))).collect();
                 let more = if v.len() > 6 { format!(" and {} more", v.len() - 6) } else { String::new() };
-                format!(" (expert prefixes present: {}{more})", shown.join(", "))
+                format!(" (expert prefixes present: {}{more})", listed.join(", "))
             }
         };
         return Err(Error::Invalid(format!(
