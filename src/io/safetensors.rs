@@ -282,7 +282,7 @@ impl SafetensorsFile {
             // fresh destination pages is what takes the time.)
             use std::os::unix::fs::FileExt;
             let at = (self.data_start + begin) as u64;
-            return self.file.read_exact_at(dst, at).map_err(|e| {
+            self.file.read_exact_at(dst, at).map_err(|e| {
                 if e.kind() == std::io::ErrorKind::UnexpectedEof {
                     Error::FileChanged {
                         path: self.path.clone(),
@@ -291,7 +291,7 @@ impl SafetensorsFile {
                 } else {
                     io_err("read", &self.path, e)
                 }
-            });
+            })
         }
         #[cfg(not(unix))]
         {
