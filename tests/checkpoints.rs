@@ -8,9 +8,9 @@ use std::collections::BTreeMap;
 #[cfg(unix)]
 use std::path::{Path, PathBuf};
 
-#[cfg(unix)]
 use half::bf16;
-use nvfp4_moe::io::{load_experts, load_modelopt, Dialect, QuantScheme, SafetensorsFile};
+use nvfp4_moe::io::{load_compressed_tensors, load_experts, load_modelopt, Dialect, QuantScheme, SafetensorsFile};
+use nvfp4_moe::reference;
 
 /// The committed fixture inputs are what the crate writes today (`NVFP4MOE_WRITE_FIXTURES=1`
 /// rewrites them; then rerun scripts/fixtures/compressed_tensors.sh on a GPU machine).
@@ -162,4 +162,192 @@ fn bad_inputs_give_typed_errors_and_change_nothing() {
     assert_eq!(tree(&tmp), before, "a failed read or write changed or added a file");
     assert!(std::os::unix::fs::FileTypeExt::is_char_device(&std::fs::symlink_metadata(&device).unwrap().file_type()));
     std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+// ------------------------------------------------------------------------------------------------
+// compressed-tensors' own fixtures (scripts/fixtures/make_ct_fixtures.py on an H200)
+
+/// `versions.json` of the compressed-tensors fixtures.
+fn ct_versions() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(root().join("ct_versions.json")).unwrap()).unwrap()
+}
+
+/// The fixtures are compressed-tensors 0.20.1's own work on a GPU, every step ran, from the
+/// committed inputs.
+#[test]
+fn ct_fixtures_are_compressed_tensors_own() {
+    let v = ct_versions();
+    assert_eq!(v["compressed_tensors"], "0.20.1", "{v}");
+    assert!(v["device"].as_str().is_some_and(|d| d.contains("NVIDIA")), "{v}");
+    assert_eq!(v["failed"], serde_json::json!([]), "{v}");
+    assert_eq!(v["w4a4"]["converter"], "ModelOptNvfp4Converter", "{v}");
+    assert_eq!(v["w4a16"]["preset"], "NVFP4A16", "{v}");
+}
+
+/// The W4A4 checkpoint compressed-tensors' converter made from the ModelOpt fixture: detected as
+/// compressed-tensors W4A4 from its config.json (the copied ModelOpt hf_quant_config.json beside
+/// it notwithstanding), the same codes and block scales, and decode scales that are the
+/// reciprocals of its global scales (within one f32 ulp of ModelOpt's: 1/(1/g)), gate and up
+/// kept apart as on the ModelOpt path.
+#[test]
+fn ct_w4a4_is_the_modelopt_fixture_converted() {
+    let dir = root().join("ct_w4a4");
+    let ct = load_experts(&dir, PREFIX).unwrap();
+    assert_eq!((ct.format.dialect, ct.format.scheme), (Dialect::CompressedTensors, QuantScheme::W4A4));
+    assert_eq!(ct.format.declared_in, Some(dir.join("config.json")));
+    let mo = load_experts(root().join("modelopt_w4a4"), PREFIX).unwrap().checkpoint;
+    let c = &ct.checkpoint;
+    assert!(c.w13.codes == mo.w13.codes && c.w13.scales == mo.w13.scales);
+    assert!(c.w2.codes == mo.w2.codes && c.w2.scales == mo.w2.scales);
+    for (what, a, b) in [
+        ("gate g", &c.w13.decode_scales, &mo.w13.decode_scales),
+        ("up g", &c.up_decode_scales, &mo.up_decode_scales),
+        ("down g", &c.w2.decode_scales, &mo.w2.decode_scales),
+        ("l1 input", c.l1_input_scales.as_ref().unwrap(), mo.l1_input_scales.as_ref().unwrap()),
+        ("up input", c.up_input_scales.as_ref().unwrap(), mo.up_input_scales.as_ref().unwrap()),
+        ("l2 input", c.l2_input_scales.as_ref().unwrap(), mo.l2_input_scales.as_ref().unwrap()),
+    ] {
+        for (x, y) in a.iter().zip(b.iter()) {
+            assert!((x.to_bits() as i64 - y.to_bits() as i64).abs() <= 1, "{what}: {x} vs {y}");
+        }
+    }
+    assert!(c.up_decode_scales.iter().zip(&c.w13.decode_scales).all(|(u, g)| u != g));
+    assert!(load_modelopt(&dir, PREFIX).is_err());
+}
+
+/// The crate's dequantization (`e2m1 x e4m3 x g`, g = 1/global scale, rounded to BF16) of each
+/// projection of a compressed-tensors fixture against compressed-tensors' own decompression (it
+/// divides the block scale by the global scale and casts to BF16): within one BF16 ulp.
+fn check_against_ct_decompression(dir: &str, decompressed: &str) -> (usize, usize) {
+    let ck = load_compressed_tensors(root().join(dir), PREFIX).unwrap();
+    let theirs = SafetensorsFile::open(root().join(decompressed)).unwrap();
+    let (h, i) = (ck.hidden, ck.intermediate);
+    let (mut exact, mut total) = (0usize, 0usize);
+    for e in 0..ck.experts {
+        for (proj, w, row0, rows, k, g) in [
+            ("gate_proj", &ck.w13, e * 2 * i, i, h, ck.w13.decode_scales[e]),
+            ("up_proj", &ck.w13, e * 2 * i + i, i, h, ck.up_decode_scales[e]),
+            ("down_proj", &ck.w2, e * h, h, i, ck.w2.decode_scales[e]),
+        ] {
+            let name = format!("{PREFIX}.{e}.{proj}.weight");
+            let t = theirs.get(&name).unwrap();
+            assert_eq!((t.dtype, t.shape.as_slice()), (safetensors::Dtype::BF16, &[rows, k][..]), "{name}");
+            let want: Vec<bf16> =
+                theirs.read(&name).unwrap().chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
+            for r in 0..rows {
+                for c in 0..k {
+                    let byte = w.codes[(row0 + r) * (k / 2) + c / 2];
+                    let code = if c % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                    let scale = w.scales[(row0 + r) * (k / 16) + c / 16];
+                    let got = reference::dequantize_element(code, scale, g);
+                    let theirs = want[r * k + c];
+                    let (a, b) = (got.to_f32(), theirs.to_f32());
+                    total += 1;
+                    if a == b {
+                        exact += 1;
+                        continue;
+                    }
+                    // One BF16 ulp at the larger magnitude (same sign: a sign flip is never within).
+                    let ulp = bf16::from_f32(a.abs().max(b.abs())).to_bits();
+                    let one_ulp = (f32::from_bits(((ulp as u32) + 1) << 16) - f32::from_bits((ulp as u32) << 16)).abs();
+                    assert!(
+                        a.signum() == b.signum() && (a - b).abs() <= one_ulp,
+                        "{dir}: `{name}` [{r}, {c}]: crate {a}, compressed-tensors {b} (code {code:#x}, scale {scale:#04x}, g {g})"
+                    );
+                }
+            }
+        }
+    }
+    eprintln!("{dir}: {exact} of {total} weights equal compressed-tensors' decompression bit for bit, the rest within one BF16 ulp");
+    (exact, total)
+}
+
+/// W4A4: the converter keeps ModelOpt's 0-dim scalars, and a 0-dim F32 global scale does not
+/// promote PyTorch's BF16 block scale, so compressed-tensors divides in BF16 and rounds twice:
+/// about 70% of the weights are bit-identical, the rest one BF16 ulp apart.
+#[test]
+fn ct_w4a4_decompression_equals_the_crates_dequantization() {
+    let f = SafetensorsFile::open(root().join("ct_w4a4/model.safetensors")).unwrap();
+    assert_eq!(f.get(&format!("{PREFIX}.0.gate_proj.weight_global_scale")).unwrap().shape, Vec::<usize>::new());
+    let (exact, total) = check_against_ct_decompression("ct_w4a4", "ct_w4a4_decompressed.safetensors");
+    assert_eq!(total, EXPERTS * 3 * HIDDEN * INTERMEDIATE);
+    assert!(exact > 0);
+}
+
+/// W4A16: global scales of shape `[1]` make compressed-tensors divide in F32: every weight is
+/// bit-identical to the crate's.
+#[test]
+fn ct_w4a16_decompression_equals_the_crates_dequantization() {
+    let f = SafetensorsFile::open(root().join("ct_w4a16/model.safetensors")).unwrap();
+    assert_eq!(f.get(&format!("{PREFIX}.0.gate_proj.weight_global_scale")).unwrap().shape, vec![1]);
+    let (exact, total) = check_against_ct_decompression("ct_w4a16", "ct_w4a16_decompressed.safetensors");
+    assert_eq!(total, EXPERTS * 3 * HIDDEN * INTERMEDIATE);
+    assert_eq!(exact, total);
+}
+
+/// The W4A16 checkpoint compressed-tensors' NVFP4A16 compressor made of the BF16 fixture:
+/// detected as weight-only, no activation scales, and its weights, dequantized by the crate, are
+/// the BF16 inputs within NVFP4's error (so it was made from the committed inputs).
+#[test]
+fn ct_w4a16_quantizes_the_bf16_fixture() {
+    let loaded = load_experts(root().join("ct_w4a16"), PREFIX).unwrap();
+    assert_eq!((loaded.format.dialect, loaded.format.scheme), (Dialect::CompressedTensors, QuantScheme::W4A16));
+    let c = &loaded.checkpoint;
+    assert!(c.l1_input_scales.is_none() && c.up_input_scales.is_none() && c.l2_input_scales.is_none());
+    let (h, i) = (HIDDEN, INTERMEDIATE);
+    for (e, x) in bf16_experts().iter().enumerate() {
+        for (proj, src, w, row0, rows, k, g) in [
+            ("gate", &x.gate, &c.w13, e * 2 * i, i, h, c.w13.decode_scales[e]),
+            ("up", &x.up, &c.w13, e * 2 * i + i, i, h, c.up_decode_scales[e]),
+            ("down", &x.down, &c.w2, e * h, h, i, c.w2.decode_scales[e]),
+        ] {
+            let (mut num, mut den) = (0f64, 0f64);
+            for r in 0..rows {
+                for col in 0..k {
+                    let byte = w.codes[(row0 + r) * (k / 2) + col / 2];
+                    let code = if col % 2 == 0 { byte & 0xF } else { byte >> 4 };
+                    let y = reference::dequantize_element(code, w.scales[(row0 + r) * (k / 16) + col / 16], g).to_f32()
+                        as f64;
+                    let v = src[r * k + col].to_f32() as f64;
+                    num += (y - v) * (y - v);
+                    den += v * v;
+                }
+            }
+            let rel = (num / den).sqrt();
+            assert!(rel < 0.15, "expert {e} {proj}: relative error {rel:.3} against the BF16 input");
+        }
+    }
+}
+
+/// On the CPU, the f64 reference layer from each dialect's fixture: the compressed-tensors W4A4
+/// checkpoint gives the ModelOpt one's output (decode scales within an f32 ulp: relative 1e-6),
+/// and the W4A16 one stays within NVFP4's error of the ModelOpt W4A4 layer (both quantize the same
+/// BF16 weights, by different recipes). The GPU layer runs the same fixtures in tests/gpu.
+#[test]
+fn reference_layer_from_each_dialect() {
+    use nvfp4_moe::testing::Rng;
+    let mut rng = Rng::new(17);
+    let (t, k) = (9usize, 2usize);
+    let ids: Vec<i32> = (0..t * k).map(|x| ((x + rng.below(EXPERTS as u64) as usize) % EXPERTS) as i32).collect();
+    let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+    let hidden = rng.normal_bf16(t * HIDDEN, 1.0);
+    let layer = |dir: &str| {
+        let c = load_experts(root().join(dir), PREFIX).unwrap().checkpoint;
+        reference::routing::moe_layer(&hidden, t, &ids, &w, k, &c).unwrap()
+    };
+    let rel = |a: &[f64], b: &[f64]| {
+        let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den).sqrt()
+    };
+    let modelopt = layer("modelopt_w4a4");
+    let ct_w4a4 = layer("ct_w4a4");
+    let ct_w4a16 = layer("ct_w4a16");
+    assert!(rel(&ct_w4a4, &modelopt) < 1e-6, "{:e}", rel(&ct_w4a4, &modelopt));
+    assert!(rel(&ct_w4a16, &modelopt) < 0.2, "{:e}", rel(&ct_w4a16, &modelopt));
+    eprintln!(
+        "f64 layer: ct_w4a4 vs modelopt_w4a4 {:.2e}, ct_w4a16 vs modelopt_w4a4 {:.2e}",
+        rel(&ct_w4a4, &modelopt),
+        rel(&ct_w4a16, &modelopt)
+    );
 }

@@ -10,7 +10,19 @@
 //!   expert's gate and up different `weight_scale_2`s (their amaxes differ).
 //!
 //! Deterministic: `tests/checkpoints.rs` regenerates them and checks the committed bytes
-//! (`NVFP4MOE_WRITE_FIXTURES=1` rewrites them instead).
+//! (`NVFP4MOE_WRITE_FIXTURES=1` rewrites them instead; then rerun the generator on a GPU machine).
+//!
+//! Beside them, compressed-tensors 0.20.1's work on an H200 (2026-12-02, torch 2.11.0+cu130,
+//! `ct_versions.json` records versions and the inputs' sha256, `ct_run.log` the run):
+//! - `ct_w4a4/`: `modelopt_w4a4/` converted by its `ModelOptNvfp4Converter`
+//!   (`compressed_tensors.entrypoints.convert.convert_checkpoint`); its scalars keep ModelOpt's
+//!   shape `[]`, and the converter copies `hf_quant_config.json` along.
+//! - `ct_w4a16/`: `bf16_moe/` quantized with its `NVFP4A16` preset (`apply_quantization_config`,
+//!   scales from `calculate_qparams` / `generate_gparam`, packed by `ModelCompressor.compress_model`);
+//!   global scales of shape `[1]`.
+//! - `ct_w4a4_decompressed.safetensors`, `ct_w4a16_decompressed.safetensors`: its own decompression
+//!   of each (`NVFP4PackedCompressor.decompress`; for W4A16 through its `CompressedTensorsDequantizer`
+//!   entry point, which refuses the W4A4 checkpoint's `input_global_scale`s as leftovers), BF16.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -176,14 +188,35 @@ pub type Files = &'static [(&'static str, &'static [u8])];
 
 /// The checkpoint fixtures of each dialect, built into the test binaries (the GPU tests run from
 /// the GPU bundle, away from the source tree): (folder, files).
-pub const DIALECT_FIXTURES: &[(&str, Files)] = &[(
-    "modelopt_w4a4",
-    &[
-        ("config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/config.json")),
-        ("hf_quant_config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/hf_quant_config.json")),
-        ("model.safetensors", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/model.safetensors")),
-    ],
-)];
+pub const DIALECT_FIXTURES: &[(&str, Files)] = &[
+    (
+        "modelopt_w4a4",
+        &[
+            ("config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/config.json")),
+            ("hf_quant_config.json", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/hf_quant_config.json")),
+            ("model.safetensors", include_bytes!("../fixtures/checkpoints/modelopt_w4a4/model.safetensors")),
+        ],
+    ),
+    (
+        "ct_w4a4",
+        &[
+            ("config.json", include_bytes!("../fixtures/checkpoints/ct_w4a4/config.json")),
+            ("hf_quant_config.json", include_bytes!("../fixtures/checkpoints/ct_w4a4/hf_quant_config.json")),
+            ("model.safetensors", include_bytes!("../fixtures/checkpoints/ct_w4a4/model.safetensors")),
+            (
+                "model.safetensors.index.json",
+                include_bytes!("../fixtures/checkpoints/ct_w4a4/model.safetensors.index.json"),
+            ),
+        ],
+    ),
+    (
+        "ct_w4a16",
+        &[
+            ("config.json", include_bytes!("../fixtures/checkpoints/ct_w4a16/config.json")),
+            ("model.safetensors", include_bytes!("../fixtures/checkpoints/ct_w4a16/model.safetensors")),
+        ],
+    ),
+];
 
 /// Writes one of [`DIALECT_FIXTURES`] into `dir`.
 pub fn unpack(files: &[(&str, &[u8])], dir: &Path) {
