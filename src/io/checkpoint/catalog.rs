@@ -104,10 +104,10 @@ enum Resolved {
 fn cache_snapshot(root: &Path) -> Result<PathBuf> {
     let snapshots = root.join("snapshots");
     let main = root.join("refs").join("main");
-    let dialect = |what: String| Error::Dialect { path: root.to_path_buf(), what };
+    let cache_err = |what: String| Error::Invalid(format!("Hugging Face cache `{}`: {what}", shown_path(root)));
     if main.exists() {
         let bytes = read_small_file(&main, MAX_REF_BYTES, "Hugging Face cache ref")?;
-        let rev = String::from_utf8(bytes).map_err(|_| dialect("refs/main is not UTF-8 text".to_string()))?;
+        let rev = String::from_utf8(bytes).map_err(|_| cache_err("refs/main is not UTF-8 text".to_string()))?;
         let rev = rev.trim();
         // One plain path component (a commit hash): a ref can never point outside `snapshots/`.
         let plain = !rev.is_empty()
@@ -115,14 +115,14 @@ fn cache_snapshot(root: &Path) -> Result<PathBuf> {
             && rev != ".."
             && rev.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
         if !plain {
-            return Err(dialect(format!(
+            return Err(cache_err(format!(
                 "refs/main holds `{}`, not a revision (a commit hash naming a folder of snapshots/)",
                 shown(rev)
             )));
         }
         let dir = snapshots.join(rev);
         if !dir.is_dir() {
-            return Err(dialect(format!(
+            return Err(cache_err(format!(
                 "refs/main names revision `{}`, but snapshots/{} is not there (an incomplete download?)",
                 shown(rev),
                 shown(rev)
@@ -139,7 +139,7 @@ fn cache_snapshot(root: &Path) -> Result<PathBuf> {
     }
     match revs.len() {
         1 => Ok(revs.remove(0)),
-        n => Err(dialect(format!(
+        n => Err(cache_err(format!(
             "no refs/main and {n} snapshots: pass the snapshot folder (snapshots/<revision>) to load"
         ))),
     }
