@@ -10,17 +10,23 @@
 //! writes them back.
 //!
 //! Expert `e`'s tensors are `{prefix}.{e}.{projection}.{field}`, with the projections of one of the
-//! [`ExpertNaming`] styles and the fields `weight` (U8 `[N, K/2]`), `weight_scale` (F8_E4M3
-//! `[N, K/16]`, linear), `weight_scale_2` (F32 scalar, the decode scale g) and, optionally,
-//! `input_scale` (F32 scalar). The checkpoint is a `.safetensors` file, a sharded checkpoint's
-//! `*.index.json`, or a directory holding one of them.
+//! [`ExpertNaming`] styles and the fields of the dialect (`dialect.rs` has the table): ModelOpt's
+//! `weight` (U8 `[N, K/2]`), `weight_scale` (F8_E4M3 `[N, K/16]`, linear), `weight_scale_2` (F32
+//! scalar, the decode scale g) and optionally `input_scale`; compressed-tensors' `weight_packed`,
+//! `weight_scale`, `weight_global_scale` (1/g) and optionally `input_global_scale`. The checkpoint
+//! is a `.safetensors` file, a sharded checkpoint's `*.index.json`, a directory holding one of them
+//! (a Hugging Face cache snapshot too), or a Hugging Face cache root.
 //!
-//! Loading reads each shard file once, one at a time, and copies out only the layer's tensors, so
-//! peak memory is about one shard plus the result. Every dtype and shape is checked (from the
-//! files' headers) before any tensor data is read. Every problem with a tensor (missing, wrong
-//! dtype, wrong shape, bad value, unexpected) is an [`Error::Tensor`] naming it; an unreadable file
-//! is an [`Error::Io`] naming the path; a malformed index or safetensors file, or a directory
-//! without exactly one checkpoint, is an [`Error::Invalid`] naming the path.
+//! Loading maps each shard (nothing is read but headers and the layer's byte ranges) and copies
+//! out only the layer's tensors, so peak anonymous memory is the result (a deepseek-v3 layer: its
+//! 6.34 GB + 0.1%, measured). Every dtype and shape is checked (from the files' headers) before
+//! any tensor data is read. Every problem with a tensor (missing, wrong dtype, wrong shape, bad
+//! value, unexpected) is an [`Error::Tensor`] naming it; an unreadable file is an [`Error::Io`]
+//! naming the path; something that is not a regular file an [`Error::NotRegularFile`]; a
+//! malformed index or safetensors file, a bad cache layout, or a directory without exactly one
+//! checkpoint, an [`Error::Invalid`] naming the path; an index shard name leaving its directory an
+//! [`Error::UnsafeShardPath`]; configs that disagree with the tensors or name another method an
+//! [`Error::Dialect`].
 
 mod catalog;
 mod dialect;
