@@ -1,9 +1,10 @@
-//! Load one MoE layer from a ModelOpt NVFP4 checkpoint and run it on the GPU, against the crate's
-//! f64 oracle of the layer.
+//! Load one MoE layer from an NVFP4 checkpoint (ModelOpt or compressed-tensors, detected from the
+//! files) and run it on the GPU, against the crate's f64 oracle of the layer.
 //!
 //! ```sh
 //! cargo run --release --example modelopt_layer -- CHECKPOINT PREFIX [TOKENS]
-//! #   CHECKPOINT: a .safetensors file, a sharded checkpoint's *.index.json, or a directory
+//! #   CHECKPOINT: a .safetensors file, a sharded checkpoint's *.index.json, a directory, a Hugging
+//! #               Face cache snapshot or a models--org--name cache root
 //! #   PREFIX:     the experts' module path, e.g. model.layers.3.mlp.experts
 //! cargo run --release --example modelopt_layer        # writes a small checkpoint first
 //! ```
@@ -16,7 +17,7 @@ use std::path::PathBuf;
 
 use half::bf16;
 use nvfp4_moe::host::ExpertNaming;
-use nvfp4_moe::io::{load_modelopt, write_modelopt_experts};
+use nvfp4_moe::io::{load_experts, write_modelopt_experts};
 use nvfp4_moe::moe::{quantize_bf16_experts, MoeInput, MoeWeightsBf16};
 use nvfp4_moe::reference::routing::moe_layer;
 use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
@@ -62,9 +63,17 @@ fn main() -> nvfp4_moe::Result<()> {
     };
 
     // The checkpoint on the host (for the oracle), then the prepared layer on the GPU.
-    let ck = load_modelopt(&path, &prefix)?;
+    let loaded = load_experts(&path, &prefix)?;
+    let ck = loaded.checkpoint;
     let (e, h, top_k) = (ck.experts, ck.hidden, 2usize.min(ck.experts));
-    println!("{}: {e} experts, hidden {h}, intermediate {}, naming {}", path.display(), ck.intermediate, ck.naming);
+    println!(
+        "{}: {}, {}: {e} experts, hidden {h}, intermediate {}, naming {}",
+        path.display(),
+        loaded.format.dialect,
+        loaded.format.scheme,
+        ck.intermediate,
+        ck.naming
+    );
     let weights = MoeWeights::from_checkpoint(&stream, &ck)?;
     let layer = MoeLayer::new(weights, MoeOptions::new(tokens, top_k))?;
     let mut ws = layer.workspace(&stream)?;

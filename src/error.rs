@@ -58,6 +58,54 @@ pub enum Error {
         /// The core's message.
         message: String,
     },
+    /// A path that must be a regular file is something else: an input that is a directory, FIFO,
+    /// socket or device (refused before anything is read; symlinks to regular files are fine),
+    /// or an output that exists as a symlink, FIFO, socket, device or directory (never replaced).
+    #[error("`{}` is {kind}, not a regular file", crate::io::shown_path(.path))]
+    NotRegularFile {
+        /// The path as given.
+        path: std::path::PathBuf,
+        /// What it is.
+        kind: crate::io::FileKind,
+    },
+    /// A file changed while the crate had it open (a mapped checkpoint truncated, a shard's
+    /// header rewritten between two reads).
+    #[error("`{}` changed while it was open: {what}", crate::io::shown_path(.path))]
+    FileChanged {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What changed.
+        what: String,
+    },
+    /// A checkpoint index names a shard by a path that could leave the index's directory (an
+    /// absolute path, a `..` component, a drive or root prefix, an empty name). Checked lexically,
+    /// so shards that are symlinks (a Hugging Face cache snapshot's) still work.
+    #[error(
+        "checkpoint index `{}`: the shard of tensor `{}` is `{}`, not a relative path inside the index's \
+         directory ({why})",
+        crate::io::shown_path(.index),
+        crate::io::shown(.tensor),
+        crate::io::shown(.shard)
+    )]
+    UnsafeShardPath {
+        /// The index file.
+        index: std::path::PathBuf,
+        /// A tensor the entry is for.
+        tensor: String,
+        /// The shard name as the index gives it.
+        shard: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A checkpoint's files do not describe one supported NVFP4 dialect: an unsupported
+    /// quantization method or format, or configs and tensors that disagree.
+    #[error("checkpoint `{}`: {what}", crate::io::shown_path(.path))]
+    Dialect {
+        /// The checkpoint (file, index or directory) or the config file concerned.
+        path: std::path::PathBuf,
+        /// What is wrong.
+        what: String,
+    },
     /// File input/output.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),

@@ -397,3 +397,37 @@ fn gpu_commands_without_a_gpu_fail_cleanly() {
         assert!(run.stdout.is_empty(), "{}", run.stdout);
     }
 }
+
+/// `--output` replaces only a regular file (written beside it and renamed): a symlink, a FIFO or a
+/// device is refused with everything left as it was, and an output name of 250 bytes works.
+#[cfg(unix)]
+#[test]
+fn output_is_written_safely() {
+    let mut r = rng();
+    let dir = TmpDir::new("safe-out");
+    let (rows, cols) = (4usize, 32usize);
+    let input = dir.path("in.safetensors");
+    write_bf16(&input, "w", &r.varied_bf16(rows * cols), rows, cols).unwrap();
+    let victim = dir.path("victim.txt");
+    std::fs::write(&victim, b"must not change").unwrap();
+    let link = dir.path("link.safetensors");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    let listing = || {
+        let mut v: Vec<String> = std::fs::read_dir(Path::new(&dir.path("")))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let before = listing();
+    for (out, what) in [(link.as_str(), "a symbolic link"), ("/dev/null", "a character device")] {
+        let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", out, "--backend", "cpu"]);
+        assert_fails(&run, 1, &[out, what, "not a regular file"]);
+        assert_eq!(listing(), before);
+    }
+    assert_eq!(std::fs::read(&victim).unwrap(), b"must not change");
+    let long = dir.path(&format!("{}.safetensors", "q".repeat(250 - ".safetensors".len())));
+    assert_ok(&cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &long, "--backend", "cpu"]));
+    assert!(read_modelopt(&long, "").is_ok());
+}

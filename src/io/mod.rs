@@ -1,14 +1,28 @@
-//! Files: one safetensors parser and writer ([`SafetensorsFile`], header-only, tensors read by
-//! byte range), the single-tensor formats the CLI reads and writes ([`read_matrix_bf16`],
-//! [`write_bf16`], one ModelOpt weight: [`read_modelopt`] / [`write_modelopt`]), and the ModelOpt
-//! NVFP4 MoE checkpoint dialects ([`load_modelopt`], [`write_modelopt_experts`]).
+//! Files: one safetensors reader and writer ([`SafetensorsFile`]: memory-mapped, the header
+//! parsed and checked, tensors read by byte range), the single-tensor formats the CLI reads and
+//! writes ([`read_matrix_bf16`], [`write_bf16`], one ModelOpt weight: [`read_modelopt`] /
+//! [`write_modelopt`]), NVFP4 MoE checkpoints in both dialects, ModelOpt and compressed-tensors
+//! ([`load_experts`], [`load_modelopt`], [`load_compressed_tensors`], [`write_modelopt_experts`];
+//! model directories and Hugging Face cache layouts), and safe writing
+//! ([`write_file_atomically`], the path of every file the crate writes).
+//!
+//! Inputs must be regular files ([`Error::NotRegularFile`](crate::Error::NotRegularFile)
+//! otherwise, before anything is read). Messages name tensors and files escaped and shortened,
+//! never quoting tensor data or a file's JSON.
 //!
 //! Everything read ends as a host type of [`crate::host`]; nothing here touches the GPU.
 
 mod checkpoint;
+mod fs;
 mod matrix;
 mod safetensors;
+mod shown;
 
-pub use self::checkpoint::{load_modelopt, write_modelopt_experts};
+pub use self::checkpoint::{
+    load_compressed_tensors, load_experts, load_modelopt, write_modelopt_experts, CheckpointFormat, Dialect,
+    LoadedExperts, QuantScheme,
+};
+pub use self::fs::{write_file_atomically, FileKind};
 pub use self::matrix::{read_matrix_bf16, read_modelopt, write_bf16, write_modelopt, ModelOptWeight, SourceDtype};
 pub use self::safetensors::SafetensorsFile;
+pub(crate) use self::shown::{shown, shown_path};

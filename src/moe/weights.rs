@@ -1,6 +1,6 @@
 //! The weights of one MoE layer, from where they come to where the GEMMs read them: BF16 experts
-//! quantized on the GPU ([`quantize_bf16_experts`], the ModelOpt recipe) or a ModelOpt checkpoint
-//! ([`crate::io::load_modelopt`]) give a host [`MoeCheckpoint`]; [`MoeWeights::from_checkpoint`]
+//! quantized on the GPU ([`quantize_bf16_experts`], the ModelOpt recipe) or an NVFP4 checkpoint in
+//! either dialect ([`crate::io::load_experts`]) give a host [`MoeCheckpoint`]; [`MoeWeights::from_checkpoint`]
 //! uploads it and prepares W13 (gate/up interleaved for the SwiGLU epilogue) and W2.
 
 use std::path::Path;
@@ -12,7 +12,7 @@ use half::bf16;
 use crate::error::{Error, Result};
 use crate::gemm::{ExpertShape, Nvfp4Weights};
 use crate::host::{weight_decode_scale, ExpertWeightsHost, MoeCheckpoint};
-use crate::io::load_modelopt;
+use crate::io::{load_experts, load_modelopt};
 use crate::launch::check_len;
 use crate::layout::ScaleLayout;
 use crate::quantize::quantize_nvfp4;
@@ -77,6 +77,15 @@ impl MoeWeights {
     /// As [`load_modelopt`] and [`MoeWeights::from_checkpoint`].
     pub fn from_modelopt(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
         Self::from_checkpoint(stream, &load_modelopt(path, prefix)?)
+    }
+
+    /// Loads `prefix` from an NVFP4 checkpoint in either dialect (ModelOpt or compressed-tensors,
+    /// detected from the files; see [`load_experts`]) and prepares it.
+    ///
+    /// # Errors
+    /// As [`load_experts`] and [`MoeWeights::from_checkpoint`].
+    pub fn from_checkpoint_files(stream: &Arc<CudaStream>, path: impl AsRef<Path>, prefix: &str) -> Result<Self> {
+        Self::from_checkpoint(stream, &load_experts(path, prefix)?.checkpoint)
     }
 }
 

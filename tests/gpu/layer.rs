@@ -189,6 +189,47 @@ mod moe_layer {
         }
     }
 
+    /// The checkpoint fixture of each dialect (tests/fixtures/checkpoints/), read with
+    /// `load_experts` (the dialect detected from the files) and run through the layer against the
+    /// f64 reference: the path a user's checkpoint takes, from the files to the output.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn layer_from_each_checkpoint_dialect() {
+        use crate::checkpoint_fixture::{unpack, DIALECT_FIXTURES, PREFIX};
+        use nvfp4_moe::io::load_experts;
+        let s = stream();
+        let mut rng = Rng::from_entropy();
+        let seed = rng.seed();
+        let dir = crate::common::TmpDir::new("dialects");
+        for (name, files) in DIALECT_FIXTURES {
+            let path = std::path::PathBuf::from(dir.path(name));
+            unpack(files, &path);
+            let loaded = load_experts(&path, PREFIX).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let ck = &loaded.checkpoint;
+            let (e, h, t, k) = (ck.experts, ck.hidden, 37usize, 2usize);
+            let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, ck).unwrap(), MoeOptions::new(64, k)).unwrap();
+            let mut ws = layer.workspace(&s).unwrap();
+            let ids: Vec<i32> = (0..t * k).map(|x| ((x + rng.below(e as u64) as usize) % e) as i32).collect();
+            let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+            let hidden = rng.normal_bf16(t * h, 1.0);
+            let want = reference::routing::moe_layer(&hidden, t, &ids, &w, k, ck).unwrap();
+            let (hd, idd, wd) =
+                (s.clone_htod(&hidden).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+            let mut out = s.alloc_zeros::<bf16>(t * h).unwrap();
+            let input = MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
+            layer.forward(&s, &input, &mut out, &mut ws).unwrap();
+            layer.check(&s, &mut ws, k).unwrap();
+            let got = s.clone_dtoh(&out).unwrap();
+            let mut err = RelErr::default();
+            for (g, w) in got.iter().zip(&want) {
+                err.add(f64::from(g.to_f32()), *w);
+            }
+            let case = format!("{name} ({}, {}) seed={seed}", loaded.format.dialect, loaded.format.scheme);
+            assert!(err.rel() <= 1e-2, "{case}: {:.3e}", err.rel());
+            err.report(&case);
+        }
+    }
+
     /// BF16 experts quantized by the crate's GPU quantizer: the bytes equal the CPU reference
     /// quantizer's per expert and projection (gate and up with scales 10x apart), the layer over
     /// them matches the f64 reference, and an all-zero projection is refused, named.

@@ -23,6 +23,8 @@ use nvfp4_moe::testing::Rng;
 use nvfp4_moe::Error;
 use nvfp4_moe::{host, host::Nvfp4Host, reference};
 
+#[path = "../checkpoint_fixture/mod.rs"]
+mod checkpoint_fixture;
 mod cli;
 mod codec;
 #[path = "../common/mod.rs"]

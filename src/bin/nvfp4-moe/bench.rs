@@ -193,7 +193,9 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     if let Some(path) = &args.json_file {
         let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
         s.push('\n');
-        std::fs::write(path, s).map_err(|e| Fail::Run(format!("cannot write `{path}`: {e}")))?;
+        // The same safe writing as every other file (a temporary file renamed over the target;
+        // never through a symlink or onto a device).
+        nvfp4_moe::io::write_file_atomically(path, s.as_bytes()).map_err(Fail::from)?;
         tracing::info!("wrote {path} ({} rows)", rows.len());
     }
     Ok(())

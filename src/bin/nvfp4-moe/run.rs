@@ -1,4 +1,4 @@
-//! `nvfp4-moe run`: one MoE layer of a ModelOpt NVFP4 checkpoint on given hidden states and
+//! `nvfp4-moe run`: one MoE layer of an NVFP4 checkpoint (ModelOpt or compressed-tensors) on given hidden states and
 //! routing, on the GPU.
 
 use clap::builder::NonEmptyStringValueParser;
@@ -7,7 +7,8 @@ use half::bf16;
 
 use crate::common::{shape_text, CliResult, Global};
 
-pub const ABOUT: &str = "Run one MoE layer of a ModelOpt NVFP4 checkpoint on given hidden states and routing";
+pub const ABOUT: &str =
+    "Run one MoE layer of an NVFP4 checkpoint (ModelOpt or compressed-tensors) on given hidden states and routing";
 
 pub const AFTER_HELP: &str = "\
 --input holds
@@ -38,8 +39,9 @@ pub enum TileArg {
 /// The flags of `run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// ModelOpt NVFP4 checkpoint: a .safetensors file, a sharded index .json, or a directory
-    /// holding one
+    /// NVFP4 checkpoint, ModelOpt or compressed-tensors (detected): a .safetensors file, a sharded
+    /// index .json, a directory holding one (a Hugging Face cache snapshot too), or a Hugging Face
+    /// cache root models--org--name (through refs/main)
     #[arg(long, value_name = "W", value_parser = NonEmptyStringValueParser::new())]
     pub weights: String,
     /// The layer's experts, e.g. model.layers.3.mlp.experts (gate_proj/up_proj/down_proj,
@@ -165,12 +167,13 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
     let t_all = Instant::now();
 
     let t = Instant::now();
-    let bytes = std::fs::read(input).map_err(|e| Fail::Run(format!("cannot read `{input}`: {e}")))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
+    // Mapped, not read whole (a regular file only: /dev/zero or a FIFO is refused up front).
+    let file = nio::SafetensorsFile::open(input)?;
+    let st = safetensors::SafeTensors::deserialize(file.mapped()?)
         .map_err(|e| Fail::Run(format!("`{input}` is not a valid safetensors file: {e}")))?;
     let inp = parse_run_inputs(&st, input).map_err(Fail::Run)?;
     drop(st);
-    drop(bytes);
+    drop(file);
     let (tokens, k) = (inp.tokens, inp.top_k);
     info!(
         "read {input}: hidden_states BF16 [{tokens}, {}], topk_ids I32 [{tokens}, {k}], topk_weights F32 [{tokens}, {k}] ({})",
@@ -180,12 +183,19 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
 
     let t = Instant::now();
     let pb = spinner(&format!("loading `{prefix}` from {weights_path}"));
-    let ck = nvfp4_moe::io::load_modelopt(weights_path, prefix)?;
+    let loaded = nvfp4_moe::io::load_experts(weights_path, prefix)?;
+    let format = loaded.format.clone();
+    let ck = loaded.checkpoint;
     pb.finish_and_clear();
     let (e, h, i) = (ck.experts, ck.hidden, ck.intermediate);
     let naming = ck.naming.to_string();
     check_run_shape(&inp, e, h).map_err(Fail::Run)?;
-    info!("loaded `{prefix}` (naming {naming}): E={e} H={h} I={i} ({})", fmt_dur(t.elapsed()));
+    info!(
+        "loaded `{prefix}` ({}, {}, naming {naming}): E={e} H={h} I={i} ({})",
+        format.dialect,
+        format.scheme,
+        fmt_dur(t.elapsed())
+    );
 
     let t = Instant::now();
     let pb = spinner(&format!("uploading and preparing the weights on GPU 0 ({gpu})"));

@@ -2,15 +2,17 @@
 //! then copy each tensor's bytes by range into the layer's buffers.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
 
 use super::catalog::{Catalog, Meta};
+use super::dialect::{declared, Dialect, Fields, QuantScheme};
 use super::*;
 use crate::error::{Error, Result};
 use crate::host::{checked_len, validate_decode_scale, ExpertWeightsHost, MoeCheckpoint};
 use crate::io::safetensors::{shape_str, tensor_err, SafetensorsFile};
+use crate::io::shown::{shown, shown_path};
 
 /// What [`discover`] finds: the naming, E, and for each projection whether it has `input_scale`.
 struct Layout {
@@ -21,15 +23,15 @@ struct Layout {
 
 impl Layout {
     /// The tensor names to read, expert by expert in projection order.
-    fn names(&self, p: &str) -> Vec<String> {
+    fn names(&self, p: &str, f: &Fields) -> Vec<String> {
         let mut out = Vec::new();
         for e in 0..self.experts {
             for (proj, &input) in self.naming.projections().iter().zip(&self.has_input) {
-                for field in REQUIRED {
+                for field in f.required() {
                     out.push(format!("{p}{e}.{proj}.{field}"));
                 }
                 if input {
-                    out.push(format!("{p}{e}.{proj}.{INPUT_SCALE}"));
+                    out.push(format!("{p}{e}.{proj}.{}", f.input));
                 }
             }
         }
@@ -52,18 +54,24 @@ fn prefixes_present(names: &[&str]) -> Vec<String> {
     found.into_iter().collect()
 }
 
-/// Why `{p}{e}.{proj}.{field}` does not belong to an expert of `naming`.
-fn unexpected_what(e: usize, naming: ExpertNaming, proj: &str, field: &str) -> String {
+/// Why `{p}{e}.{proj}.{field}` does not belong to an expert of `naming` in `dialect`.
+fn unexpected_what(e: usize, naming: ExpertNaming, dialect: Dialect, proj: &str, field: &str) -> String {
+    let f = dialect.fields();
     if naming.projections().contains(&proj) {
         return match field {
-            "bias" => "biases are not supported (ModelOpt NVFP4 experts have none)".to_string(),
+            "bias" => "biases are not supported (NVFP4 MoE experts have none)".to_string(),
             "pre_quant_scale" => "AWQ's pre_quant_scale is not supported (plain NVFP4 only)".to_string(),
-            "weight_packed" | "weight_global_scale" | "input_global_scale" => {
-                "a compressed-tensors field: this loader reads ModelOpt NVFP4 (weight, weight_scale, weight_scale_2, \
-                 input_scale)"
-                    .to_string()
-            }
-            _ => "unexpected field: expected weight, weight_scale, weight_scale_2 or input_scale".to_string(),
+            "weight_zero_point" => "a zero point: NVFP4 is symmetric (asymmetric 4-bit is not supported)".to_string(),
+            "weight_shape" => "compressed-tensors' int4 pack-quantized layout, not NVFP4".to_string(),
+            _ if Dialect::of_field(field).is_some_and(|d| d != dialect) => format!(
+                "a {} field, but the other experts' tensors are {dialect} ({}, {}, {}, {}): one dialect per layer",
+                Dialect::of_field(field).expect("checked"),
+                f.codes,
+                f.scales,
+                f.per_tensor,
+                f.input
+            ),
+            _ => format!("unexpected field: expected {}, {}, {} or {}", f.codes, f.scales, f.per_tensor, f.input),
         };
     }
     match style_of(proj) {
@@ -78,7 +86,8 @@ fn unexpected_what(e: usize, naming: ExpertNaming, proj: &str, field: &str) -> S
 /// Finds the experts under `p` (E, with no gaps), their naming (from expert 0, the same for all),
 /// and which projections carry `input_scale`; checks that every required tensor is listed and
 /// nothing unexpected is.
-fn discover(cat: &Catalog, p: &str) -> Result<Layout> {
+fn discover(cat: &Catalog, p: &str, dialect: Dialect) -> Result<Layout> {
+    let f = dialect.fields();
     let mut by_expert: BTreeMap<usize, Vec<(&str, &str)>> = BTreeMap::new();
     let mut stray = Vec::new();
     for name in cat.shard_of.keys() {
@@ -98,20 +107,21 @@ fn discover(cat: &Catalog, p: &str) -> Result<Layout> {
         let hint = match prefixes_present(&all) {
             v if v.is_empty() => String::new(),
             v => {
-                let shown: Vec<String> = v.iter().take(6).map(|s| format!("`{s}`")).collect();
+                let listed: Vec<String> = v.iter().take(6).map(|s| format!("`{}`", shown(s))).collect();
                 let more = if v.len() > 6 { format!(" and {} more", v.len() - 6) } else { String::new() };
-                format!(" (expert prefixes present: {}{more})", shown.join(", "))
+                format!(" (expert prefixes present: {}{more})", listed.join(", "))
             }
         };
         return Err(Error::Invalid(format!(
-            "no expert tensors `{p}<expert>.<projection>.<field>` in `{}`{hint}",
-            cat.source.display()
+            "no expert tensors `{}<expert>.<projection>.<field>` in `{}`{hint}",
+            shown(p),
+            shown_path(&cat.source)
         )));
     };
     if let Some(s) = stray.first() {
         return Err(tensor_err(
             s,
-            format!("unexpected tensor under the experts prefix: expected `{p}<expert>.<projection>.<field>`"),
+            format!("unexpected tensor under the experts prefix: expected `{}<expert>.<projection>.<field>`", shown(p)),
         ));
     }
 
@@ -132,11 +142,12 @@ fn discover(cat: &Catalog, p: &str) -> Result<Layout> {
             return Err(tensor_err(name, format!("expert {first} mixes the {a} and {b} namings")));
         }
         ([], []) => {
-            let found: Vec<String> = first_names.iter().map(|(_, n)| format!("`{n}`")).take(8).collect();
+            let found: Vec<String> = first_names.iter().map(|(_, n)| format!("`{}`", shown(n))).take(8).collect();
             return Err(Error::Invalid(format!(
-                "expert {first} under `{p}` in `{}` has no recognised projection (it has {}): expected one of the \
+                "expert {first} under `{}` in `{}` has no recognised projection (it has {}): expected one of the \
                  namings {}",
-                cat.source.display(),
+                shown(p),
+                shown_path(&cat.source),
                 found.join(", "),
                 ExpertNaming::ALL.map(|n| n.to_string()).join(", ")
             )));
@@ -150,7 +161,7 @@ fn discover(cat: &Catalog, p: &str) -> Result<Layout> {
         let present: Vec<String> = by_expert.keys().take(8).map(|e| e.to_string()).collect();
         let more = if by_expert.len() > 8 { ", ..." } else { "" };
         return Err(cat.not_found(
-            &format!("{p}{gap}.{}.{WEIGHT}", projections[0]),
+            &format!("{p}{gap}.{}.{}", projections[0], f.codes),
             format!(
                 " (experts {}{more} are present: expert numbers must run from 0 to {} without gaps)",
                 present.join(", "),
@@ -164,31 +175,33 @@ fn discover(cat: &Catalog, p: &str) -> Result<Layout> {
     for (&e, names) in &by_expert {
         for &(rest, name) in names {
             let (proj, field) = rest.rsplit_once('.').unwrap_or((rest, ""));
-            let known_field = REQUIRED.contains(&field) || field == INPUT_SCALE;
-            if !(projections.contains(&proj) && known_field) {
-                return Err(tensor_err(name, unexpected_what(e, naming, proj, field)));
+            if !(projections.contains(&proj) && f.is_known(field)) {
+                return Err(tensor_err(name, unexpected_what(e, naming, dialect, proj, field)));
             }
         }
         let has = |rest: &str| names.binary_search_by(|(r, _)| (*r).cmp(rest)).is_ok();
         for (i, proj) in projections.iter().enumerate() {
-            for field in REQUIRED {
+            for field in f.required() {
                 if !has(&format!("{proj}.{field}")) {
-                    let listed: Vec<String> = names.iter().map(|(_, n)| format!("`{n}`")).collect();
+                    let listed: Vec<String> = names.iter().map(|(_, n)| format!("`{}`", shown(n))).collect();
                     return Err(cat.not_found(
                         &format!("{p}{e}.{proj}.{field}"),
                         &format!(" (expert {e} has {})", listed.join(", ")),
                     ));
                 }
             }
-            let input = has(&format!("{proj}.{INPUT_SCALE}"));
+            let input = has(&format!("{proj}.{}", f.input));
             if e == 0 {
                 has_input.push(input);
             } else if input != has_input[i] {
-                let name = format!("{p}{e}.{proj}.{INPUT_SCALE}");
+                let name = format!("{p}{e}.{proj}.{}", f.input);
                 return Err(if input {
-                    tensor_err(&name, "present, but expert 0's has none: input_scale must be in every expert or none")
+                    tensor_err(
+                        &name,
+                        format!("present, but expert 0's has none: {} must be in every expert or none", f.input),
+                    )
                 } else {
-                    cat.not_found(&name, " (expert 0 has one: input_scale must be in every expert or none)")
+                    cat.not_found(&name, &format!(" (expert 0 has one: {} must be in every expert or none)", f.input))
                 });
             }
         }
@@ -214,12 +227,12 @@ fn check_scalar(name: &str, m: &Meta) -> Result<()> {
 }
 
 /// Checks every dtype and shape; H and I come from expert 0's first weight. Returns `(H, I)`.
-fn check_shapes(layout: &Layout, p: &str, metas: &HashMap<String, Meta>) -> Result<(usize, usize)> {
+fn check_shapes(layout: &Layout, p: &str, f: &Fields, metas: &HashMap<String, Meta>) -> Result<(usize, usize)> {
     let projections = layout.naming.projections();
     let roles = roles(layout.naming);
     let fused = layout.naming.is_fused();
 
-    let first = format!("{p}0.{}.{WEIGHT}", projections[0]);
+    let first = format!("{p}0.{}.{}", projections[0], f.codes);
     let m = &metas[&first];
     check_dtype(&first, m, Dtype::U8)?;
     let rows_name = if fused { "2I" } else { "I" };
@@ -246,14 +259,13 @@ fn check_shapes(layout: &Layout, p: &str, metas: &HashMap<String, Meta>) -> Resu
             format!("shape is {}: I = {i} is not a positive multiple of 16", shape_str(&m.shape)),
         ));
     }
-    let from = format!("H = {h}, I = {i} from `{first}`");
+    let from = format!("H = {h}, I = {i} from `{}`", shown(&first));
 
     for e in 0..layout.experts {
         for ((proj, &role), &input) in projections.iter().zip(roles).zip(&layout.has_input) {
             let (n, k) = dims(role, h, i);
             let name = |field: &str| format!("{p}{e}.{proj}.{field}");
-            for (field, dtype, shape) in [(WEIGHT, Dtype::U8, [n, k / 2]), (WEIGHT_SCALE, Dtype::F8_E4M3, [n, k / 16])]
-            {
+            for (field, dtype, shape) in [(f.codes, Dtype::U8, [n, k / 2]), (f.scales, Dtype::F8_E4M3, [n, k / 16])] {
                 let name = name(field);
                 let m = &metas[&name];
                 check_dtype(&name, m, dtype)?;
@@ -264,10 +276,10 @@ fn check_shapes(layout: &Layout, p: &str, metas: &HashMap<String, Meta>) -> Resu
                     ));
                 }
             }
-            let name_g = name(WEIGHT_SCALE_2);
+            let name_g = name(f.per_tensor);
             check_scalar(&name_g, &metas[&name_g])?;
             if input {
-                let name_in = name(INPUT_SCALE);
+                let name_in = name(f.input);
                 check_scalar(&name_in, &metas[&name_in])?;
             }
         }
@@ -295,32 +307,174 @@ const SLOT_GATE_IN: usize = 3;
 const SLOT_UP_IN: usize = 4;
 const SLOT_DOWN_IN: usize = 5;
 
-/// Loads one MoE layer's experts from a ModelOpt NVFP4 checkpoint.
+/// The dialect the tensors under `p` are in, from their field names (`weight_scale` alone
+/// belongs to both): `None` if nothing under `p` says.
+fn tensor_dialect(cat: &Catalog, p: &str) -> Result<Option<Dialect>> {
+    let mut names: Vec<&str> = cat.shard_of.keys().map(String::as_str).filter(|n| n.starts_with(p)).collect();
+    names.sort_unstable();
+    let mut found: Option<(Dialect, &str)> = None;
+    for name in names {
+        let field = name.rsplit_once('.').map_or(name, |(_, f)| f);
+        let Some(d) = Dialect::of_field(field) else { continue };
+        match found {
+            None => found = Some((d, name)),
+            Some((first, first_name)) if first != d => {
+                return Err(tensor_err(
+                    name,
+                    format!(
+                        "a {d} field, but `{}` is a {first} field: the experts of one layer use one dialect",
+                        shown(first_name)
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(found.map(|(d, _)| d))
+}
+
+/// How a checkpoint's experts were stored, as [`load_experts`] detected it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CheckpointFormat {
+    /// The dialect of the experts' tensors.
+    pub dialect: Dialect,
+    /// Weights and activations (the checkpoint carries activation scales) or weights only.
+    pub scheme: QuantScheme,
+    /// The config file that declared the dialect (`config.json` or `hf_quant_config.json`), if
+    /// any; without one, the tensors' names decided.
+    pub declared_in: Option<PathBuf>,
+}
+
+/// One MoE layer's experts and how they were stored.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct LoadedExperts {
+    /// The experts, in the crate's convention: decode scales g (compressed-tensors' global scales
+    /// inverted), gate rows then up rows in `w13`.
+    pub checkpoint: MoeCheckpoint,
+    /// The dialect and scheme found.
+    pub format: CheckpointFormat,
+}
+
+/// Loads one MoE layer's experts from an NVFP4 checkpoint in either dialect, detected from the
+/// files: the experts' tensor names ([`Dialect::ModelOpt`]: `weight`, `weight_scale`,
+/// `weight_scale_2`, `input_scale`; [`Dialect::CompressedTensors`]: `weight_packed`, `weight_scale`,
+/// `weight_global_scale`, `input_global_scale`), checked against the configs beside them
+/// (`config.json`'s `quantization_config`, ModelOpt's `hf_quant_config.json`), which also say W4A4
+/// or W4A16.
 ///
 /// `path` is a `.safetensors` file, a sharded checkpoint's index `.json` (`{"weight_map": {name:
-/// shard file}}`, shard files relative to the index's directory), or a directory holding one
-/// `*.index.json` (preferred) or else exactly one `.safetensors` file. `prefix` is the experts'
-/// module path, e.g. `model.layers.3.mlp.experts` (a trailing `.` is tolerated): expert `e`'s
-/// tensors are `{prefix}.{e}.{projection}.{field}` in one of the [`ExpertNaming`] styles.
+/// shard file}}`, shard files relative to the index's directory: a path with `..` or an absolute
+/// one is refused), a directory holding one `*.index.json` (preferred) or else exactly one
+/// `.safetensors` file (a model directory, or a Hugging Face cache snapshot
+/// `models--org--name/snapshots/<revision>/`, whose files are symlinks into `../../blobs`), or a
+/// Hugging Face cache root `models--org--name/` (the snapshot `refs/main` names; without
+/// `refs/main`, its only snapshot). Files are memory-mapped and only the layer's byte ranges are
+/// read ([`SafetensorsFile`]). `prefix` is the experts' module path, e.g.
+/// `model.layers.3.mlp.experts` (a trailing `.` is tolerated): expert `e`'s tensors are
+/// `{prefix}.{e}.{projection}.{field}` in one of the [`ExpertNaming`] styles.
 ///
 /// The experts must be numbered 0..E without gaps and all use the naming of expert 0; every
-/// projection must have `weight` (U8 `[N, K/2]`), `weight_scale` (F8_E4M3 `[N, K/16]`) and
-/// `weight_scale_2` (F32 `[]` or `[1]`, finite and > 0), and either every expert or none an
-/// `input_scale` (F32 `[]` or `[1]`, finite and >= 0: an uncalibrated expert's 0 is kept). Gate
-/// and up are `[I, H/2]` (fused: `[2I, H/2]`), down `[H, I/2]`, with H and I positive multiples of
-/// 16 and the same in every expert. Any other tensor under the prefix is an error.
+/// projection must have the codes (U8 `[N, K/2]`), the block scales (F8_E4M3 `[N, K/16]`) and the
+/// per-tensor scale (F32 `[]` or `[1]`): ModelOpt's `weight_scale_2` is the decode scale g (finite
+/// and > 0); compressed-tensors' `weight_global_scale` is 1/g (finite and > 0; g is its f32
+/// reciprocal, which must be finite too). Activation scales (F32 `[]` or `[1]`) are in every
+/// expert or none: ModelOpt's `input_scale` is the activation's decode scale (finite and >= 0: an
+/// uncalibrated expert's 0 is kept); compressed-tensors' `input_global_scale` its reciprocal (> 0;
+/// +inf gives 0). A config that declares W4A4 requires them on every projection, one that declares
+/// W4A16 forbids them. Gate and up are `[I, H/2]` (fused: `[2I, H/2]`), down `[H, I/2]`, with H
+/// and I positive multiples of 16 and the same in every expert; gate and up may carry different
+/// per-tensor and activation scales (kept separately, see [`MoeCheckpoint`]). Any other tensor under
+/// the prefix is an error.
+///
+/// Memory: the result's buffers (the layer's bytes) plus the mapped pages, which are the page
+/// cache's, not the process's.
 ///
 /// # Errors
-/// An unreadable or malformed file or index ([`Error::Io`], [`Error::Safetensors`], [`Error::Json`]), no
-/// experts under `prefix`, or a tensor missing, of the wrong dtype or shape, or unexpected
-/// ([`Error::Tensor`], naming it).
+/// An unreadable file ([`Error::Io`]), one that is not a regular file
+/// ([`Error::NotRegularFile`]), a malformed file or index ([`Error::Invalid`]), an index shard
+/// name outside its directory ([`Error::UnsafeShardPath`]), configs that name another method or
+/// disagree with the tensors ([`Error::Dialect`]), no experts under `prefix`, or a tensor missing,
+/// of the wrong dtype or shape, or unexpected ([`Error::Tensor`], naming it).
+pub fn load_experts(path: impl AsRef<Path>, prefix: &str) -> Result<LoadedExperts> {
+    load(path.as_ref(), prefix, None)
+}
+
+/// Loads one MoE layer's experts from a ModelOpt NVFP4 checkpoint: [`load_experts`] that refuses
+/// any other dialect.
+///
+/// # Errors
+/// As [`load_experts`]; a compressed-tensors checkpoint is an [`Error::Dialect`].
 pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoint> {
+    Ok(load(path.as_ref(), prefix, Some(Dialect::ModelOpt))?.checkpoint)
+}
+
+/// Loads one MoE layer's experts from a compressed-tensors NVFP4 checkpoint
+/// (`nvfp4-pack-quantized`): [`load_experts`] that refuses any other dialect.
+///
+/// # Errors
+/// As [`load_experts`]; a ModelOpt checkpoint is an [`Error::Dialect`].
+pub fn load_compressed_tensors(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoint> {
+    Ok(load(path.as_ref(), prefix, Some(Dialect::CompressedTensors))?.checkpoint)
+}
+
+fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExperts> {
     let p = expert_prefix(prefix);
-    let cat = Catalog::open(path.as_ref())?;
-    let layout = discover(&cat, &p)?;
-    let names = layout.names(&p);
+    let cat = Catalog::open(path)?;
+    let from_tensors = tensor_dialect(&cat, &p)?;
+    let decl = declared(&cat.dir)?;
+    let dialect = match (from_tensors, decl.dialect) {
+        (Some(t), Some(d)) if t != d => {
+            return Err(Error::Dialect {
+                path: decl.file.clone().unwrap_or_else(|| cat.source.clone()),
+                what: format!("it declares {d}, but the experts' tensors under `{}` are {t}", shown(&p)),
+            });
+        }
+        (Some(t), _) => t,
+        (None, Some(d)) => d,
+        (None, None) => want.unwrap_or(Dialect::ModelOpt),
+    };
+    if let Some(w) = want.filter(|&w| w != dialect) {
+        let how = match dialect {
+            Dialect::ModelOpt => "load_modelopt or load_experts",
+            Dialect::CompressedTensors => "load_compressed_tensors or load_experts",
+        };
+        return Err(Error::Dialect {
+            path: cat.source.clone(),
+            what: format!("the experts under `{}` are {dialect}, not {w}: read it with {how}", shown(&p)),
+        });
+    }
+    let f = dialect.fields();
+    let layout = discover(&cat, &p, dialect)?;
+    let first_input = |has: bool| {
+        let j = layout.has_input.iter().position(|&x| x == has).expect("one projection is");
+        format!("{p}0.{}.{}", layout.naming.projections()[j], f.input)
+    };
+    let scheme = match decl.scheme {
+        Some(QuantScheme::W4A4) if layout.has_input.contains(&false) => {
+            let why = format!(
+                " (`{}` declares W4A4: every projection carries its activation scale)",
+                decl.file.as_deref().map(shown_path).unwrap_or_default()
+            );
+            return Err(cat.not_found(&first_input(false), &why));
+        }
+        Some(QuantScheme::W4A16) if layout.has_input.contains(&true) => {
+            return Err(tensor_err(
+                &first_input(true),
+                format!(
+                    "present, but `{}` declares W4A16 (weight-only, no activation scales)",
+                    decl.file.as_deref().map(shown_path).unwrap_or_default()
+                ),
+            ));
+        }
+        Some(s) => s,
+        None if layout.has_input.contains(&true) => QuantScheme::W4A4,
+        None => QuantScheme::W4A16,
+    };
+    let names = layout.names(&p, f);
     let metas = cat.metas(&names)?;
-    let (h, i) = check_shapes(&layout, &p, &metas)?;
+    let (h, i) = check_shapes(&layout, &p, f, &metas)?;
     let experts = layout.experts;
     let naming = layout.naming;
 
@@ -371,7 +525,10 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
             let len = match file.info(name) {
                 Some(t) if t.dtype == m.dtype && t.shape == m.shape => t.data_offsets.1 - t.data_offsets.0,
                 _ => {
-                    return Err(tensor_err(name, format!("`{}` changed while it was being read", path.display())));
+                    return Err(Error::FileChanged {
+                        path: path.clone(),
+                        what: format!("the header entry of tensor `{}` differs from the first read", shown(name)),
+                    });
                 }
             };
             match dest {
@@ -387,27 +544,17 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
         }
     }
 
-    // Values, in expert order.
-    for (e, vals) in slots.iter().enumerate() {
+    // Values, in expert order: checked as stored, then turned into the crate's decode scales.
+    for (e, vals) in slots.iter_mut().enumerate() {
         for ((proj, &role), &input) in naming.projections().iter().zip(roles(naming)).zip(&layout.has_input) {
             let (g_slot, in_slot) = match role {
                 Role::Gate | Role::GateUp => (SLOT_GATE_G, SLOT_GATE_IN),
                 Role::Up => (SLOT_UP_G, SLOT_UP_IN),
                 Role::Down => (SLOT_DOWN_G, SLOT_DOWN_IN),
             };
-            let g = vals[g_slot];
-            if validate_decode_scale(g).is_err() {
-                return Err(tensor_err(
-                    &format!("{p}{e}.{proj}.{WEIGHT_SCALE_2}"),
-                    format!("decode scale must be finite and > 0, got {g}"),
-                ));
-            }
-            let x = vals[in_slot];
-            if input && !(x.is_finite() && x >= 0.0) {
-                return Err(tensor_err(
-                    &format!("{p}{e}.{proj}.{INPUT_SCALE}"),
-                    format!("input scale must be finite and >= 0, got {x}"),
-                ));
+            vals[g_slot] = weight_decode_scale(f, &format!("{p}{e}.{proj}.{}", f.per_tensor), vals[g_slot])?;
+            if input {
+                vals[in_slot] = activation_decode_scale(f, &format!("{p}{e}.{proj}.{}", f.input), vals[in_slot])?;
             }
         }
     }
@@ -424,7 +571,7 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
         let up = (has_input[1] && !same).then_some(up_in);
         (has_input[0].then_some(gate_in), up, has_input[2].then_some(down_in), up_g)
     };
-    Ok(MoeCheckpoint {
+    let checkpoint = MoeCheckpoint {
         experts,
         hidden: h,
         intermediate: i,
@@ -435,5 +582,46 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
         up_input_scales,
         l2_input_scales,
         naming,
-    })
+    };
+    Ok(LoadedExperts { checkpoint, format: CheckpointFormat { dialect, scheme, declared_in: decl.file } })
+}
+
+/// The weight decode scale g from the stored per-tensor value: ModelOpt's `weight_scale_2` is g;
+/// compressed-tensors' `weight_global_scale` is 1/g, and g is its f32 reciprocal (correctly
+/// rounded; compressed-tensors' own decompression divides by the global scale instead, which can
+/// differ in the last bit of an f32, well inside one BF16 ulp of the decoded weight).
+fn weight_decode_scale(f: &Fields, name: &str, stored: f32) -> Result<f32> {
+    if !f.reciprocal {
+        return match validate_decode_scale(stored) {
+            Ok(()) => Ok(stored),
+            Err(_) => Err(tensor_err(name, format!("decode scale must be finite and > 0, got {stored}"))),
+        };
+    }
+    if !(stored.is_finite() && stored > 0.0) {
+        return Err(tensor_err(name, format!("global scale (1/g) must be finite and > 0, got {stored}")));
+    }
+    let g = 1.0 / stored;
+    if validate_decode_scale(g).is_err() {
+        return Err(tensor_err(
+            name,
+            format!("global scale {stored} gives the decode scale 1/{stored} = {g}, not finite"),
+        ));
+    }
+    Ok(g)
+}
+
+/// The activation decode scale from the stored value: ModelOpt's `input_scale` as is (finite and
+/// at least 0; an uncalibrated expert's 0 is kept); compressed-tensors' `input_global_scale` is its
+/// reciprocal (positive; +inf, what an uncalibrated expert can get, gives 0).
+fn activation_decode_scale(f: &Fields, name: &str, stored: f32) -> Result<f32> {
+    if !f.reciprocal {
+        if stored.is_finite() && stored >= 0.0 {
+            return Ok(stored);
+        }
+        return Err(tensor_err(name, format!("input scale must be finite and >= 0, got {stored}")));
+    }
+    if stored > 0.0 {
+        return Ok(1.0 / stored);
+    }
+    Err(tensor_err(name, format!("input global scale (1/activation scale) must be > 0, got {stored}")))
 }

@@ -8,6 +8,7 @@ use super::write::expert_tensors;
 use super::*;
 use crate::error::{Error, Result};
 use crate::host::{ExpertWeightsHost, MoeCheckpoint};
+use crate::io::checkpoint::{load_compressed_tensors, load_experts, Dialect, LoadedExperts, QuantScheme};
 use crate::rng::Rng;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -559,4 +560,408 @@ fn write_refuses_inconsistent_checkpoints() {
     let e = write_modelopt_experts(&path, QWEN, ExpertNaming::FusedW13, &bad).unwrap_err();
     assert!(matches!(&e, Error::Tensor { name, .. } if *name == format!("{QWEN}.0.w13.input_scale")), "{e}; {seed}");
     assert!(!path.exists(), "{seed}");
+}
+
+// ------------------------------------------------------------------------------------------------
+// compressed-tensors, configs, Hugging Face cache layouts, unsafe shard names, non-regular inputs
+
+/// The tensors of `c` renamed and inverted into compressed-tensors' NVFP4 fields (`weight_packed`,
+/// `weight_global_scale` = 1/g, `input_global_scale` = 1/activation scale), scalars of `shape`.
+fn ct_tensors(prefix: &str, naming: ExpertNaming, c: &MoeCheckpoint, shape: &[usize]) -> Vec<Raw> {
+    raw_tensors(prefix, naming, c)
+        .into_iter()
+        .map(|(name, dtype, s, bytes)| {
+            let (stem, field) = name.rsplit_once('.').unwrap();
+            let inv = |b: &[u8]| (1.0f32 / f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes().to_vec();
+            match field {
+                "weight" => (format!("{stem}.weight_packed"), dtype, s, bytes),
+                "weight_scale_2" => (format!("{stem}.weight_global_scale"), dtype, shape.to_vec(), inv(&bytes)),
+                "input_scale" => (format!("{stem}.input_global_scale"), dtype, shape.to_vec(), inv(&bytes)),
+                _ => (name, dtype, s, bytes),
+            }
+        })
+        .collect()
+}
+
+/// compressed-tensors' `quantization_config` as its ModelOpt converter writes it (W4A4), or with
+/// `input_activations` null (W4A16).
+fn ct_config(w4a4: bool) -> serde_json::Value {
+    let inputs = if w4a4 {
+        serde_json::json!({"num_bits": 4, "type": "float", "strategy": "tensor_group", "dynamic": "local",
+                           "group_size": 16, "symmetric": true})
+    } else {
+        serde_json::Value::Null
+    };
+    serde_json::json!({"architectures": ["Qwen3MoeForCausalLM"], "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
+            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+                        "symmetric": true, "dynamic": false},
+            "input_activations": inputs}},
+        "ignore": ["lm_head"], "version": "0.20.1"}})
+}
+
+fn write_json(path: &Path, v: &serde_json::Value) {
+    std::fs::write(path, serde_json::to_vec_pretty(v).unwrap()).unwrap();
+}
+
+/// f32s within one ulp (the double reciprocal 1/(1/g) may not return g exactly).
+fn assert_within_ulp(a: &[f32], b: &[f32], what: &str, seed: &str) {
+    assert_eq!(a.len(), b.len(), "{what}; {seed}");
+    for (x, y) in a.iter().zip(b) {
+        assert!((x.to_bits() as i64 - y.to_bits() as i64).abs() <= 1, "{what}: {x} vs {y}; {seed}");
+    }
+}
+
+#[test]
+fn compressed_tensors_round_trip_both_scalar_shapes() {
+    let (mut r, seed) = rng();
+    for (naming, shape, w4a4) in [
+        (ExpertNaming::GateUpDown, vec![], true),
+        (ExpertNaming::W1W3W2, vec![1], true),
+        (ExpertNaming::GateUpDown, vec![1], false),
+    ] {
+        let mut c = random_ckpt(&mut r, 3, 64, 32);
+        if !w4a4 {
+            c.l1_input_scales = None;
+            c.up_input_scales = None;
+            c.l2_input_scales = None;
+        }
+        let d = TmpDir::new("ct");
+        write_raw(&d.path("model.safetensors"), &ct_tensors(QWEN, naming, &c, &shape));
+        write_json(&d.path("config.json"), &ct_config(w4a4));
+        let got = load_experts(&d.0, QWEN).unwrap();
+        assert_eq!(got.format.dialect, Dialect::CompressedTensors, "{seed}");
+        assert_eq!(got.format.scheme, if w4a4 { QuantScheme::W4A4 } else { QuantScheme::W4A16 }, "{seed}");
+        assert_eq!(got.format.declared_in.as_deref(), Some(d.path("config.json").as_path()), "{seed}");
+        let g = &got.checkpoint;
+        assert_eq!(g.naming, naming, "{seed}");
+        assert!(g.w13.codes == c.w13.codes && g.w13.scales == c.w13.scales, "{seed}");
+        assert!(g.w2.codes == c.w2.codes && g.w2.scales == c.w2.scales, "{seed}");
+        assert_within_ulp(&g.w13.decode_scales, &c.w13.decode_scales, "gate g", &seed);
+        // Gate and up keep their own (different) decode scales, as on the ModelOpt path.
+        assert_within_ulp(&g.up_decode_scales, &c.up_decode_scales, "up g", &seed);
+        assert_within_ulp(&g.w2.decode_scales, &c.w2.decode_scales, "down g", &seed);
+        if w4a4 {
+            assert_within_ulp(g.l1_input_scales.as_ref().unwrap(), c.l1_input_scales.as_ref().unwrap(), "l1", &seed);
+            assert_within_ulp(g.up_input_scales.as_ref().unwrap(), c.up_input_scales.as_ref().unwrap(), "up", &seed);
+            assert_within_ulp(g.l2_input_scales.as_ref().unwrap(), c.l2_input_scales.as_ref().unwrap(), "l2", &seed);
+        } else {
+            assert!(g.l1_input_scales.is_none() && g.l2_input_scales.is_none(), "{seed}");
+        }
+        // Without the config the tensor names decide; the one-dialect loaders refuse the other.
+        std::fs::remove_file(d.path("config.json")).unwrap();
+        let got = load_experts(&d.0, QWEN).unwrap();
+        assert_eq!((got.format.dialect, got.format.declared_in), (Dialect::CompressedTensors, None), "{seed}");
+        assert!(load_compressed_tensors(&d.0, QWEN).is_ok(), "{seed}");
+        let e = load_modelopt(&d.0, QWEN).unwrap_err();
+        assert!(matches!(&e, Error::Dialect { .. }) && e.to_string().contains("load_compressed_tensors"), "{e}");
+    }
+    // A ModelOpt file read as compressed-tensors is refused too.
+    let c = random_ckpt(&mut r, 2, 64, 32);
+    let d = TmpDir::new("ct-mo");
+    write_modelopt_experts(d.path("m.safetensors"), QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    assert!(matches!(load_compressed_tensors(&d.0, QWEN), Err(Error::Dialect { .. })), "{seed}");
+    let got = load_experts(&d.0, QWEN).unwrap();
+    assert_eq!((got.format.dialect, got.format.scheme), (Dialect::ModelOpt, QuantScheme::W4A4), "{seed}");
+}
+
+#[test]
+fn compressed_tensors_bad_global_scales_are_named() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let d = TmpDir::new("ct-bad");
+    for (field, bad, want) in [
+        ("weight_global_scale", 0.0f32, "finite and > 0"),
+        ("weight_global_scale", f32::INFINITY, "finite and > 0"),
+        ("weight_global_scale", -2.0, "finite and > 0"),
+        ("weight_global_scale", 1e-40, "not finite"),
+        ("input_global_scale", 0.0, "must be > 0"),
+        ("input_global_scale", f32::NAN, "must be > 0"),
+    ] {
+        let mut ts = ct_tensors(QWEN, ExpertNaming::GateUpDown, &c, &[]);
+        let name = format!("{QWEN}.1.up_proj.{field}");
+        let j = find(&ts, &name);
+        ts[j].3 = bad.to_le_bytes().to_vec();
+        let path = d.path("m.safetensors");
+        write_raw(&path, &ts);
+        assert_tensor_err(load_compressed_tensors(&path, QWEN), &name, &[want], &seed);
+    }
+    // +inf as the input global scale (an uncalibrated expert) gives activation scale 0.
+    let mut ts = ct_tensors(QWEN, ExpertNaming::GateUpDown, &c, &[]);
+    let j = find(&ts, &format!("{QWEN}.2.down_proj.input_global_scale"));
+    ts[j].3 = f32::INFINITY.to_le_bytes().to_vec();
+    let path = d.path("m.safetensors");
+    write_raw(&path, &ts);
+    assert_eq!(load_compressed_tensors(&path, QWEN).unwrap().l2_input_scales.unwrap()[2], 0.0, "{seed}");
+    // One ModelOpt field among compressed-tensors ones.
+    let mut ts = ct_tensors(QWEN, ExpertNaming::GateUpDown, &c, &[]);
+    let j = find(&ts, &format!("{QWEN}.2.gate_proj.weight_packed"));
+    ts[j].0 = format!("{QWEN}.2.gate_proj.weight");
+    write_raw(&path, &ts);
+    let e = load_experts(&path, QWEN).unwrap_err();
+    assert!(matches!(&e, Error::Tensor { what, .. } if what.contains("one dialect")), "{e}; {seed}");
+}
+
+#[test]
+fn configs_must_agree_with_the_tensors() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 2, 64, 32);
+    let d = TmpDir::new("cfg");
+    let path = d.path("model.safetensors");
+    let config = d.path("config.json");
+    let dialect_err = |res: Result<LoadedExperts>, want: &str| {
+        let e = res.unwrap_err();
+        assert!(matches!(&e, Error::Dialect { .. }) && e.to_string().contains(want), "`{e}` lacks `{want}`; {seed}");
+    };
+    // compressed-tensors declared, ModelOpt tensors.
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    write_json(&config, &ct_config(true));
+    dialect_err(load_experts(&d.0, QWEN), "declares compressed-tensors NVFP4");
+    // Another method or format.
+    write_json(&config, &serde_json::json!({"quantization_config": {"quant_method": "fp8"}}));
+    dialect_err(load_experts(&d.0, QWEN), "quant_method is `fp8`");
+    let mut ct = ct_config(true);
+    ct["quantization_config"]["format"] = "float-quantized".into();
+    ct["quantization_config"]["config_groups"]["group_0"]["format"] = "float-quantized".into();
+    write_json(&config, &ct);
+    dialect_err(load_experts(&d.0, QWEN), "not NVFP4");
+    let mut ct = ct_config(true);
+    ct["quantization_config"]["quantization_status"] = "frozen".into();
+    write_json(&config, &ct);
+    dialect_err(load_experts(&d.0, QWEN), "not stored compressed");
+    let mut ct = ct_config(true);
+    ct["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 32.into();
+    write_json(&config, &ct);
+    dialect_err(load_experts(&d.0, QWEN), "group_size 32");
+    // ModelOpt's hf_quant_config.json: NVFP4 is W4A4, so every input_scale must be there.
+    std::fs::remove_file(&config).unwrap();
+    let hf = d.path("hf_quant_config.json");
+    write_json(
+        &hf,
+        &serde_json::json!({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}}),
+    );
+    let got = load_experts(&d.0, QWEN).unwrap();
+    assert_eq!((got.format.scheme, got.format.declared_in.as_deref()), (QuantScheme::W4A4, Some(hf.as_path())));
+    let mut no_inputs = c.clone();
+    no_inputs.l1_input_scales = None;
+    no_inputs.up_input_scales = None;
+    no_inputs.l2_input_scales = None;
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &no_inputs).unwrap();
+    let name = format!("{QWEN}.0.gate_proj.input_scale");
+    assert_tensor_err(load_modelopt(&d.0, QWEN), &name, &["not found", "declares W4A4"], &seed);
+    write_json(&hf, &serde_json::json!({"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}));
+    assert_eq!(load_experts(&d.0, QWEN).unwrap().format.scheme, QuantScheme::W4A16, "{seed}");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    assert_tensor_err(load_modelopt(&d.0, QWEN), &name, &["declares W4A16"], &seed);
+    write_json(&hf, &serde_json::json!({"quantization": {"quant_algo": "FP8"}}));
+    dialect_err(load_experts(&d.0, QWEN), "quant_algo `FP8`");
+    // compressed-tensors' converter copies hf_quant_config.json along: config.json outranks it.
+    write_raw(&path, &ct_tensors(QWEN, ExpertNaming::GateUpDown, &c, &[]));
+    write_json(&hf, &serde_json::json!({"quantization": {"quant_algo": "NVFP4", "group_size": 16}}));
+    write_json(&config, &ct_config(true));
+    assert_eq!(load_experts(&d.0, QWEN).unwrap().format.dialect, Dialect::CompressedTensors, "{seed}");
+    // A config that is not JSON is named, its bytes are not quoted.
+    std::fs::write(&config, b"{\"quantization_config\": SECRET-BYTES").unwrap();
+    let e = load_experts(&d.0, QWEN).unwrap_err();
+    assert!(matches!(&e, Error::Dialect { .. }) && !e.to_string().contains("SECRET"), "{e}");
+}
+
+#[cfg(unix)]
+#[test]
+fn hugging_face_cache_snapshot_and_root() {
+    use std::os::unix::fs::symlink;
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let d = TmpDir::new("hub");
+    // A checkpoint made elsewhere, then laid out as huggingface_hub does: blobs named by hash,
+    // snapshot entries symlinks to ../../blobs/<hash>, refs/main holding the commit.
+    let src = TmpDir::new("hub-src");
+    let index = write_sharded(&src.0, &raw_tensors(QWEN, ExpertNaming::GateUpDown, &c));
+    write_json(&src.path("config.json"), &serde_json::json!({"model_type": "qwen3_moe"}));
+    let root = d.0.join("models--nvfp4--tiny-moe");
+    let rev = "0123456789abcdef0123456789abcdef01234567";
+    let snap = root.join("snapshots").join(rev);
+    std::fs::create_dir_all(root.join("blobs")).unwrap();
+    std::fs::create_dir_all(root.join("refs")).unwrap();
+    std::fs::create_dir_all(&snap).unwrap();
+    for (k, entry) in std::fs::read_dir(&src.0).unwrap().enumerate() {
+        let entry = entry.unwrap();
+        let blob = format!("{k:064x}");
+        std::fs::copy(entry.path(), root.join("blobs").join(&blob)).unwrap();
+        symlink(format!("../../blobs/{blob}"), snap.join(entry.file_name())).unwrap();
+    }
+    assert!(index.exists());
+    std::fs::write(root.join("refs").join("main"), format!("{rev}\n")).unwrap();
+    for path in [snap.clone(), snap.join("model.safetensors.index.json"), root.clone()] {
+        let got = load_experts(&path, QWEN).unwrap_or_else(|e| panic!("{}: {e}; {seed}", path.display()));
+        assert_same(&got.checkpoint, &c, &seed);
+    }
+    // Without refs/main, the only snapshot; a second one makes it ambiguous.
+    std::fs::remove_file(root.join("refs").join("main")).unwrap();
+    assert_same(&load_modelopt(&root, QWEN).unwrap(), &c, &seed);
+    std::fs::create_dir_all(root.join("snapshots").join("other")).unwrap();
+    assert!(matches!(load_modelopt(&root, QWEN), Err(Error::Invalid(m)) if m.contains("2 snapshots")), "{seed}");
+    // A ref that tries to leave snapshots/.
+    std::fs::write(root.join("refs").join("main"), "../../etc").unwrap();
+    let e = load_modelopt(&root, QWEN).unwrap_err();
+    assert!(matches!(&e, Error::Invalid(_)) && e.to_string().contains("not a revision"), "{e}");
+    std::fs::write(root.join("refs").join("main"), "feedbeef").unwrap();
+    let e = load_modelopt(&root, QWEN).unwrap_err();
+    assert!(e.to_string().contains("incomplete download"), "{e}");
+}
+
+#[test]
+fn shard_names_must_stay_inside_the_index_directory() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 2, 64, 32);
+    let ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &c);
+    let d = TmpDir::new("escape");
+    std::fs::create_dir_all(d.path("sub")).unwrap();
+    write_raw(&d.path("sub/model.safetensors"), &ts);
+    write_raw(&d.path("outside.safetensors"), &ts);
+    let index = d.path("sub/model.safetensors.index.json");
+    let with_shard = |shard: &str| {
+        let map: serde_json::Map<String, serde_json::Value> = ts.iter().map(|t| (t.0.clone(), shard.into())).collect();
+        write_json(&index, &serde_json::json!({"weight_map": map}));
+        load_modelopt(&index, QWEN)
+    };
+    assert!(with_shard("model.safetensors").is_ok(), "{seed}");
+    assert!(with_shard("./model.safetensors").is_ok(), "{seed}");
+    for (shard, why) in [
+        ("../outside.safetensors", "`..`"),
+        ("a/../../outside.safetensors", "`..`"),
+        ("..\\outside.safetensors", "`..`"),
+        ("/etc/passwd", "absolute"),
+        ("\\\\server\\share\\x.safetensors", "absolute"),
+        ("C:\\x.safetensors", "absolute"),
+        ("./", "no file name"),
+    ] {
+        let abs = d.path("outside.safetensors");
+        for shard in [shard.to_string(), shard.replace("/etc/passwd", &abs.to_string_lossy())] {
+            match with_shard(&shard) {
+                Err(Error::UnsafeShardPath { shard: s, why: w, .. }) => {
+                    assert_eq!(s, shard, "{seed}");
+                    assert!(w.contains(why.trim_matches('`')) || w.contains(why), "{shard}: {w}; {seed}");
+                }
+                other => panic!("`{shard}`: expected UnsafeShardPath, got {other:?}; {seed}"),
+            }
+        }
+    }
+    // A shard entry that is not a string is named without quoting the JSON.
+    let map: serde_json::Map<String, serde_json::Value> =
+        ts.iter().map(|t| (t.0.clone(), serde_json::json!({"SECRET": [1, 2, 3]}))).collect();
+    write_json(&index, &serde_json::json!({"weight_map": map}));
+    let e = load_modelopt(&index, QWEN).unwrap_err();
+    assert!(e.to_string().contains("an object") && !e.to_string().contains("SECRET"), "{e}");
+}
+
+#[cfg(unix)]
+fn mkfifo(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {}", path.display());
+}
+
+#[cfg(unix)]
+#[test]
+fn non_regular_inputs_are_refused_before_reading() {
+    let d = TmpDir::new("nonreg");
+    // /dev/zero would be read until memory runs out.
+    match load_modelopt("/dev/zero", QWEN) {
+        Err(Error::NotRegularFile { kind: crate::io::FileKind::CharDevice, .. }) => {}
+        other => panic!("expected NotRegularFile, got {other:?}"),
+    }
+    assert!(matches!(
+        crate::io::SafetensorsFile::open("/dev/zero"),
+        Err(Error::NotRegularFile { kind: crate::io::FileKind::CharDevice, .. })
+    ));
+    // A FIFO with no writer: opening it for reading would block forever.
+    let fifo = d.path("pipe.safetensors");
+    mkfifo(&fifo);
+    match load_modelopt(&fifo, QWEN) {
+        Err(Error::NotRegularFile { kind: crate::io::FileKind::Fifo, path }) => assert_eq!(path, fifo),
+        other => panic!("expected NotRegularFile, got {other:?}"),
+    }
+    // A shard named by an index, and a config, that are FIFOs.
+    let (mut r, _) = rng();
+    let index = d.path("m.safetensors.index.json");
+    let ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &random_ckpt(&mut r, 2, 64, 32));
+    let map: serde_json::Map<String, serde_json::Value> =
+        ts.iter().map(|t| (t.0.clone(), "pipe.safetensors".into())).collect();
+    write_json(&index, &serde_json::json!({ "weight_map": map }));
+    let e = load_modelopt(&index, QWEN);
+    assert!(matches!(e, Err(Error::NotRegularFile { kind: crate::io::FileKind::Fifo, .. })), "{e:?}");
+    write_modelopt_experts(
+        d.path("pipe2.safetensors.tmp"),
+        QWEN,
+        ExpertNaming::GateUpDown,
+        &random_ckpt(&mut r, 2, 64, 32),
+    )
+    .unwrap();
+    std::fs::rename(d.path("pipe2.safetensors.tmp"), d.path("model.safetensors")).unwrap();
+    std::fs::remove_file(&index).unwrap();
+    std::fs::remove_file(&fifo).unwrap();
+    mkfifo(&d.path("config.json"));
+    assert!(matches!(load_experts(&d.0, QWEN), Err(Error::NotRegularFile { kind: crate::io::FileKind::Fifo, .. })));
+}
+
+#[test]
+fn truncated_files_are_errors_not_crashes() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 2, 64, 32);
+    let d = TmpDir::new("trunc");
+    let path = d.path("m.safetensors");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    let full = std::fs::read(&path).unwrap();
+    // Truncated before opening: the header no longer matches the file.
+    for cut in [full.len() - 1, full.len() / 2, 9, 7, 0] {
+        std::fs::write(&path, &full[..cut]).unwrap();
+        let e = load_modelopt(&path, QWEN).unwrap_err();
+        assert!(matches!(&e, Error::Invalid(m) if m.contains("not a valid safetensors file")), "{cut}: {e}; {seed}");
+    }
+    // Truncated while open (mapped): reported, never read past the end (which would be SIGBUS).
+    std::fs::write(&path, &full).unwrap();
+    let f = crate::io::SafetensorsFile::open(&path).unwrap();
+    let name = format!("{QWEN}.1.down_proj.weight");
+    assert!(f.read(&name).is_ok());
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(64).unwrap();
+    match f.read(&name) {
+        Err(Error::FileChanged { path: p, what }) => assert!(p == path && what.contains("truncated"), "{what}"),
+        other => panic!("expected FileChanged, got {other:?}"),
+    }
+}
+
+#[test]
+fn header_problems_are_named_without_quoting_the_header() {
+    let d = TmpDir::new("header");
+    let path = d.path("h.safetensors");
+    let write_header = |json: &str, data: usize| {
+        let mut b = (json.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(json.as_bytes());
+        b.extend(std::iter::repeat_n(0u8, data));
+        std::fs::write(&path, b).unwrap();
+    };
+    let open_err = || crate::io::SafetensorsFile::open(&path).unwrap_err().to_string();
+    write_header(r#"{"a\nb": {"dtype": "SECRET_DTYPE", "shape": [2], "data_offsets": [0, 2]}}"#, 2);
+    let m = open_err();
+    assert!(m.contains("a\\u{a}b") && !m.contains("SECRET"), "{m}");
+    write_header(r#"{"x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 3]}}"#, 3);
+    assert!(open_err().contains("do not hold U8 [4]"), "{}", open_err());
+    write_header(
+        r#"{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "y": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}"#,
+        3,
+    );
+    assert!(open_err().contains("overlaps"), "{}", open_err());
+    write_header(r#"{"x": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}"#, 3);
+    assert!(open_err().contains("gap"), "{}", open_err());
+    write_header(r#"{"x": {"dtype": "U8", "shape": [4611686018427387904, 8], "data_offsets": [0, 0]}}"#, 0);
+    assert!(open_err().contains("fits in memory"), "{}", open_err());
+    write_header(r#"{"__metadata__": {"k": 1}}"#, 0);
+    assert!(open_err().contains("__metadata__"), "{}", open_err());
+    write_header("[SECRET]", 0);
+    assert!(open_err().contains("JSON of the wrong shape") && !open_err().contains("SECRET"), "{}", open_err());
+    write_header(r#"{"__metadata__": {"format": "pt"}}"#, 0);
+    assert!(crate::io::SafetensorsFile::open(&path).unwrap().names().is_empty());
 }
