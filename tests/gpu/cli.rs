@@ -170,4 +170,9 @@ fn bench_prints_a_table_and_writes_json() {
             assert!(r["tile"].as_str().is_some_and(|t| t.starts_with("M128N")), "{r}");
         }
     }
+    // --tile forces the tile (the library would take 128x16 at T = 1).
+    let run = cli(&["--json", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "1", "--tile", "n64"]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    assert_eq!(v["rows"][0]["tile"].as_str(), Some("M128N64"), "{v}");
 }

@@ -18,7 +18,9 @@ memset that flushes L2, and only the replay is timed (CUDA events). Reports the 
   TB/s     weight bytes read / time: min(E, T x k) active experts x 3 x H x I x 0.5625 B
   TFLOP/s  2 x T x k x 3 x H x I / time
   floor/t  max(bytes / 4.3 TB/s, flops / 795 TFLOP/s) / time (H200 measured ceilings)
-Progress goes to stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
+--tile forces one GEMM tile for every T (auto: the library's choice per T, shown in the tile
+column). Progress goes to stderr, the table (or with --json the JSON document) to stdout. Needs a
+CUDA GPU.
 
 Example:
   nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json";
@@ -75,6 +77,9 @@ pub struct BenchArgs {
     /// Also write the JSON document (as --json prints it) to FILE
     #[arg(long, value_name = "FILE")]
     pub json_file: Option<String>,
+    /// GEMM tile of both GEMMs (auto: the library's choice per T, as a forward makes it)
+    #[arg(long, value_enum, value_name = "T", default_value = "auto")]
+    pub tile: crate::run::TileArg,
 }
 
 /// Balanced routing of `tokens` tokens: slot j of token t goes to expert `(t * k + j) % E` (the
@@ -285,7 +290,8 @@ mod gpu_run {
             let w13 = random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
             let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
             let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
-            let mut layer = MoeLayer::new(weights, MoeOptions::new(max_t, k))?;
+            let tile = args.tile.gemm_tile();
+            let mut layer = MoeLayer::new(weights, MoeOptions { tile, ..MoeOptions::new(max_t, k) })?;
             let mut ws = layer.workspace(&stream)?;
             let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
             // Token t's routing does not depend on T: one buffer serves every T as a prefix.
@@ -322,7 +328,7 @@ mod gpu_run {
                 let row = BenchRow {
                     preset: p.name,
                     tokens: t,
-                    tile: format!("{:?}", GemmTile::choose(t * k, e)),
+                    tile: format!("{:?}", if tile == GemmTile::Auto { GemmTile::choose(t * k, e) } else { tile }),
                     us,
                     bytes,
                     flops,

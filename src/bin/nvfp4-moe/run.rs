@@ -23,7 +23,7 @@ Example:
   nvfp4-moe run --weights DeepSeek-V3-NVFP4/ --prefix model.layers.3.mlp.experts \\
       --input tokens.safetensors --output out.safetensors";
 
-/// `--tile`: the GEMM tile configuration.
+/// `--tile`: the GEMM tile configuration (`run` and `bench`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum TileArg {
     /// Chosen from T x k and E
@@ -34,6 +34,20 @@ pub enum TileArg {
     N64,
     /// 128 x 128 (prefill)
     N128,
+}
+
+#[cfg(feature = "cuda")]
+impl TileArg {
+    /// The library's tile for this flag.
+    pub fn gemm_tile(self) -> nvfp4_moe::GemmTile {
+        use nvfp4_moe::GemmTile;
+        match self {
+            TileArg::Auto => GemmTile::Auto,
+            TileArg::N16 => GemmTile::M128N16,
+            TileArg::N64 => GemmTile::M128N64,
+            TileArg::N128 => GemmTile::M128N128,
+        }
+    }
 }
 
 /// The flags of `run`.
@@ -157,12 +171,7 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
 
     let (weights_path, prefix, input, output) =
         (args.weights.as_str(), args.prefix.as_str(), args.input.as_str(), args.output.as_str());
-    let tile = match args.tile {
-        TileArg::Auto => GemmTile::Auto,
-        TileArg::N16 => GemmTile::M128N16,
-        TileArg::N64 => GemmTile::M128N64,
-        TileArg::N128 => GemmTile::M128N128,
-    };
+    let tile = args.tile.gemm_tile();
     let gpu = require_gpu("run")?;
     let t_all = Instant::now();
 
