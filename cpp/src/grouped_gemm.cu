@@ -52,6 +52,10 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       a.epilogue != GemmEpilogue::kSwigluBf16 && a.epilogue != GemmEpilogue::kSwigluNvfp4) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
   }
+  if (a.max_splits < 0) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: max_splits must be >= 0 (got %lld)",
+                (long long)a.max_splits);
+  }
   if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
                 (long long)a.n, (long long)a.k);
@@ -120,12 +124,12 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   // >= 10% of the walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower (chunk-pipelined build) on
   // launches with 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
   int splits = 1;
-  if (tile == GemmTile::kM128N16) {
+  if (tile == GemmTile::kM128N16 && a.max_splits != 1) {
     const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
     const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
     const int64_t tiles = m_tiles * row_tiles, slots = int64_t(sms) * 2;
     for (int s : {4, 2}) {
-      if (tiles * s <= slots && k_tiles >= 4 * s) {
+      if (tiles * s <= slots && k_tiles >= 4 * s && (a.max_splits == 0 || s <= a.max_splits)) {
         splits = s;
         break;
       }

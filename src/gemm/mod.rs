@@ -328,6 +328,7 @@ impl Epilogue for SwigluNvfp4 {
 pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,
     tile: GemmTile,
+    batch_invariant: bool,
     _epilogue: PhantomData<E>,
 }
 
@@ -343,7 +344,16 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
                 "this epilogue computes SwiGLU: it needs gate/up weights (Nvfp4Weights::prepare_gate_up)".into(),
             ));
         }
-        Ok(GroupedGemm { weights, tile, _epilogue: PhantomData })
+        Ok(GroupedGemm { weights, tile, batch_invariant: false, _epilogue: PhantomData })
+    }
+
+    /// Batch invariance: with `true`, no launch splits K over a cluster of CTAs, so a row's
+    /// K-sum order, and with it every output bit, does not depend on how many rows the launch has
+    /// (split-K speeds up launches with fewer tiles than CTA slots: decode at small T; the cost of
+    /// turning it off is in the README). Default `false`.
+    pub fn batch_invariant(mut self, on: bool) -> Self {
+        self.batch_invariant = on;
+        self
     }
 
     /// Scratch memory a launch needs: none (the per-expert tile prefix is built in shared memory).
@@ -387,6 +397,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             num_act_decode_scales: act_scales.1 as i64,
             tile: self.tile_for(total_rows),
             epilogue: E::KIND,
+            max_splits: if self.batch_invariant { 1 } else { 0 },
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).

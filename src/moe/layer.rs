@@ -43,12 +43,21 @@ pub struct MoeOptions {
     pub tile: GemmTile,
     /// The format between the two GEMMs.
     pub intermediate: Intermediate,
+    /// Batch invariance: no GEMM splits K, so a token's output bits do not depend on how many
+    /// tokens share its forward ([`GroupedGemm::batch_invariant`]). Default `false`.
+    pub batch_invariant: bool,
 }
 
 impl MoeOptions {
     /// `max_tokens` and `max_top_k` with the defaults: `GemmTile::Auto`, `Intermediate::Bf16`.
     pub fn new(max_tokens: usize, max_top_k: usize) -> Self {
-        MoeOptions { max_tokens, max_top_k, tile: GemmTile::Auto, intermediate: Intermediate::Bf16 }
+        MoeOptions {
+            max_tokens,
+            max_top_k,
+            tile: GemmTile::Auto,
+            intermediate: Intermediate::Bf16,
+            batch_invariant: false,
+        }
     }
 }
 
@@ -198,7 +207,8 @@ impl MoeLayer {
         let pairs = tokens * top_k;
         let MoeWorkspace { perm, act, .. } = ws;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
-        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?;
+        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?
+            .batch_invariant(self.opts.batch_invariant);
         l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
         let host = stream.clone_dtoh(&act.slice(..pairs * self.weights.intermediate))?;
         weight_decode_scale(&host).map_err(|e| Error::Invalid(format!("calibrating the NVFP4 intermediate: {e}")))
@@ -305,13 +315,16 @@ impl MoeLayer {
         check_len("topk_ids", topk_ids.len(), pairs)?;
         check_len("topk_weights", topk_weights.len(), pairs)?;
         check_len("out", out.len(), tokens * h)?;
-        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?;
-        let l2 = GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?;
+        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?
+            .batch_invariant(self.opts.batch_invariant);
+        let l2 =
+            GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?.batch_invariant(self.opts.batch_invariant);
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
         match fp4 {
             None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
             Some(b) => {
-                let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?;
+                let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?
+                    .batch_invariant(self.opts.batch_invariant);
                 let nvfp4 =
                     SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
                 l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;

@@ -19,8 +19,8 @@ memset that flushes L2, and only the replay is timed (CUDA events). Reports the 
   TFLOP/s  2 x T x k x 3 x H x I / time
   floor/t  max(bytes / 4.3 TB/s, flops / 795 TFLOP/s) / time (H200 measured ceilings)
 --tile forces one GEMM tile for every T (auto: the library's choice per T, shown in the tile
-column). Progress goes to stderr, the table (or with --json the JSON document) to stdout. Needs a
-CUDA GPU.
+column); --batch-invariant turns split-K off (what batch invariance costs). Progress goes to
+stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
 
 Example:
   nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json";
@@ -80,6 +80,9 @@ pub struct BenchArgs {
     /// GEMM tile of both GEMMs (auto: the library's choice per T, as a forward makes it)
     #[arg(long, value_enum, value_name = "T", default_value = "auto")]
     pub tile: crate::run::TileArg,
+    /// No split-K: a token's output bits do not depend on T (MoeOptions::batch_invariant)
+    #[arg(long)]
+    pub batch_invariant: bool,
 }
 
 /// Balanced routing of `tokens` tokens: slot j of token t goes to expert `(t * k + j) % E` (the
@@ -291,7 +294,8 @@ mod gpu_run {
             let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
             let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
             let tile = args.tile.gemm_tile();
-            let mut layer = MoeLayer::new(weights, MoeOptions { tile, ..MoeOptions::new(max_t, k) })?;
+            let opts = MoeOptions { tile, batch_invariant: args.batch_invariant, ..MoeOptions::new(max_t, k) };
+            let mut layer = MoeLayer::new(weights, opts)?;
             let mut ws = layer.workspace(&stream)?;
             let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
             // Token t's routing does not depend on T: one buffer serves every T as a prefix.
