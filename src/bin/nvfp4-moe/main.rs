@@ -209,7 +209,11 @@ mod tests {
         );
         let Command::Bench(b) = parse(&["bench"]).unwrap().command else { panic!() };
         assert_eq!((b.preset.0[0].name, b.tokens.0), ("qwen3-30b-a3b", vec![1, 16, 128, 1024, 8192]));
-        assert_eq!(parse(&["bench", "--tile", "n16"]).unwrap_err().kind(), ErrorKind::UnknownArgument);
+        assert_eq!((b.tile, b.batch_invariant), (run::TileArg::Auto, false));
+        let Command::Bench(b) = parse(&["bench", "--tile", "n64", "--batch-invariant"]).unwrap().command else {
+            panic!()
+        };
+        assert_eq!((b.tile, b.batch_invariant), (run::TileArg::N64, true));
 
         // --json anywhere, for every command.
         for cmd in ["quantize", "dequantize", "check", "run", "bench", "info"] {
