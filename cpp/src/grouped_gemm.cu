@@ -1,5 +1,5 @@
 // grouped_gemm_nvfp4: host-side validation, tile choice, the x tensor map, and dispatch to the
-// per-configuration kernels (grouped_gemm_m128n*.cu).
+// per-configuration kernels (grouped_gemm_instance.cu, once per tile and epilogue).
 #include "grouped_gemm_sm90.cuh"
 
 #include <algorithm>

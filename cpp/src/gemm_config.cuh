@@ -1,0 +1,139 @@
+// The grouped GEMM's tile configurations (grouped_gemm_sm90.cuh): the CTA shape constants, the
+// kernel parameters, the Config template, and NVFP4MOE_GEMM_TILES, the one list of the tiles the
+// library builds. Adding a tile shape is one line there: the ConfigX aliases below, the explicit
+// instantiations (cpp/CMakeLists.txt compiles grouped_gemm_instance.cu once per tile and epilogue,
+// reading the list from this file) and their extern declarations come from it; the host side picks
+// a tile by name (grouped_gemm.cu).
+#pragma once
+
+#include "nvfp4moe/nvfp4moe.h"
+#include "gemm_splitk.cuh"
+#include "nvfp4_weights.cuh"
+
+#include <cuda_bf16.h>
+
+#include <type_traits>
+
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace nvfp4moe::gemm {
+
+using namespace cute;
+
+constexpr int kMaxExperts = 1024;
+// A producer warpgroup and two consumer warpgroups; setmaxnreg moves the producer's registers to
+// the consumers. (A 288-thread CTA with one producer warp and no setmaxnreg was measured 5-10%
+// slower on the N64 and N128 tiles, 2026-11-29.)
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = 128 + kConsumerThreads;
+constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
+constexpr int kTileK = 64;   // K of one prepared chunk; a stage holds Cfg::kChunks of them per consumer
+// kSwigluNvfp4: the quantizer warps (warps 1-3 of the producer warpgroup) and the named barriers
+// (CUTLASS user ids) of the hand-over: consumer cw arrives on full + cw when its tile is staged;
+// the quantizer warps arrive on empty + cw when they have read it.
+constexpr int kQuantizerThreads = 96;
+constexpr int kBarEpiFull = 3;
+constexpr int kBarEpiEmpty = 5;
+constexpr int kEpiHandOffThreads = 128 + kQuantizerThreads;
+
+struct Params {
+  const uint8_t* prepared;     // nvfp4_weights.cuh layout
+  const float* decode_scale;   // [E, 2]: features f % 16 < 8, then the others
+  const int* expert_offsets;   // [E+1]
+  __nv_bfloat16* out;          // [total_rows, n] (kSwigluNvfp4: codes u8 [total_rows, n / 4])
+  uint8_t* out_scales;         // kSwigluNvfp4: grouped 128x4 scales with per-expert regions
+  const float* act_scale;      // kSwigluNvfp4: activation decode scales, [1] or [E]
+  int num_act_scales;
+  int experts;
+  int n;
+  int k;
+  int total_rows;              // rows of x and out: offsets are clamped to [0, total_rows]
+  int splits;                  // CTAs per tile (the cluster size; 1: no split-K), <= Cfg::kMaxSplits
+};
+
+// kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
+// warpgroup keeps 40, consumers get 96; ptxas compiles for 80) and so must the shared memory;
+// small-N tiles need few registers, and two CTAs double the warps that convert weights, which
+// bounds decode throughput.
+template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true,
+          int kMaxSplits_ = 1, int kChunks_ = 1>
+struct Config {
+  static constexpr GemmEpilogue kEpilogue = kEpilogue_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+  // kSwigluNvfp4: the producer warpgroup also quantizes (one CTA per SM: 56 registers, 40 spill,
+  // its consumers keep 224; two: 48, which uses all of the 80 x 384 a CTA is given).
+  static constexpr bool kQuantizerWarps = kEpilogue_ == GemmEpilogue::kSwigluNvfp4;
+  static constexpr int kProducerRegs = kQuantizerWarps ? (kMinBlocks == 1 ? 56 : 48) : 40;
+  static constexpr int kConsumerRegs = kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
+  // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
+  // stage's wgmmas retired before the next stage's conversion (fewer registers).
+  static constexpr bool kPipelined = kPipelined_;
+  // Split-K over clusters of up to kMaxSplits CTAs (gemm_splitk.cuh); 1: never split.
+  static constexpr int kMaxSplits = kMaxSplits_;
+  // Prepared 64-K chunks per consumer warpgroup per stage: K per stage is 64 kChunks.
+  static constexpr int kChunks = kChunks_;
+  static constexpr int kStageK = kTileK * kChunks_;
+  static_assert(kChunks_ == 1 || kChunks_ == 2, "one or two chunks per stage");
+  // The A fragment: a whole stage, or with two pipelined chunks per stage one chunk (the wgmmas
+  // of one chunk run while the next chunk is converted into the other fragment).
+  static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
+  static constexpr int kFragK = kChunkPipelined ? kTileK : kStageK;
+  static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
+  static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
+  // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
+  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
+                "register budget");
+  static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
+
+  using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
+                                                    Shape<_64, Int<kBlockN>, Int<kStageK>>>());
+  using TiledMma = decltype(make_tiled_mma(MmaOp{}));
+  // x tile per stage: (kBlockN, 64 kChunks, stages), K-major with the 128-byte swizzle TMA writes;
+  // the swizzle atoms are 64 wide, so each 64-K piece is one contiguous (kBlockN, 64) TMA box.
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{},
+                                             make_shape(Int<kBlockN>{}, Int<kStageK>{}, Int<kStages>{})));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct alignas(1024) SharedStorage {
+    alignas(1024) bfloat16_t b[kBlockN * kStageK * kStages];           // (kBlockN, kStageK, stages)
+    alignas(128) uint8_t a[kStages][2][kChunks * weights::kChunkBytes];  // (stage, consumer, chunk)
+    alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
+    int tile_prefix[kMaxExperts + 1];
+    typename Pipeline::SharedStorage pipeline;
+    std::conditional_t<(kMaxSplits > 1), splitk::Storage<kMaxSplits, kAccum>, splitk::NoStorage> split;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static constexpr uint32_t kStageBytes = kChunks * (2 * weights::kChunkBytes + kBlockN * kTileK * 2);
+};
+
+// The tile list: X(name, kBlockN, stages, CTAs per SM, pipelined, max split-K CTAs, 64-K chunks
+// per stage), one line per tile (the build parses the lines that start with "  X(").
+// - N16, the decode tile: two chunks per stage, unpipelined (each stage's wgmmas retire before the
+//   next conversion; four consumer warpgroups per SM hide that). 128-K stages made the layer 4-10%
+//   faster at T = 1-128 than 64-K ones; pipelining the two chunks made it 3-20% slower again
+//   (PERF_NOTES.md, 2026-12-02).
+// - N16SplitK: the same tile for launches with few tiles, split over K by clusters of up to 4 CTAs.
+//   A separate instantiation: the reduction's 24 KB of shared memory and its code made the unsplit
+//   N16 kernel 4-7% slower (2026-12-02).
+// - N64, 17-80 rows per expert: two chunks per stage, chunk-pipelined (mixtral-8x7b's layer at
+//   T = 128 4% faster than with 64-K stages, 2026-12-02).
+// - N128, prefill.
+#define NVFP4MOE_GEMM_TILES(X)          \
+  X(N16, 16, 6, 2, false, 1, 2)         \
+  X(N16SplitK, 16, 6, 2, false, 4, 2)   \
+  X(N64, 64, 8, 1, true, 1, 2)          \
+  X(N128, 128, 8, 1, true, 1, 1)
+
+// ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the list for epilogue E.
+#define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks) \
+  template <GemmEpilogue E>                                                                    \
+  using Config##name = Config<block_n, stages, min_blocks, E, pipelined, max_splits, chunks>;
+NVFP4MOE_GEMM_TILES(NVFP4MOE_GEMM_ALIAS)
+#undef NVFP4MOE_GEMM_ALIAS
+
+}  // namespace nvfp4moe::gemm

@@ -1,0 +1,236 @@
+// The grouped GEMM's mainloops (grouped_gemm_sm90.cuh). Producer: one elected thread of the producer
+// warpgroup streams a tile's K stages into the pipeline: per stage one bulk copy of kChunks
+// prepared weight chunks per consumer warpgroup (nvfp4_weights.cuh) and kChunks TMA 2-D loads of
+// the x tile, all completing on the stage's full barrier (cutlass::PipelineTmaAsync). Consumer:
+// MainloopConsumer below.
+#pragma once
+
+#include "gemm_config.cuh"
+#include "gemm_scheduler.cuh"
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/tensor.hpp>
+
+namespace nvfp4moe::gemm {
+
+template <class Cfg>
+struct MainloopProducer {
+  using Pipeline = typename Cfg::Pipeline;
+  using SharedStorage = typename Cfg::SharedStorage;
+  static constexpr int kBlockN = Cfg::kBlockN;
+
+  // Tile tc's K stages [kc_begin, kc_end) (k_tiles: the 64-K chunks of K).
+  template <class State>
+  CUTLASS_DEVICE static void load_tile(Pipeline& pipeline, State& state, SharedStorage& ss, const CUtensorMap& tma_x,
+                                       const Params& p, const TileCoord& tc, int kc_begin, int kc_end,
+                                       int k_tiles) {
+    const int chunks_m = p.n / weights::kChunkRows;
+    int row0 = expert_rows(p, tc.expert).x + tc.n_tile * kBlockN;
+    int mt0 = tc.m_tile * 2;
+    // With n % 128 == 64 the last tile has one 64-row half: the second consumer gets the
+    // first half again (its results are not stored), so every stage moves the same bytes.
+    int mt1 = mt0 + 1 < chunks_m ? mt0 + 1 : mt0;
+    // Not unrolled: with split-K's runtime K range, unrolling spills on the producer's
+    // kProducerRegs registers (and measured no faster without split-K, 2026-12-02).
+#pragma unroll 1
+    for (int kc = kc_begin; kc < kc_end; ++kc) {
+      pipeline.producer_acquire(state);
+      uint64_t* bar = pipeline.producer_get_barrier(state);
+      int s = state.index();
+      const int c0 = kc * Cfg::kChunks;
+      if (c0 + Cfg::kChunks <= k_tiles) {
+        // A stage's chunks are consecutive in K, so adjacent in the prepared layout: one bulk
+        // copy per consumer.
+        SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c0, p.n, p.k), bar,
+                                 ss.a[s][0], Cfg::kChunks * weights::kChunkBytes);
+        SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c0, p.n, p.k), bar,
+                                 ss.a[s][1], Cfg::kChunks * weights::kChunkBytes);
+      } else {
+        // The partial last stage: its missing weight chunks repeat the last one, so every
+        // stage completes the same transaction bytes, and its x pieces past K are zero-filled
+        // by the TMA unit, so those products add exact zeros (the weights are finite).
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < Cfg::kChunks; ++h) {
+          const int c = min(c0 + h, k_tiles - 1);
+          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c, p.n, p.k), bar,
+                                   ss.a[s][0] + h * weights::kChunkBytes, weights::kChunkBytes);
+          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c, p.n, p.k), bar,
+                                   ss.a[s][1] + h * weights::kChunkBytes, weights::kChunkBytes);
+        }
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < Cfg::kChunks; ++h) {
+        SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                               ss.b + s * (kBlockN * Cfg::kStageK) + h * (kBlockN * kTileK),
+                               (c0 + h) * kTileK, row0);
+      }
+      ++state;
+    }
+  }
+};
+
+// The grouped GEMM's consumer mainloop: a consumer warpgroup (cw: which 64 features of the tile;
+// thread t of 128) runs one tile's K stages [kc_begin, kc_end) into `accum`. Per 64-K chunk, each
+// thread reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
+// (shift/mask/or and one bf16x2 multiply per pair; nvfp4_weights.cuh), and issues 4 m64 x kBlockN x
+// k16 wgmmas as one group. Three schedules (Config): unpipelined (each stage's group retired before
+// the next conversion), pipelined by stage (two whole-stage fragments, one group in flight), and
+// pipelined by chunk (two one-chunk fragments with two chunks per stage).
+template <class Cfg>
+struct MainloopConsumer {
+  template <class Pipeline, class State, class TiledMma, class FragB, class FragA, class Accum>
+  CUTLASS_DEVICE static void mma_tile(Pipeline& pipeline, State& state, typename Cfg::SharedStorage& ss, int cw, int t,
+                                      TiledMma& tiled_mma, FragB& tCrB, FragA& tCrA0, FragA& tCrA1, Accum& accum,
+                                      int kc_begin, int kc_end) {
+    const int w = t / 32, g = (t % 32) / 4;
+    const int n_k = kc_end - kc_begin;  // K stages per tile for this CTA
+    // A stage's shared memory is free again: arrive on this CTA's empty barrier. (The pipeline's own
+    // consumer_release, built for a cluster of one, would signal the cluster's rank 0.)
+    auto release_stage = [&](auto st) { ss.pipeline.empty_barrier_[st.index()].arrive(); };
+
+    // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see
+    // nvfp4_weights.cuh).
+    auto convert_chunk = [&](int s, int h, auto& frag, int h0) {
+      Tensor a_words = recast<uint32_t>(frag);  // 16 registers per chunk: bf16 pairs, 4 per k-block
+      {
+        const uint8_t* chunk = ss.a[s][cw] + h * weights::kChunkBytes;
+        uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
+        uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
+        const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < 4; ++kb) {
+          uint32_t sw = kb < 2 ? sc.x : sc.y;
+          // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
+          // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
+          uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+          uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+          const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+          const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+          const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
+                                 weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 4; ++j) {
+            __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
+            a_words((h0 * 4 + kb) * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
+          }
+        }
+      }
+    };
+    // All of stage s's chunks -> `frag` (a whole-stage fragment).
+    auto convert = [&](int s, auto& frag) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < Cfg::kChunks; ++h) {
+        convert_chunk(s, h, frag, h);
+      }
+    };
+    // Keeps the compiler from moving fragment writes across the asynchronous wgmmas that read them.
+    auto fence_a = [](auto& frag) {
+      Tensor a_words = recast<uint32_t>(frag);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(a_words); ++i) {
+        asm volatile("" : "+r"(a_words(i))::"memory");
+      }
+    };
+    // 4 kChunks m64 x kBlockN x k16 wgmmas over stage s, committed as one group. (All of them in a
+    // partial last stage too: a predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
+    auto issue = [&](int s, auto& frag) {
+      fence_a(frag);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4 * Cfg::kChunks; ++kb) {
+        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, s), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(accum);
+    };
+    // The 4 wgmmas of chunk h of stage s from a one-chunk fragment, committed as one group.
+    auto issue_chunk = [&](int s, int h, auto& frag) {
+      fence_a(frag);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4; ++kb) {
+        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, 4 * h + kb, s), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(accum);
+    };
+
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    if constexpr (Cfg::kChunkPipelined) {
+      // Two chunks per stage, one wgmma group in flight: chunk 0 goes to A0, chunk 1 to A1; each
+      // chunk is converted while the previous chunk's group runs. A stage is released once its
+      // chunk 1 group has retired (seen by the wait after the next stage's chunk 0 is issued).
+      auto release = state;
+      for (int kc = kc_begin; kc < kc_end; ++kc) {
+        pipeline.consumer_wait(state);
+        const int s = state.index();
+        convert_chunk(s, 0, tCrA0, 0);
+        issue_chunk(s, 0, tCrA0);
+        if (kc > kc_begin) {
+          warpgroup_wait<1>();  // the previous stage's chunk 1: A1 and that stage are free
+          fence_a(tCrA1);
+          release_stage(release);
+        }
+        release = state;
+        convert_chunk(s, 1, tCrA1, 0);
+        issue_chunk(s, 1, tCrA1);
+        warpgroup_wait<1>();  // this stage's chunk 0: A0 is free
+        fence_a(tCrA0);
+        ++state;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      fence_a(tCrA1);
+      release_stage(release);
+    } else if constexpr (Cfg::kPipelined) {
+      // Software pipeline, one wgmma group in flight: stage kc's group is issued, then the wait for
+      // at most one outstanding group retires stage kc - 1's, whose shared memory is released and
+      // whose A fragment is free for stage kc + 1. Fragments alternate A0, A1 (k_tiles >= 1).
+      pipeline.consumer_wait(state);
+      convert(state.index(), tCrA0);
+      issue(state.index(), tCrA0);
+      auto release = state;
+      ++state;
+      auto step = [&](auto& frag) {
+        pipeline.consumer_wait(state);
+        int s = state.index();
+        convert(s, frag);
+        issue(s, frag);
+        warpgroup_wait<1>();
+        fence_a(frag);
+        release_stage(release);
+        release = state;
+        ++state;
+      };
+      int kc = 1;
+      for (; kc + 1 < n_k; kc += 2) {
+        step(tCrA1);
+        step(tCrA0);
+      }
+      if (kc < n_k) {
+        step(tCrA1);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(accum);
+      release_stage(release);
+    } else {
+      for (int kc = kc_begin; kc < kc_end; ++kc) {
+        pipeline.consumer_wait(state);
+        convert(state.index(), tCrA0);
+        issue(state.index(), tCrA0);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(accum);
+        release_stage(state);
+        ++state;
+      }
+    }
+  }
+};
+
+}  // namespace nvfp4moe::gemm
