@@ -66,6 +66,7 @@ pub mod abi;
 #[path = "../codegen/abi.rs"]
 #[allow(dead_code, missing_docs)]
 mod codegen_abi;
+pub mod convert;
 pub mod error;
 pub mod format;
 pub mod host;
