@@ -79,7 +79,13 @@ impl Quantizer for CudaQuantizer {
         let sd = ensure(&stream, &mut self.scales, n / BLOCK)?;
         let xd = self.x.as_ref().ok_or_else(|| Error::Core("device buffer missing".into()))?;
         let desc = Nvfp4Desc { rows, cols, layout: ScaleLayout::Linear, decode_scale: g };
-        quantize_nvfp4_into(&stream, &xd.slice(0..n), desc, &mut cd.slice_mut(0..n / 2), &mut sd.slice_mut(0..n / BLOCK))?;
+        quantize_nvfp4_into(
+            &stream,
+            &xd.slice(0..n),
+            desc,
+            &mut cd.slice_mut(0..n / 2),
+            &mut sd.slice_mut(0..n / BLOCK),
+        )?;
         stream.memcpy_dtoh(&cd.slice(0..n / 2), codes)?;
         stream.memcpy_dtoh(&sd.slice(0..n / BLOCK), scales)?;
         stream.synchronize()?;

@@ -100,8 +100,15 @@ pub trait Quantizer {
     ///
     /// # Errors
     /// A bad shape, decode scale or buffer length, or a device error.
-    fn quantize(&mut self, x: &[bf16], rows: usize, cols: usize, g: f32, codes: &mut [u8], scales: &mut [u8])
-        -> Result<()>;
+    fn quantize(
+        &mut self,
+        x: &[bf16],
+        rows: usize,
+        cols: usize,
+        g: f32,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> Result<()>;
 
     /// Where it runs, for reports (`cpu (16 threads)`, `cuda (GPU 0)`).
     fn describe(&self) -> String;

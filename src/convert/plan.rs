@@ -3,7 +3,7 @@
 //! tensors share one decode scale, and every output shard's tensors in write order. Every check
 //! that can fail on the input runs here, before the output directory exists.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
@@ -369,11 +369,7 @@ impl Plan {
         let config = if config_path.exists() {
             let bytes = read_small_file(&config_path, MAX_CONFIG_BYTES, "config")?;
             Some(serde_json::from_slice::<Value>(&bytes).map_err(|e| {
-                Error::Invalid(format!(
-                    "`{}` is {}",
-                    shown_path(&config_path),
-                    crate::io::json_problem(&e)
-                ))
+                Error::Invalid(format!("`{}` is {}", shown_path(&config_path), crate::io::json_problem(&e)))
             })?)
         } else {
             None
@@ -686,12 +682,7 @@ impl Plan {
         self.items().flat_map(|i| i.outputs(format)).map(|t| t.len() as u64).sum()
     }
 
-    /// Per output shard, its tensors in order (header order = write order).
-    pub fn shard_outputs(&self, format: OutputFormat) -> Vec<Vec<OutTensor>> {
-        self.shards.iter().map(|s| s.items.iter().flat_map(|i| i.outputs(format)).collect()).collect()
-    }
-
-    /// Per shard, for lookups: (shard, item) of each quant job -> unit members.
+    /// The (shard, item) of every matrix in g group `unit`.
     pub fn unit_members(&self, unit: usize) -> &[(usize, usize)] {
         &self.units[unit]
     }
@@ -716,17 +707,6 @@ fn check_k(name: &str, k: usize) -> Result<()> {
 fn is_embedding_or_norm(name: &str) -> bool {
     let lower = name.to_ascii_lowercase();
     lower.contains("embed") || lower.contains("norm") || lower.ends_with("wte.weight") || lower.ends_with("wpe.weight")
-}
-
-/// The unit lookup used while executing: for each (shard, item), its unit (quant jobs only).
-pub(super) fn unit_index(plan: &Plan) -> HashMap<(usize, usize), usize> {
-    let mut m = HashMap::new();
-    for (u, members) in plan.units.iter().enumerate() {
-        for &m_ in members {
-            m.insert(m_, u);
-        }
-    }
-    m
 }
 
 #[cfg(test)]

@@ -115,7 +115,8 @@ impl OutputDir {
         sync_dir(&self.temp).map_err(|e| io_err("sync", &self.temp, e))?;
         let old = match std::fs::symlink_metadata(&self.target) {
             Ok(md) if md.file_type().is_dir() => {
-                let name = self.target.file_name().expect("checked").to_string_lossy().chars().take(120).collect::<String>();
+                let name =
+                    self.target.file_name().expect("checked").to_string_lossy().chars().take(120).collect::<String>();
                 let old = self.parent.join(format!(".{name}.nvfp4moe-{:016x}.old", unpredictable_u64()));
                 std::fs::rename(&self.target, &old).map_err(|e| io_err("move aside", &self.target, e))?;
                 Some(old)
@@ -264,10 +265,10 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
             })?;
         }
         Dtype::F8_E4M3 => {
-            let fp8 = src.fp8.as_ref().ok_or_else(|| Error::Tensor {
-                name: shown(&src.name),
-                what: "F8_E4M3 without block scales".into(),
-            })?;
+            let fp8 = src
+                .fp8
+                .as_ref()
+                .ok_or_else(|| Error::Tensor { name: shown(&src.name), what: "F8_E4M3 without block scales".into() })?;
             let raw = files[fp8.shard].read(&fp8.name)?;
             let scales: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
             let [br, bc] = fp8.block;
