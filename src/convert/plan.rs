@@ -435,9 +435,7 @@ impl Plan {
         let mut units: Vec<Vec<(usize, usize)>> = Vec::new();
         let mut ignore = Vec::new();
         for (s, f) in files.iter().enumerate() {
-            // Input order (by offset), so reads run forward through each file.
-            let mut names = names_of[s].clone();
-            names.sort_by_key(|n| f.info(n).expect("listed").data_offsets.0);
+            let names = names_of[s].clone();
             let mut items = Vec::new();
             for name in names {
                 let t = info(&name);
@@ -544,7 +542,6 @@ impl Plan {
                             units.len() - 1
                         });
                         for &(proj, first, n) in &parts {
-                            units[unit].push((s, items.len()));
                             items.push(Item::Quantize(QuantJob {
                                 source: Source {
                                     shard: s,
@@ -573,7 +570,6 @@ impl Plan {
                         units.push(Vec::new());
                         units.len() - 1
                     });
-                    units[unit].push((s, items.len()));
                     items.push(Item::Quantize(QuantJob {
                         source: Source {
                             shard: s,
@@ -616,6 +612,14 @@ impl Plan {
                     items.push(Item::Copy { shard: s, name, dtype: t.dtype, shape: t.shape.clone() });
                 }
             }
+            // Written in name order (the first output name of each item), whatever the input's
+            // order: the same tensors give the same bytes however the input file was laid out.
+            items.sort_by_cached_key(|item| item.outputs(opts.format).remove(0).name);
+            for (i, item) in items.iter().enumerate() {
+                if let Item::Quantize(job) = item {
+                    units[job.unit].push((s, i));
+                }
+            }
             let file_name = cat.shards[s].file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
             shards.push(ShardPlan { file_name, items });
         }
@@ -628,7 +632,6 @@ impl Plan {
         }
         skip.push(dir.join("config.json"));
         let others = other_files(&dir, &skip)?;
-        let _ = opts.format;
         Ok(Plan {
             dir,
             files,
