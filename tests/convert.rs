@@ -191,9 +191,10 @@ fn configs_index_and_other_files() {
 /// W4A16), and the f64 reference layer on the loaded experts equals the layer on the experts
 /// quantized here with the same g within 1e-6 relative (compressed-tensors stores 1/g, which the
 /// loader inverts: g may come back one f32 ulp off, 6e-8 relative per projection, so the
-/// products of two projections differ by at most a few 1e-7), and the BF16 layer within 0.2
-/// (NVFP4's own error: E2M1 steps of up to 1/3 relative inside a block scaled by an E4M3; measured
-/// 0.08-0.10 on these Gaussian weights).
+/// products of two projections differ by at most a few 1e-7), and the BF16 layer within 0.3
+/// (NVFP4's own error: a Gaussian block of 16 has its amax near 2 sigma mapped to E2M1's 6, so
+/// the grid step in the bulk is about sigma/3 and each weight matrix is off by about 10% RMS;
+/// gate, up and down compound to about sqrt(3) x 10% = 17%; measured 0.18).
 #[test]
 fn round_trip_through_the_loader_and_the_f64_layer() {
     let t = TmpDir::new("rt");
@@ -201,9 +202,8 @@ fn round_trip_through_the_loader_and_the_f64_layer() {
     let input = dir(&t, "model");
     fx::write_model(&input, &m, 1);
     let (h, i, e) = (fx::HIDDEN, fx::INTERMEDIATE, fx::EXPERTS);
-    // The experts quantized here with the shared g, and the BF16 experts (exact as NVFP4 "codes"
-    // are not: dequantized through a fake checkpoint of decode scale 1 is not possible, so the BF16
-    // layer is computed directly below).
+    // The experts quantized here by recipe v2 with the shared g (the BF16 layer is computed
+    // directly below).
     let mut w13 =
         host::ExpertWeightsHost { experts: e, n: 2 * i, k: h, codes: vec![], scales: vec![], decode_scales: vec![] };
     let mut w2 =
@@ -290,7 +290,7 @@ fn round_trip_through_the_loader_and_the_f64_layer() {
         let err_bf16 = rel(&got, &bf16_layer);
         eprintln!("err {}: vs same-g layer {err:.2e}, vs BF16 layer {err_bf16:.3}", format.name());
         assert!(err <= 1e-6, "{err}");
-        assert!(err_bf16 <= 0.2, "{err_bf16}");
+        assert!(err_bf16 <= 0.3, "{err_bf16}");
     }
 }
 
@@ -417,8 +417,6 @@ fn include_and_exclude_change_the_set() {
     assert!(ignore.contains(&"model.layers.0.self_attn.o_proj"));
     assert!(ignore.contains(&"model.layers.0.mlp.experts.3.down_proj"));
     assert!(!ignore.contains(&"model.layers.0.self_attn.q_proj"));
-    // Loading experts 0..3 still works: expert 3 is BF16, so the loader sees a gap-free 0..=2? No:
-    // the MoE loader needs every expert quantized; nothing more is checked here.
 }
 
 /// Bad inputs give typed errors and leave nothing behind (the output's directory is unchanged).
