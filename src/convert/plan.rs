@@ -524,7 +524,7 @@ impl Plan {
                     }
                     let (e, rows, k) = (t.shape[0], t.shape[1], t.shape[2]);
                     let parts: Vec<(&str, usize, usize)> = if gate_up {
-                        if rows % 2 != 0 {
+                        if !rows.is_multiple_of(2) {
                             return Err(Error::Tensor {
                                 name: shown(&name),
                                 what: format!("shape {:?}: gate/up needs an even row count", t.shape),
@@ -697,7 +697,7 @@ impl Plan {
 
 /// A converted matrix needs K (its columns) a positive multiple of 16.
 fn check_k(name: &str, k: usize) -> Result<()> {
-    if k == 0 || k % BLOCK != 0 {
+    if k == 0 || !k.is_multiple_of(BLOCK) {
         return Err(Error::Tensor {
             name: shown(name),
             what: format!("K = {k} columns is not a positive multiple of {BLOCK}: it cannot be NVFP4 (--exclude it)"),

@@ -239,7 +239,7 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
     let bytes = bytes
         .get(begin..begin + n * elem)
         .ok_or_else(|| Error::Tensor { name: shown(&src.name), what: "shorter than its header says".into() })?;
-    if src.dtype == Dtype::BF16 && cfg!(target_endian = "little") && (bytes.as_ptr() as usize) % 2 == 0 {
+    if src.dtype == Dtype::BF16 && cfg!(target_endian = "little") && (bytes.as_ptr() as usize).is_multiple_of(2) {
         // SAFETY: `bf16` is `repr(transparent)` over `u16`; the pointer is 2-byte aligned (checked),
         // the length is whole elements, and the bytes live as long as the mapping borrowed for 'a.
         let x = unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<bf16>(), n) };
