@@ -556,3 +556,37 @@ fn the_command_line() {
     let r = cli(&["convert", "--input", &input]);
     assert_eq!(r.code, 2);
 }
+
+/// A Hugging Face cache (`models--org--name/` with `refs/main`, `snapshots/<rev>/` of symlinks into
+/// `blobs/`) converts like the plain directory it links to; the output holds regular files.
+#[cfg(unix)]
+#[test]
+fn a_hugging_face_cache_converts_like_its_plain_directory() {
+    let t = TmpDir::new("hfcache");
+    let m = fx::bf16_model(0x180a);
+    let plain = dir(&t, "plain");
+    fx::write_model(&plain, &m, 2);
+    let root = dir(&t, "models--org--tiny");
+    let rev = "0123abcd";
+    let snap = root.join("snapshots").join(rev);
+    std::fs::create_dir_all(root.join("blobs")).unwrap();
+    std::fs::create_dir_all(root.join("refs")).unwrap();
+    std::fs::write(root.join("refs/main"), rev).unwrap();
+    for (k, (rel, bytes)) in fx::snapshot(&plain).into_iter().enumerate() {
+        let blob = root.join("blobs").join(format!("{:040x}", k + 1));
+        std::fs::write(&blob, &bytes).unwrap();
+        let link = snap.join(&rel);
+        std::fs::create_dir_all(link.parent().unwrap()).unwrap();
+        let depth = rel.matches('/').count() + 2;
+        let up = "../".repeat(depth);
+        std::os::unix::fs::symlink(format!("{up}blobs/{}", blob.file_name().unwrap().to_string_lossy()), &link)
+            .unwrap();
+    }
+    let (a, b, c) = (dir(&t, "oa"), dir(&t, "ob"), dir(&t, "oc"));
+    cpu_convert(&plain, &a, &ConvertOptions::default()).unwrap();
+    cpu_convert(&root, &b, &ConvertOptions::default()).unwrap();
+    cpu_convert(&snap, &c, &ConvertOptions::default()).unwrap();
+    assert_eq!(fx::snapshot(&a), fx::snapshot(&b));
+    assert_eq!(fx::snapshot(&a), fx::snapshot(&c));
+    assert!(!std::fs::symlink_metadata(b.join("tokenizer.json")).unwrap().file_type().is_symlink());
+}
