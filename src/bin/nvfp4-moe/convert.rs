@@ -7,7 +7,7 @@ use nvfp4_moe::convert::{Conversion, ConvertOptions, ConvertReport, CpuQuantizer
 use serde_json::json;
 use tracing::info;
 
-use crate::common::{fmt_bytes, out, print_json, progress_bytes, spinner, CliResult, Global};
+use crate::common::{fmt_bytes, out, print_json, progress_bytes, spinner, CliResult, Fail, Global};
 use crate::gpu::{resolve_backend, Backend};
 
 pub const ABOUT: &str =
@@ -98,7 +98,11 @@ pub fn run(args: &ConvertArgs, global: Global) -> CliResult {
         exclude: args.exclude.clone(),
         force: args.force,
     };
-    let (backend, gpu) = resolve_backend(args.device)?;
+    // The shared resolver speaks of quantize's `--backend`; this command's flag is `--device`.
+    let (backend, gpu) = resolve_backend(args.device).map_err(|e| match e {
+        Fail::Run(m) => Fail::Run(m.replace("--backend", "--device")),
+        other => other,
+    })?;
     let pb = spinner(&format!("reading {}", args.input));
     let conversion = Conversion::plan(&args.input, &args.output, &options)?;
     drop(pb);
