@@ -354,6 +354,13 @@ fn fp8_block_scaled_input_equals_its_bf16_dequantization() {
         for (k, v) in &sa {
             assert!(v == &sb[k], "block {block}: {k} differs");
         }
+        // A BF16 tensor of an FP8 model (the router) can be included too.
+        let include = ConvertOptions { include: vec!["*.mlp.gate.weight".into()], ..Default::default() };
+        let (ia, ib) = (dir(&t, "ia"), dir(&t, "ib"));
+        cpu_convert(&a, &ia, &include).unwrap();
+        cpu_convert(&b, &ib, &include).unwrap();
+        assert_eq!(fx::snapshot(&ia), fx::snapshot(&ib));
+        assert_eq!(read_tensor(&ia, &format!("{}.gate.weight_packed", fx::LAYER)).0, Dtype::U8);
         // The kept FP8 attention weight is its BF16 dequantization.
         let name = "model.layers.0.self_attn.o_proj.weight";
         assert_eq!(read_tensor(&oa, name).2, bf.tensors.iter().find(|t| t.name == name).unwrap().data);

@@ -578,7 +578,7 @@ impl Plan {
                             first_row: 0,
                             rows: n,
                             cols: k,
-                            fp8: fp8_scale()?,
+                            fp8: if is_fp8 { fp8_scale()? } else { None },
                         },
                         module,
                         unit,
