@@ -597,3 +597,68 @@ fn a_hugging_face_cache_converts_like_its_plain_directory() {
     assert_eq!(fx::snapshot(&a), fx::snapshot(&c));
     assert!(!std::fs::symlink_metadata(b.join("tokenizer.json")).unwrap().file_type().is_symlink());
 }
+
+/// A quantizer that fails after `left` matrices, to stop a run midway.
+struct FailsAfter {
+    left: usize,
+    inner: CpuQuantizer,
+}
+
+impl nvfp4_moe::convert::Quantizer for FailsAfter {
+    fn quantize(
+        &mut self,
+        x: &[bf16],
+        rows: usize,
+        cols: usize,
+        g: f32,
+        codes: &mut [u8],
+        scales: &mut [u8],
+    ) -> nvfp4_moe::Result<()> {
+        if self.left == 0 {
+            return Err(Error::Core("the device went away".into()));
+        }
+        self.left -= 1;
+        self.inner.quantize(x, rows, cols, g, codes, scales)
+    }
+
+    fn describe(&self) -> String {
+        "failing".into()
+    }
+}
+
+/// A run that fails midway (after some shards are written) leaves nothing under the target's name
+/// and no temporary directory; progress adds up to the planned input bytes on success.
+#[test]
+fn a_failed_run_leaves_nothing_and_progress_adds_up() {
+    use nvfp4_moe::convert::Conversion;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let t = TmpDir::new("midway");
+    let m = fx::bf16_model(0x180b);
+    let input = dir(&t, "model");
+    fx::write_model(&input, &m, 3);
+    let outs = dir(&t, "outs");
+    std::fs::create_dir_all(&outs).unwrap();
+    let out = outs.join("out");
+    let c = Conversion::plan(&input, &out, &ConvertOptions::default()).unwrap();
+    assert_eq!(c.matrices(), 3 * fx::EXPERTS);
+    let e = c.run(&mut FailsAfter { left: 7, inner: CpuQuantizer::with_threads(2) }, &|_| {}).unwrap_err();
+    assert!(matches!(&e, Error::Core(m) if m.contains("went away")), "{e:?}");
+    assert_eq!(std::fs::read_dir(&outs).unwrap().count(), 0);
+
+    let c = Conversion::plan(&input, &out, &ConvertOptions::default()).unwrap();
+    let planned = c.input_bytes();
+    let seen = AtomicU64::new(0);
+    let r = c.run(&mut CpuQuantizer::with_threads(2), &|n| {
+        seen.fetch_add(n, Ordering::Relaxed);
+    });
+    let r = r.unwrap();
+    assert_eq!(seen.into_inner(), planned);
+    assert_eq!(r.bytes_in, planned);
+    let total: u64 = m.tensors.iter().map(|t| t.data.len() as u64).sum();
+    assert_eq!(planned, total);
+    assert_eq!(
+        (r.converted, r.copied, r.dequantized, r.shards, r.files_copied),
+        (3 * fx::EXPERTS, m.tensors.len() - 3 * fx::EXPERTS, 0, 3, 2)
+    );
+    assert_eq!(std::fs::read_dir(&outs).unwrap().count(), 1);
+}
