@@ -27,8 +27,9 @@
 //!
 //! Memory: one shard is written at a time, tensors in input order through a writer thread that
 //! holds at most two finished tensors; copied tensors go from the input's mapping (page cache)
-//! straight to the file. Anonymous memory so stays near one tensor's BF16 copy (only for F16,
-//! F32, FP8 or unaligned input) plus its NVFP4 output and two in flight.
+//! straight to the file. Anonymous memory so stays under two tensors' BF16 copies (only for F16,
+//! F32, FP8 or unaligned input: the tensor and its gate/up partner while their amax is taken) plus
+//! three NVFP4 outputs (one being made, two in flight).
 //!
 //! Safety of the output: everything is written into a new hidden directory beside the target
 //! (`.{name}.nvfp4moe-{random}.tmp`), each file synced, then the directory is renamed into place:
