@@ -77,7 +77,7 @@ for dev in $devices; do
     start=$(date +%s.%N)
     if "$cli" --json convert --input "$model" --output "$target" --device "$dev" > "$out/$dev-$dest.json"; then
       end=$(date +%s.%N)
-      echo "wall $(echo "$end - $start" | bc) s; output $(du -sh "$target" | cut -f1)"
+      echo "wall $(awk "BEGIN{printf \"%.2f\", $end - $start}") s; output $(du -sh "$target" | cut -f1)"
     else
       echo "convert --device $dev -> $dest FAILED"; rc=1
     fi
