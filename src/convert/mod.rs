@@ -48,7 +48,6 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 
 use crate::error::{Error, Result};
-use crate::io::shown_path;
 use crate::layout::{ScaleLayout, BLOCK_SIZE};
 
 #[cfg(feature = "cuda")]
@@ -343,11 +342,6 @@ fn group_decode_scale(amax: bf16, what: &str) -> Result<f32> {
         name: crate::io::shown(what),
         what: "no finite non-zero element in it (or its gate/up group): no decode scale; --exclude it".into(),
     })
-}
-
-/// A path for messages.
-fn shown_out(p: &Path) -> String {
-    shown_path(p)
 }
 
 #[cfg(test)]

@@ -268,7 +268,7 @@ fn g_group(module: &str) -> String {
     format!("{parent}.<{class}>")
 }
 
-fn dialect_path_err(path: &Path, what: String) -> Error {
+fn already_quantized(path: &Path, what: String) -> Error {
     Error::AlreadyQuantized { path: path.to_path_buf(), what }
 }
 
@@ -277,7 +277,7 @@ fn dialect_path_err(path: &Path, what: String) -> Error {
 fn input_quant(config_path: &Path, config: Option<&Value>, dir: &Path) -> Result<InputQuant> {
     let hf_quant = dir.join("hf_quant_config.json");
     if hf_quant.exists() {
-        return Err(dialect_path_err(&hf_quant, "ModelOpt's hf_quant_config.json is present".into()));
+        return Err(already_quantized(&hf_quant, "ModelOpt's hf_quant_config.json is present".into()));
     }
     let Some(config) = config else { return Ok(InputQuant::None) };
     let qc = config
@@ -288,7 +288,7 @@ fn input_quant(config_path: &Path, config: Option<&Value>, dir: &Path) -> Result
     let Some(qc) = qc else { return Ok(InputQuant::None) };
     let method = qc.get("quant_method").and_then(Value::as_str).unwrap_or("unknown");
     if method != "fp8" {
-        return Err(dialect_path_err(
+        return Err(already_quantized(
             config_path,
             format!(
                 "quantization_config's quant_method is `{}` (convert takes BF16/F16/F32 weights and FP8 block-scaled \
@@ -303,14 +303,14 @@ fn input_quant(config_path: &Path, config: Option<&Value>, dir: &Path) -> Result
         Some(v) if matches!(v.as_slice(), [Some(r), Some(c)] if *r > 0 && *c > 0) => {
             let fmt = qc.get("fmt").and_then(Value::as_str).unwrap_or("e4m3");
             if fmt != "e4m3" {
-                return Err(dialect_path_err(
+                return Err(already_quantized(
                     config_path,
                     format!("FP8 format `{}`: only e4m3 block-scaled weights are dequantized", shown(fmt)),
                 ));
             }
             Ok(InputQuant::Fp8Block { rows: v[0].unwrap_or(128) as usize, cols: v[1].unwrap_or(128) as usize })
         }
-        _ => Err(dialect_path_err(
+        _ => Err(already_quantized(
             config_path,
             "FP8 without a weight_block_size [rows, cols] (per-tensor FP8 is not taken: only DeepSeek-style \
              block-scaled FP8 is dequantized)"
@@ -454,7 +454,7 @@ impl Plan {
                     }
                 }
                 if QUANTIZED_FIELDS.contains(&field) || field.ends_with("_blocks") || stem.is_some() {
-                    return Err(dialect_path_err(
+                    return Err(already_quantized(
                         f.path(),
                         format!("it holds `{}`, a tensor of a quantized checkpoint", shown(&name)),
                     ));
@@ -464,7 +464,7 @@ impl Plan {
                     let Some(stem) = name.strip_suffix(".weight") else { return Ok(None) };
                     let sname = format!("{stem}.weight_scale_inv");
                     let Some(&ss) = cat.shard_of.get(&sname) else {
-                        return Err(dialect_path_err(
+                        return Err(already_quantized(
                             f.path(),
                             format!("`{}` is FP8 without a `weight_scale_inv` beside it", shown(&name)),
                         ));
@@ -485,7 +485,7 @@ impl Plan {
                 };
                 let is_fp8 = t.dtype == Dtype::F8_E4M3;
                 if is_fp8 && (t.shape.len() != 2 || !name.ends_with(".weight")) {
-                    return Err(dialect_path_err(
+                    return Err(already_quantized(
                         f.path(),
                         format!("`{}` is F8_E4M3 but not a 2-D block-scaled weight", shown(&name)),
                     ));
@@ -494,7 +494,7 @@ impl Plan {
                     || (matches!(t.dtype, Dtype::U8 | Dtype::I8 | Dtype::I32 | Dtype::U32) && name.ends_with(".weight"))
                     || (is_fp8 && input_quant == InputQuant::None)
                 {
-                    return Err(dialect_path_err(
+                    return Err(already_quantized(
                         f.path(),
                         format!("`{}` is {} (packed or low-precision weights)", shown(&name), t.dtype),
                     ));

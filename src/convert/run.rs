@@ -17,17 +17,16 @@ use serde_json::{json, Value};
 
 use super::plan::{Item, OutTensor, Plan, Source};
 use super::{
-    available_threads, group_decode_scale, run_parallel, shown_out, ConvertOptions, ConvertReport, OutputFormat,
-    Quantizer, BLOCK,
+    available_threads, group_decode_scale, run_parallel, ConvertOptions, ConvertReport, OutputFormat, Quantizer, BLOCK,
 };
 use crate::error::{Error, Result};
 use crate::format::e4m3_decode;
-use crate::io::{io_err, shown, sync_dir, unpredictable_u64, FileKind, SafetensorsFile};
+use crate::io::{io_err, shown, shown_path, sync_dir, unpredictable_u64, FileKind, SafetensorsFile};
 
 /// Refuses an output path that exists, unless it is a directory and `force` is given.
 pub(super) fn check_output(output: &Path, force: bool) -> Result<()> {
     if output.file_name().is_none() {
-        return Err(Error::Invalid(format!("output `{}` does not end in a directory name", shown_out(output))));
+        return Err(Error::Invalid(format!("output `{}` does not end in a directory name", shown_path(output))));
     }
     match std::fs::symlink_metadata(output) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -57,7 +56,7 @@ pub(super) fn check_not_overlapping(input_dir: &Path, output: &Path) -> Result<(
     if input.starts_with(&target) {
         return Err(Error::Invalid(format!(
             "output `{}` is the input model's directory or holds it: write elsewhere",
-            shown_out(output)
+            shown_path(output)
         )));
     }
     Ok(())
@@ -88,7 +87,7 @@ impl OutputDir {
                 Err(e) => return Err(io_err("create a temporary directory beside", target, e)),
             }
         }
-        Err(Error::Invalid(format!("cannot create a temporary directory beside `{}`", shown_out(target))))
+        Err(Error::Invalid(format!("cannot create a temporary directory beside `{}`", shown_path(target))))
     }
 
     /// A new file inside (never an existing one).
@@ -154,7 +153,7 @@ pub(crate) struct RssAnonPeak {
 }
 
 /// The process's anonymous resident memory in bytes (`RssAnon` of `/proc/self/status`).
-pub fn rss_anon_bytes() -> Option<u64> {
+pub(crate) fn rss_anon_bytes() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = s.lines().find(|l| l.starts_with("RssAnon:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -400,7 +399,7 @@ pub(super) fn execute<'a>(
                 let mut next = expected.iter();
                 for chunk in rx {
                     let Some((name, len)) = next.next() else {
-                        return Err(Error::Invalid(format!("`{}`: more tensors than planned", shown_out(&path_w))));
+                        return Err(Error::Invalid(format!("`{}`: more tensors than planned", shown_path(&path_w))));
                     };
                     if chunk.bytes().len() != *len {
                         return Err(Error::Tensor {
