@@ -103,7 +103,7 @@ def main():
     for d, fmt in [(ct, "compressed-tensors"), (mo, "modelopt")]:
         subprocess.run([a.cli, "convert", "--input", a.model, "--output", d, "--format", fmt, "--force"], check=True)
 
-    summary = {"compressed_tensors": compressed_tensors.__version__, "torch": torch.__version__,
+    summary = {"compressed_tensors": getattr(compressed_tensors, "__version__", "?"), "torch": torch.__version__,
                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     t_ct, t_mo = tensors_of(ct), tensors_of(mo)
     modules = sorted(k[: -len(".weight_packed")] for k in t_ct if k.endswith(".weight_packed"))

@@ -29,7 +29,11 @@ def bf16_normal(n, std, seed):
         g = torch.Generator(device=dev)
         g.manual_seed(seed)
         t = torch.randn(n, generator=g, device=dev, dtype=torch.float32).mul_(std).to(torch.bfloat16)
-        return t.view(torch.int16).cpu().numpy().tobytes()
+        t = t.cpu().contiguous()
+        # The raw bytes without numpy (torch may be installed without it).
+        import ctypes
+
+        return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
     except ImportError:
         pass
     try:
