@@ -662,3 +662,42 @@ fn a_failed_run_leaves_nothing_and_progress_adds_up() {
     );
     assert_eq!(std::fs::read_dir(&outs).unwrap().count(), 1);
 }
+
+/// Mixtral's naming (`block_sparse_moe.experts.{e}.w1/w3/w2`): w1 and w3 share g, and the
+/// output loads with the crate's loader as that naming.
+#[test]
+fn mixtral_naming_shares_g_between_w1_and_w3() {
+    let t = TmpDir::new("mixtral");
+    let m = fx::bf16_model(0x180c);
+    let renamed = fx::Model {
+        tensors: m
+            .tensors
+            .iter()
+            .map(|x| {
+                let name = x
+                    .name
+                    .replace("mlp.experts.", "block_sparse_moe.experts.")
+                    .replace(".gate_proj.weight", ".w1.weight")
+                    .replace(".up_proj.weight", ".w3.weight")
+                    .replace(".down_proj.weight", ".w2.weight");
+                let name = if x.name.contains(".experts.") { name } else { x.name.clone() };
+                fx::T { name, ..x.clone() }
+            })
+            .collect(),
+        config: m.config.clone(),
+    };
+    let input = dir(&t, "model");
+    fx::write_model(&input, &renamed, 2);
+    let out = dir(&t, "out");
+    cpu_convert(&input, &out, &ConvertOptions::default()).unwrap();
+    let p = "model.layers.0.block_sparse_moe.experts";
+    for e in 0..fx::EXPERTS {
+        let g = |w: &str| f32_of(&read_tensor(&out, &format!("{p}.{e}.{w}.weight_global_scale")).2);
+        let (g13, g2) = expected_gs(&m, e);
+        assert_eq!((g("w1").to_bits(), g("w3").to_bits()), ((1.0 / g13).to_bits(), (1.0 / g13).to_bits()));
+        assert_eq!(g("w2").to_bits(), (1.0f32 / g2).to_bits());
+    }
+    let loaded = load_experts(&out, p).unwrap();
+    assert_eq!(loaded.checkpoint.naming, host::ExpertNaming::W1W3W2);
+    assert_eq!(loaded.checkpoint.experts, fx::EXPERTS);
+}
