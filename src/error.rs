@@ -124,6 +124,10 @@ pub enum Error {
         /// What it is, and how to proceed.
         what: String,
     },
+    /// A long operation stopped because its caller asked it to (`convert`'s cancel flag, set by
+    /// the CLI on SIGINT or SIGTERM); what it had written is removed.
+    #[error("interrupted")]
+    Interrupted,
     /// File input/output.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),

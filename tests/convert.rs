@@ -701,3 +701,30 @@ fn mixtral_naming_shares_g_between_w1_and_w3() {
     assert_eq!(loaded.checkpoint.naming, host::ExpertNaming::W1W3W2);
     assert_eq!(loaded.checkpoint.experts, fx::EXPERTS);
 }
+
+/// The cancel flag (what the CLI sets on SIGINT/SIGTERM) stops a run between tensors with
+/// `Error::Interrupted`, and nothing is left behind.
+#[test]
+fn a_cancelled_run_stops_and_leaves_nothing() {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    static CANCEL: AtomicBool = AtomicBool::new(false);
+    let t = TmpDir::new("cancel");
+    let m = fx::bf16_model(0x180d);
+    let input = dir(&t, "model");
+    fx::write_model(&input, &m, 2);
+    let outs = dir(&t, "outs");
+    std::fs::create_dir_all(&outs).unwrap();
+    let options = ConvertOptions { cancel: Some(&CANCEL), ..Default::default() };
+    let c = nvfp4_moe::convert::Conversion::plan(&input, outs.join("out"), &options).unwrap();
+    let seen = AtomicUsize::new(0);
+    let e = c
+        .run(&mut CpuQuantizer::with_threads(2), &|_| {
+            if seen.fetch_add(1, Ordering::Relaxed) == 10 {
+                CANCEL.store(true, Ordering::Relaxed);
+            }
+        })
+        .unwrap_err();
+    assert!(matches!(e, Error::Interrupted), "{e:?}");
+    assert_eq!(seen.into_inner(), 11);
+    assert_eq!(std::fs::read_dir(&outs).unwrap().count(), 0);
+}

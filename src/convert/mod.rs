@@ -89,6 +89,9 @@ pub struct ConvertOptions {
     pub exclude: Vec<String>,
     /// Replace an existing output directory.
     pub force: bool,
+    /// Checked between tensors: once it is true the run stops with [`Error::Interrupted`] and
+    /// removes its temporary directory (the CLI sets one from SIGINT and SIGTERM).
+    pub cancel: Option<&'static std::sync::atomic::AtomicBool>,
 }
 
 /// A quantizer of BF16 `[rows, cols]` row-major matrices to NVFP4 with linear block scales, by

@@ -418,6 +418,9 @@ pub(super) fn execute<'a>(
             });
             let produced = (|| -> Result<()> {
                 for (i, item) in shard.items.iter().enumerate() {
+                    if options.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+                        return Err(Error::Interrupted);
+                    }
                     let send = |c: Chunk<'a>| tx.send(c).is_ok();
                     let sent = match item {
                         Item::Copy { shard: from, name, .. } => send(Chunk::Borrowed(files[*from].bytes(name)?)),
@@ -480,6 +483,9 @@ pub(super) fn execute<'a>(
         })?;
     }
 
+    if options.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+        return Err(Error::Interrupted);
+    }
     // The index, the configs and everything else.
     let weight_map = plan.weight_map(format);
     let total_size = plan.output_tensor_bytes(format);

@@ -1,6 +1,8 @@
 //! `nvfp4-moe convert`: a whole Hugging Face model to an NVFP4 checkpoint directory, streaming
 //! (`nvfp4_moe::convert`), on the GPU or all CPU cores.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use clap::builder::NonEmptyStringValueParser;
 use clap::ValueEnum;
 use nvfp4_moe::convert::{Conversion, ConvertOptions, ConvertReport, CpuQuantizer, OutputFormat, Quantizer};
@@ -88,6 +90,32 @@ fn quantizer(backend: Backend) -> CliResult<Box<dyn Quantizer>> {
     }
 }
 
+/// Set by SIGINT / SIGTERM during a conversion: the run stops between tensors and removes its
+/// temporary directory instead of leaving it behind.
+static CANCEL: AtomicBool = AtomicBool::new(false);
+
+#[cfg_attr(not(unix), allow(dead_code))]
+extern "C" fn on_signal(_: libc::c_int) {
+    // Only an atomic store: async-signal-safe.
+    CANCEL.store(true, Ordering::Relaxed);
+}
+
+/// Routes SIGINT and SIGTERM to [`CANCEL`] (a second signal still ends the process: the handler
+/// is installed once, with SA_RESETHAND).
+fn install_cancel_handler() {
+    #[cfg(unix)]
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction is valid; the handler only stores to an atomic.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = libc::SA_RESETHAND;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
 pub fn run(args: &ConvertArgs, global: Global) -> CliResult {
     let options = ConvertOptions {
         format: match args.format {
@@ -97,7 +125,9 @@ pub fn run(args: &ConvertArgs, global: Global) -> CliResult {
         include: args.include.clone(),
         exclude: args.exclude.clone(),
         force: args.force,
+        cancel: Some(&CANCEL),
     };
+    install_cancel_handler();
     // The shared resolver speaks of quantize's `--backend`; this command's flag is `--device`.
     let (backend, gpu) = resolve_backend(args.device).map_err(|e| match e {
         Fail::Run(m) => Fail::Run(m.replace("--backend", "--device")),
