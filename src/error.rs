@@ -106,6 +106,28 @@ pub enum Error {
         /// What is wrong.
         what: String,
     },
+    /// A model that `convert` cannot take: it is already quantized (other than the FP8 block-scaled
+    /// form it dequantizes), so converting it again would quantize twice.
+    #[error("`{}` is already quantized: {what}", crate::io::shown_path(.path))]
+    AlreadyQuantized {
+        /// The config file or tensor file that says so.
+        path: std::path::PathBuf,
+        /// What was found.
+        what: String,
+    },
+    /// An output directory that exists (and `--force` / `ConvertOptions::force` was not given), or
+    /// an output path that names something other than a directory.
+    #[error("output `{}` already exists ({what})", crate::io::shown_path(.path))]
+    OutputExists {
+        /// The output path.
+        path: std::path::PathBuf,
+        /// What it is, and how to proceed.
+        what: String,
+    },
+    /// A long operation stopped because its caller asked it to (`convert`'s cancel flag, set by
+    /// the CLI on SIGINT or SIGTERM); what it had written is removed.
+    #[error("interrupted")]
+    Interrupted,
     /// File input/output.
     #[error("i/o: {0}")]
     Io(#[from] std::io::Error),

@@ -9,13 +9,14 @@
 //! (nvcc, CUTLASS and CMake; see the README). `cuda-13000` (default) picks cudarc's CUDA version
 //! and implies `cuda`. `candle` adds `nvfp4_moe::candle::MoeOp`, the layer as a `candle_core::CustomOp3`.
 //! Without `cuda` the crate is the format ([`mod@format`], [`layout`]), the host weight types
-//! ([`host`]), files ([`io`]), the CPU oracle ([`mod@reference`]) and the [`presets`], and builds
-//! with no CUDA toolkit.
+//! ([`host`]), files ([`io`]), model conversion on the CPU ([`convert`]), the CPU oracle
+//! ([`mod@reference`]) and the [`presets`], and builds with no CUDA toolkit.
 //!
 //! ## Layout: the modules in the order data flows through them
 //!
 //! | layer | module | what it owns |
 //! |---|---|---|
+//! | whole models | [`convert`] | a Hugging Face model to an NVFP4 checkpoint, streaming: `io/` for the files, recipe v2 on the CPU (the `reference` quantizer on all cores) or the GPU (`quantize/`) |
 //! | the layer | [`moe`] | [`moe::weights`] (BF16 or a checkpoint -> prepared weights), [`moe::layer`] (a forward) |
 //! | GPU operations | `gemm`, `routing`, `quantize` | weight preparation and the grouped GEMM; routing, permutation, combine; the quantizers |
 //! | launch | `launch` (private) | stream, device buffers with their guards, host checks, core status -> [`Error`] |
@@ -66,6 +67,7 @@ pub mod abi;
 #[path = "../codegen/abi.rs"]
 #[allow(dead_code, missing_docs)]
 mod codegen_abi;
+pub mod convert;
 pub mod error;
 pub mod format;
 pub mod host;

@@ -164,7 +164,7 @@ fn check_replaceable(target: &Path) -> Result<()> {
 
 /// 64 bits no other process can predict: std's `RandomState` keys SipHash with randomness from
 /// the operating system, and the time, process id and a counter make each name differ.
-fn unpredictable_u64() -> u64 {
+pub(crate) fn unpredictable_u64() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
@@ -276,7 +276,7 @@ pub fn write_file_atomically(target: impl AsRef<Path>, bytes: &[u8]) -> Result<(
 
 /// Makes a rename in `dir` durable. Filesystems that cannot sync a directory say so with
 /// `EINVAL`; nothing more can be done there, so that is not an error.
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> std::io::Result<()> {
     #[cfg(unix)]
     {
         match File::open(dir).and_then(|d| d.sync_all()) {

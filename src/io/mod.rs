@@ -18,11 +18,14 @@ mod matrix;
 mod safetensors;
 mod shown;
 
+pub(crate) use self::checkpoint::Catalog;
 pub use self::checkpoint::{
     load_compressed_tensors, load_experts, load_modelopt, write_modelopt_experts, CheckpointFormat, Dialect,
     LoadedExperts, QuantScheme,
 };
+pub(crate) use self::fs::{io_err, open_regular, read_small_file, sync_dir, unpredictable_u64};
 pub use self::fs::{write_file_atomically, FileKind};
 pub use self::matrix::{read_matrix_bf16, read_modelopt, write_bf16, write_modelopt, ModelOptWeight, SourceDtype};
+pub(crate) use self::safetensors::json_problem;
 pub use self::safetensors::SafetensorsFile;
 pub(crate) use self::shown::{shown, shown_path};

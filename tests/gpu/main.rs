@@ -5,7 +5,8 @@
 //! - [`codec`]: the quantizer and dequantizer (bit-exact with the oracle, and with ModelOpt);
 //! - [`gemm`]: the grouped GEMM, its epilogues, the grouped quantizers, graph capture;
 //! - [`layer`]: routing, permutation, combine and the MoE layer;
-//! - [`cli`]: the `nvfp4-moe` commands that need a GPU.
+//! - [`cli`]: the `nvfp4-moe` commands that need a GPU;
+//! - [`convert`]: `convert` on the GPU writes the CPU path's bytes.
 //!
 //! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
 //! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
@@ -29,6 +30,9 @@ mod cli;
 mod codec;
 #[path = "../common/mod.rs"]
 mod common;
+mod convert;
+#[path = "../convert_fixture/mod.rs"]
+mod convert_fixture;
 mod gemm;
 mod layer;
 #[path = "../modelopt_fixture/mod.rs"]

@@ -199,6 +199,19 @@ pub fn progress(what: &str, len: u64, unit: &str) -> Bar {
     Bar(pb)
 }
 
+/// A progress bar over `len` bytes for `what`, with the rate and ETA, hidden when stderr is not a
+/// terminal.
+pub fn progress_bytes(what: &str, len: u64) -> Bar {
+    let style = ProgressStyle::with_template(
+        "{msg} [{bar:30}] {bytes}/{total_bytes} ({percent}%, {binary_bytes_per_sec}, {elapsed}, eta {eta})",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    let pb = bars().add(ProgressBar::new(len).with_style(style).with_message(what.to_string()));
+    pb.enable_steady_tick(Duration::from_millis(200));
+    Bar(pb)
+}
+
 /// A spinner for work of unknown length (loading, uploading), hidden when stderr is not a
 /// terminal.
 pub fn spinner(what: &str) -> Bar {

@@ -17,6 +17,7 @@ mod bench;
 mod check;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod common;
+mod convert;
 mod dequantize;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod gpu;
@@ -47,6 +48,7 @@ scale\" is 1/g).
 Examples:
   nvfp4-moe quantize --input w.safetensors --tensor gate --output q.safetensors [--backend cpu|cuda]
   nvfp4-moe dequantize --input q.safetensors --output w2.safetensors [--backend cpu|cuda]
+  nvfp4-moe convert --input MODEL_DIR --output NVFP4_DIR [--device cpu|cuda] [--format modelopt]
   nvfp4-moe check --preset deepseek-v3 --tokens 32
   nvfp4-moe --json info
   nvfp4-moe help quantize
@@ -82,6 +84,8 @@ enum Command {
     Quantize(quantize::QuantizeArgs),
     #[command(about = dequantize::ABOUT, after_help = dequantize::AFTER_HELP)]
     Dequantize(dequantize::DequantizeArgs),
+    #[command(about = convert::ABOUT, after_help = convert::AFTER_HELP)]
+    Convert(convert::ConvertArgs),
     #[command(about = check::ABOUT, after_help = check::after_help())]
     Check(check::CheckArgs),
     #[command(about = run::ABOUT, after_help = run::AFTER_HELP)]
@@ -97,6 +101,7 @@ impl Command {
         match self {
             Command::Quantize(_) => "quantize",
             Command::Dequantize(_) => "dequantize",
+            Command::Convert(_) => "convert",
             Command::Check(_) => "check",
             Command::Run(_) => "run",
             Command::Bench(_) => "bench",
@@ -110,6 +115,7 @@ fn dispatch(cli: &Cli) -> CliResult {
     match &cli.command {
         Command::Quantize(a) => quantize::run(a, global),
         Command::Dequantize(a) => dequantize::run(a, global),
+        Command::Convert(a) => convert::run(a, global),
         Command::Check(a) => check::run(a, global),
         Command::Run(a) => run::run(a, global),
         Command::Bench(a) => bench::run(a, global),
@@ -216,7 +222,7 @@ mod tests {
         assert_eq!((b.tile, b.batch_invariant), (run::TileArg::N64, true));
 
         // --json anywhere, for every command.
-        for cmd in ["quantize", "dequantize", "check", "run", "bench", "info"] {
+        for cmd in ["quantize", "dequantize", "convert", "check", "run", "bench", "info"] {
             let mut cli = Cli::command();
             cli.build();
             let sub = cli.find_subcommand(cmd).unwrap();
@@ -237,5 +243,40 @@ mod tests {
         let cli = parse(&["dequantize", "--input", "a", "--output", "b"]).unwrap();
         let Command::Dequantize(d) = cli.command else { panic!() };
         assert_eq!((d.name.as_str(), d.prefix, d.backend), ("weight", None, None));
+    }
+
+    #[test]
+    fn convert_flags() {
+        let cli = parse(&["convert", "--input", "m", "--output", "o"]).unwrap();
+        let Command::Convert(c) = cli.command else { panic!() };
+        assert_eq!(
+            (c.input.as_str(), c.output.as_str(), c.format, c.device, c.force),
+            ("m", "o", convert::FormatArg::CompressedTensors, None, false)
+        );
+        let cli = parse(&[
+            "convert",
+            "--input=m",
+            "--output=o",
+            "--format",
+            "modelopt",
+            "--device",
+            "cpu",
+            "--include",
+            "*.q_proj.weight",
+            "--include",
+            "*.k_proj.weight",
+            "--exclude",
+            "*.experts.0.*",
+            "--force",
+        ])
+        .unwrap();
+        let Command::Convert(c) = cli.command else { panic!() };
+        assert_eq!((c.format, c.device, c.force), (convert::FormatArg::Modelopt, Some(gpu::Backend::Cpu), true));
+        assert_eq!((c.include.len(), c.exclude.len()), (2, 1));
+        assert_eq!(parse(&["convert", "--input", "m"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
+        assert_eq!(
+            parse(&["convert", "--input", "m", "--output", "o", "--format", "nvfp4"]).unwrap_err().kind(),
+            ErrorKind::InvalidValue
+        );
     }
 }

@@ -202,7 +202,7 @@ fn resolve(path: &Path) -> Result<Resolved> {
 }
 
 /// Where a checkpoint's tensors are.
-pub(super) struct Catalog {
+pub(crate) struct Catalog {
     /// The file named in "not found" messages: the safetensors file or the index.
     pub source: PathBuf,
     /// Whether `source` is an index.
@@ -218,7 +218,7 @@ pub(super) struct Catalog {
 }
 
 /// The dtype, shape and shard of one tensor.
-pub(super) struct Meta {
+pub(crate) struct Meta {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
     pub shard: usize,

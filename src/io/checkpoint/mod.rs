@@ -35,6 +35,7 @@ mod load;
 mod tests;
 mod write;
 
+pub(crate) use catalog::Catalog;
 pub use dialect::{Dialect, QuantScheme};
 pub use load::{load_compressed_tensors, load_experts, load_modelopt, CheckpointFormat, LoadedExperts};
 pub use write::write_modelopt_experts;
