@@ -108,6 +108,10 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
       a.tile != GemmTile::kM128N128) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(a.tile));
   }
+  if (a.max_splits < 0) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: max_splits must be >= 0 (got %lld)",
+                (long long)a.max_splits);
+  }
   return Status::kSuccess;
 }
 

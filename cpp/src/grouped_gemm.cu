@@ -44,33 +44,13 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
 }
 
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
-  if (a.experts <= 0 || a.experts > gemm::kMaxExperts) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: experts must be in [1, %d] (got %lld)", gemm::kMaxExperts,
-                (long long)a.experts);
-  }
-  if (a.epilogue != GemmEpilogue::kPlain && a.epilogue != GemmEpilogue::kInterleaved &&
-      a.epilogue != GemmEpilogue::kSwigluBf16 && a.epilogue != GemmEpilogue::kSwigluNvfp4) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
-  }
-  if (a.max_splits < 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: max_splits must be >= 0 (got %lld)",
-                (long long)a.max_splits);
-  }
-  if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
-                (long long)a.n, (long long)a.k);
-  }
-  if (a.total_rows > (int64_t(1) << 31) - 1 || a.n * a.total_rows > (int64_t(1) << 62)) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
-  }
+  // Shapes, counts and enum values: the rules live in can_implement.cpp only.
+  if (Status s = grouped_gemm_nvfp4_can_implement(a); s != Status::kSuccess) return s;
+  static_assert(gemm::kMaxExperts == kExpertLimit, "the kernel's expert table holds every expert the API allows");
   const bool nvfp4_out = a.epilogue == GemmEpilogue::kSwigluNvfp4;
   if (nvfp4_out) {
     if (!a.out_scales || !a.act_decode_scales) {
       return fail(Status::kNullPointer, "grouped_gemm_nvfp4: kSwigluNvfp4 needs out_scales and act_decode_scales");
-    }
-    if (a.num_act_decode_scales != 1 && a.num_act_decode_scales != a.experts) {
-      return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
-                  (long long)a.num_act_decode_scales);
     }
     // Every scale byte the kernel does not write (padding rows and columns of each expert's
     // region; all of them when there are no rows) reads as zero, as quantize_nvfp4_grouped
@@ -93,9 +73,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
 
   GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
-  if (tile != GemmTile::kM128N16 && tile != GemmTile::kM128N64 && tile != GemmTile::kM128N128) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(tile));
-  }
   int block_n = tile == GemmTile::kM128N16 ? 16 : tile == GemmTile::kM128N64 ? 64 : 128;
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
