@@ -56,19 +56,8 @@ impl Quantizer for CudaQuantizer {
         codes: &mut [u8],
         scales: &mut [u8],
     ) -> Result<()> {
-        crate::host::validate_quantize_shape(rows, cols)?;
-        crate::host::validate_decode_scale(g)?;
+        super::check_quantize_args(x.len(), rows, cols, g, codes.len(), scales.len())?;
         let n = rows * cols;
-        if x.len() != n || codes.len() != n / 2 || scales.len() != n / BLOCK {
-            return Err(Error::InvalidShape(format!(
-                "quantize [{rows}, {cols}]: x has {} elements, codes {} and scales {} bytes (need {n}, {}, {})",
-                x.len(),
-                codes.len(),
-                scales.len(),
-                n / 2,
-                n / BLOCK
-            )));
-        }
         if n == 0 {
             return Ok(());
         }

@@ -117,6 +117,30 @@ pub trait Quantizer {
     fn describe(&self) -> String;
 }
 
+/// The checks every [`Quantizer`] makes first: the shape, the decode scale, and buffer lengths
+/// for `rows * cols` elements.
+pub(crate) fn check_quantize_args(
+    x_len: usize,
+    rows: usize,
+    cols: usize,
+    g: f32,
+    codes_len: usize,
+    scales_len: usize,
+) -> Result<()> {
+    crate::host::validate_quantize_shape(rows, cols)?;
+    crate::host::validate_decode_scale(g)?;
+    let n = rows * cols;
+    if x_len != n || codes_len != n / 2 || scales_len != n / BLOCK {
+        return Err(Error::InvalidShape(format!(
+            "quantize [{rows}, {cols}]: x has {x_len} elements, codes {codes_len} and scales {scales_len} bytes \
+             (need {n}, {}, {})",
+            n / 2,
+            n / BLOCK
+        )));
+    }
+    Ok(())
+}
+
 /// The CPU reference quantizer ([`crate::reference::quantize`]) over row chunks on `threads`
 /// threads (the linear layout makes consecutive row ranges' codes and scales consecutive, so the
 /// bytes are the single-threaded ones).
@@ -157,19 +181,8 @@ impl Quantizer for CpuQuantizer {
         codes: &mut [u8],
         scales: &mut [u8],
     ) -> Result<()> {
-        crate::host::validate_quantize_shape(rows, cols)?;
-        crate::host::validate_decode_scale(g)?;
+        check_quantize_args(x.len(), rows, cols, g, codes.len(), scales.len())?;
         let n = rows * cols;
-        if x.len() != n || codes.len() != n / 2 || scales.len() != n / BLOCK {
-            return Err(Error::InvalidShape(format!(
-                "quantize [{rows}, {cols}]: x has {} elements, codes {} and scales {} bytes (need {n}, {}, {})",
-                x.len(),
-                codes.len(),
-                scales.len(),
-                n / 2,
-                n / BLOCK
-            )));
-        }
         if n == 0 {
             return Ok(());
         }
@@ -180,7 +193,7 @@ impl Quantizer for CpuQuantizer {
             .zip(scales.chunks_mut(ch * cols / BLOCK))
             .map(|((x, c), s)| (x, c, s))
             .collect();
-        run_parallel(self.threads, items, |(x, c, s)| {
+        run_parallel(self.threads, items, |(x, c, s)| -> Result<()> {
             let q = crate::reference::quantize(x, x.len() / cols, cols, g, ScaleLayout::Linear)?;
             c.copy_from_slice(&q.codes);
             s.copy_from_slice(&q.scales);
@@ -194,11 +207,13 @@ impl Quantizer for CpuQuantizer {
 }
 
 /// Runs `work` on every item on up to `threads` threads; stops at, and returns, the first error.
-pub(crate) fn run_parallel<T: Send>(
+/// (Shared with the CLI's progress-reporting runner; not a stable API.)
+#[doc(hidden)]
+pub fn run_parallel<T: Send, E: Send>(
     threads: usize,
     items: Vec<T>,
-    work: impl Fn(T) -> Result<()> + Sync,
-) -> Result<()> {
+    work: impl Fn(T) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<(), E> {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Mutex;
     let n_threads = threads.clamp(1, items.len().max(1));
@@ -207,7 +222,7 @@ pub(crate) fn run_parallel<T: Send>(
     }
     let queue = Mutex::new(items.into_iter());
     let failed = AtomicBool::new(false);
-    let first_err: Mutex<Option<Error>> = Mutex::new(None);
+    let first_err: Mutex<Option<E>> = Mutex::new(None);
     let worker = || {
         while !failed.load(Ordering::Relaxed) {
             let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();

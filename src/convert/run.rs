@@ -251,7 +251,7 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
         Dtype::BF16 | Dtype::F16 | Dtype::F32 => {
             let items: Vec<_> = out.chunks_mut(rows_per * cols).zip(bytes.chunks(rows_per * cols * elem)).collect();
             let dtype = src.dtype;
-            run_parallel(threads, items, |(o, b)| {
+            run_parallel(threads, items, |(o, b)| -> Result<()> {
                 for (v, e) in o.iter_mut().zip(b.chunks_exact(elem)) {
                     *v = match dtype {
                         Dtype::BF16 => bf16::from_le_bytes([e[0], e[1]]),
@@ -274,7 +274,7 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
             let grid_cols = fp8.grid[1];
             let items: Vec<_> =
                 out.chunks_mut(rows_per * cols).zip(bytes.chunks(rows_per * cols)).enumerate().collect();
-            run_parallel(threads, items, |(i, (o, b))| {
+            run_parallel(threads, items, |(i, (o, b))| -> Result<()> {
                 let row0 = src.first_row + i * rows_per;
                 for (r, (orow, brow)) in o.chunks_mut(cols).zip(b.chunks(cols)).enumerate() {
                     let srow = &scales[((row0 + r) / br) * grid_cols..][..grid_cols];

@@ -5,7 +5,7 @@
 use std::fmt;
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -296,38 +296,17 @@ pub fn threads() -> usize {
 }
 
 /// Runs `work` on every item (`(units in it, item)`) on all cores, advancing `pb` by each item's
-/// units. Stops at, and returns, the first error.
+/// units. Stops at, and returns, the first error (the library's work queue).
 pub fn run_chunked<T: Send, E: Send>(
     pb: &ProgressBar,
     items: Vec<(usize, T)>,
     work: impl Fn(T) -> std::result::Result<(), E> + Sync,
 ) -> std::result::Result<(), E> {
-    let n_threads = threads().clamp(1, items.len().max(1));
-    let queue = Mutex::new(items.into_iter());
-    let failed = AtomicBool::new(false);
-    let first_err: Mutex<Option<E>> = Mutex::new(None);
-    let worker = || {
-        while !failed.load(Ordering::Relaxed) {
-            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-            let Some((n, item)) = next else { break };
-            if let Err(e) = work(item) {
-                first_err.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(e);
-                failed.store(true, Ordering::Relaxed);
-                break;
-            }
-            pb.inc(n as u64);
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..n_threads {
-            s.spawn(worker);
-        }
-        worker();
-    });
-    match first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
+    nvfp4_moe::convert::run_parallel(threads(), items, |(n, item)| {
+        work(item)?;
+        pb.inc(n as u64);
+        Ok(())
+    })
 }
 
 #[cfg(test)]
