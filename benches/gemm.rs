@@ -1,74 +1,161 @@
-//! The NVFP4 grouped GEMM at MoE shapes: L1 (n = 2I, k = H) and L2 (n = H, k = I) of deepseek-v3,
-//! qwen3-30b-a3b and mixtral-8x7b, T in {1, 16, 128, 1024, 8192} tokens x top-k rows, balanced
-//! routing, L2 flushed (256 MiB write) before each timed launch. Reports microseconds, TB/s of
-//! weight bytes (0.5625 B per weight of the experts that got rows) and TFLOP/s.
+//! The NVFP4 grouped GEMM at MoE shapes, the GEMM table of issue 14: L1 (n = 2I, k = H) with the
+//! layer's default `SwigluBf16` epilogue ([rows, I] out) and L2 (n = H, k = I) with `PlainBf16`,
+//! for every built-in preset (`nvfp4_moe::presets::PRESETS`), T in {1, 16, 128, 1024, 8192}
+//! tokens x top-k rows, balanced routing.
 //!
-//! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1`.
+//! Timing: a CUDA graph of 10 pairs (a 256 MiB write that flushes L2, then the GEMM) minus a graph
+//! of the 10 flushes alone, divided by 10; the median of 7 replays. The library's split-K, when it
+//! picks one, happens inside the launch, so its reduction is in the time (the GEMM needs no memset
+//! or workspace). Reports microseconds, TB/s of weight bytes (0.5625 B per weight of the experts
+//! that got rows: min(E, rows)), TFLOP/s, the floor (max of weight bytes / 4.3 TB/s and FLOPs /
+//! the dense BF16 rate: `$NVFP4MOE_BF16_TFLOPS`, which scripts/gpu-run.sh measures with PyTorch in
+//! the same call, else 795 TFLOP/s) and floor/t.
+//!
+//! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1` or `-- /T16`.
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{balanced_offsets, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS, TOKENS};
+use common::{
+    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, Row, HBM_TBPS, TOKENS,
+};
 use criterion::{criterion_group, Criterion};
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
-use nvfp4_moe::gemm::{GemmTile, GroupedGemm, PlainBf16};
-use nvfp4_moe::testing::random_device_weights;
-use nvfp4_moe::testing::Rng;
+use nvfp4_moe::gemm::{Bf16Output, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
+use nvfp4_moe::presets::{Preset, PRESETS};
+use nvfp4_moe::testing::{random_device_weights, Rng};
+
+/// Flush + GEMM pairs per captured graph.
+const PAIRS: usize = 10;
+/// Replays of each graph; the table reports the median difference.
+const REPS: usize = 7;
+/// Bytes of the write that flushes L2 (50 MiB on the H200) before each GEMM.
+const FLUSH_BYTES: usize = 256 << 20;
+
+/// What every case shares.
+struct Bench<'a> {
+    c: &'a mut Criterion,
+    s: Arc<CudaStream>,
+    flush: CudaSlice<u8>,
+    /// `PAIRS` flushes alone: what is subtracted from a pairs graph.
+    flushes: CudaGraph,
+    /// Activations for the largest case; a case reads its first rows x k.
+    x: CudaSlice<bf16>,
+    bf16_tflops: f64,
+    table: Vec<Row>,
+}
+
+/// `len` bf16 activations ~ N(0, 1) on the device: a block of 16 Mi random values replicated.
+/// Generating the largest case's ~470 M values on the host would take seconds; what the GEMM's
+/// power (and so its clocks) depends on is the values' statistics, not their period.
+fn device_activations(s: &Arc<CudaStream>, rng: &mut Rng, len: usize) -> CudaSlice<bf16> {
+    let src = s.clone_htod(&rng.normal_bf16(len.min(16 << 20), 1.0)).unwrap();
+    // SAFETY: the copies below write every element before any read.
+    let mut dst = unsafe { s.alloc::<bf16>(len) }.unwrap();
+    let mut off = 0;
+    while off < len {
+        let m = src.len().min(len - off);
+        s.memcpy_dtod(&src.slice(..m), &mut dst.slice_mut(off..off + m)).unwrap();
+        off += m;
+    }
+    dst
+}
+
+/// Times the GEMM over `w` with epilogue `E` at every selected T, into criterion and the table.
+fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Weights) {
+    let s = b.s.clone();
+    let (n, k) = (w.n(), w.k());
+    let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
+    let mut out = s.alloc_zeros::<bf16>(max_rows * E::out_cols(n)).unwrap();
+    let plan = GroupedGemm::<E>::new(w, GemmTile::Auto).unwrap();
+    for &t in &TOKENS {
+        let name = format!("{}/{layer}/T{t}", p.name);
+        if !selected(&name) {
+            continue;
+        }
+        let rows = t * p.top_k;
+        let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
+        // One launch outside the capture, so that first-launch work (module loading) stays out
+        // of the graph.
+        plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
+        let pairs = capture(&s, PAIRS, || {
+            s.memset_zeros(&mut b.flush).unwrap();
+            plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
+        });
+        // Criterion replays the same graphs (each whole: PAIRS GEMMs), so its numbers and the
+        // table's agree.
+        let mut grp = b.c.benchmark_group("grouped_gemm");
+        grp.bench_function(&name, |bch| {
+            bch.iter_custom(|iters| {
+                let g = iters.div_ceil(PAIRS as u64);
+                let with = time_events(&s, g, || pairs.launch().unwrap());
+                let without = time_events(&s, g, || b.flushes.launch().unwrap());
+                let per_gemm = (with.as_secs_f64() - without.as_secs_f64()) / (g as f64 * PAIRS as f64);
+                // Noise can make a difference of tiny kernels negative; a Duration cannot be.
+                Duration::from_secs_f64(per_gemm.max(0.0) * iters as f64)
+            })
+        });
+        grp.finish();
+        let us = graph_pairs_us(&s, &pairs, &b.flushes, PAIRS, REPS);
+        let active = p.experts.min(rows);
+        let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
+        let flops = 2.0 * rows as f64 * n as f64 * k as f64;
+        let floor = (wbytes / (HBM_TBPS * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
+        b.table.push(Row {
+            name: format!("{name} ({:?})", plan.tile_for(rows)),
+            us,
+            bytes: wbytes,
+            flops,
+            floor_us: floor,
+        });
+    }
+}
 
 fn benches(c: &mut Criterion) {
     let ctx = CudaContext::new(0).expect("a CUDA GPU");
-    let s = ctx.default_stream();
+    // SAFETY: everything below runs on one stream, so no cross-stream synchronization is needed;
+    // without event tracking no launch inside a capture waits on an event recorded outside it.
+    unsafe { ctx.disable_event_tracking() };
+    // Its own stream: the legacy default stream cannot be captured.
+    let s = ctx.new_stream().unwrap();
     let mut rng = Rng::from_entropy();
-    let mut flush = s.alloc_zeros::<u8>(256 << 20).unwrap();
-    let mut table = Vec::new();
+    let mut flush = s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap();
+    let flushes = capture(&s, PAIRS, || s.memset_zeros(&mut flush).unwrap());
+    let max_x = PRESETS.iter().map(|p| TOKENS.iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
+    let x = device_activations(&s, &mut rng, max_x.unwrap());
+    let (rate, rate_source) = bf16_tflops();
+    let mut b = Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, table: Vec::new() };
+    let any = |p: &Preset, layer: &str| TOKENS.iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
     for p in &PRESETS {
-        for (layer, n, k) in [("L1", 2 * p.inter, p.hidden), ("L2", p.hidden, p.inter)] {
-            let prefix = format!("{}/{layer}", p.name);
-            if !TOKENS.iter().any(|t| selected(&format!("{prefix}/T{t}"))) {
-                continue;
-            }
-            let w = random_device_weights(&s, &mut rng, p.experts, n, k, false).unwrap();
-            let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
-            let x = s.clone_htod(&rng.normal_bf16(max_rows * k, 1.0)).unwrap();
-            let mut out = s.alloc_zeros::<bf16>(max_rows * n).unwrap();
-            for &t in &TOKENS {
-                let name = format!("{prefix}/T{t}");
-                if !selected(&name) {
-                    continue;
-                }
-                let rows = t * p.top_k;
-                let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
-                let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&w, GemmTile::Auto).unwrap();
-                // One timed launch after an L2 flush.
-                let mut once = || flushed_us(&s, &mut flush, || plan.launch(&s, &x, rows, &off, &mut out).unwrap());
-                let mut grp = c.benchmark_group("grouped_gemm");
-                grp.bench_function(&name, |b| {
-                    b.iter_custom(|iters| Duration::from_secs_f64((0..iters).map(|_| once()).sum::<f64>() * 1e-6))
-                });
-                grp.finish();
-                let us = median(&mut (0..31).map(|_| once()).collect::<Vec<_>>());
-                let active = p.experts.min(rows);
-                let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
-                let flops = 2.0 * rows as f64 * n as f64 * k as f64;
-                let floor = (wbytes / (HBM_TBPS * 1e12)).max(flops / (BF16_TFLOPS * 1e12)) * 1e6;
-                table.push(Row {
-                    name: format!("{name} ({:?})", plan.tile_for(rows)),
-                    us,
-                    bytes: wbytes,
-                    flops,
-                    floor_us: floor,
-                });
-            }
+        let (e, h, i) = (p.experts, p.hidden, p.intermediate);
+        if any(p, "L1") {
+            // Gate/up row order: the SwiGLU epilogue needs each gate row's up partner in its tile.
+            let w = random_device_weights(&s, &mut rng, e, 2 * i, h, true).unwrap();
+            layer::<SwigluBf16>(&mut b, p, "L1", &w);
+        }
+        if any(p, "L2") {
+            let w = random_device_weights(&s, &mut rng, e, h, i, false).unwrap();
+            layer::<PlainBf16>(&mut b, p, "L2", &w);
         }
     }
-    report("gemm", &table);
+    let notes = [
+        "L1: n = 2I, k = H, SwigluBf16 epilogue ([rows, I] out); L2: n = H, k = I, PlainBf16; balanced routing".into(),
+        format!(
+            "t = (graph of {PAIRS} x (256 MiB L2 flush + GEMM) - graph of {PAIRS} flushes) / {PAIRS}, median of {REPS} \
+             replays; tile = the library's choice; its split-K (not reported by the API) is inside the launch"
+        ),
+        format!("floor = max(weight bytes / {HBM_TBPS} TB/s, FLOPs / {rate:.1} TFLOP/s BF16 ({rate_source}))"),
+    ];
+    report_noted("gemm", "CUDA-graph replays", &notes, &b.table);
 }
 
 criterion_group! {
     name = group;
-    config = common::short_criterion(300, 1000);
+    // Short: 60 cases share the GPU run's time budget.
+    config = common::short_criterion(100, 300);
     targets = benches
 }
 criterion::criterion_main!(group);

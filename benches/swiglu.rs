@@ -21,7 +21,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{balanced_offsets, flushed_us, median, report, selected, Row, BF16_TFLOPS, HBM_TBPS, PRESETS};
+use common::{balanced_offsets, flushed_us, median, presets, report, selected, Row, BF16_TFLOPS, HBM_TBPS};
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
@@ -40,11 +40,11 @@ fn benches(c: &mut Criterion) {
     let mut flush = s.alloc_zeros::<u8>(256 << 20).unwrap();
     let mut table = Vec::new();
     let mut targets = Vec::new();
-    for p in &PRESETS {
+    for p in &presets(&["deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"]) {
         if !TOKENS.iter().any(|t| selected(&format!("{}/T{t}", p.name))) {
             continue;
         }
-        let (inter, k, e) = (p.inter, p.hidden, p.experts);
+        let (inter, k, e) = (p.intermediate, p.hidden, p.experts);
         let n = 2 * inter;
         let w = random_device_weights(&s, &mut rng, e, n, k, true).unwrap();
         let max_rows = TOKENS.iter().max().unwrap() * p.top_k;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the bundle made by scripts/gpu-bundle.sh: every test binary with
-# --include-ignored, every example once (NVFP4MOE_EXAMPLES=none skips them), then the benches
-# (filter = the arguments; NVFP4MOE_BENCHES=none skips them), then a summary table. Logs and bench
+# --include-ignored, every example once (NVFP4MOE_EXAMPLES=none skips them), then the dense BF16
+# rate (PyTorch, for the GEMM bench's floors) and the benches (filter = the arguments;
+# NVFP4MOE_BENCHES=none skips them), then a summary table. Logs and bench
 # JSON go to $OUT (or ./gpu-out).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -57,6 +58,36 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "example $name" "$rc" "$secs" "$(tail -1 "$log" | cut -c1-110)")")
   done
   [ -e "$here/examples/candle_moe" ] || summary+=("example candle_moe           not bundled: it did not link on the build machine")
+fi
+# The dense BF16 rate of this GPU at its clocks now (torch.matmul 8192^3, median of 10 event-timed
+# runs after warm-up; a few seconds), for the GEMM bench's floors; a rate set by the caller wins.
+if [ "${NVFP4MOE_BENCHES:-all}" != none ] && [ -z "${NVFP4MOE_BF16_TFLOPS:-}" ] && python3 -c "import torch" 2>/dev/null; then
+  rate=$(timeout 60 python3 - <<'PY' 2>"$out/bf16-rate.err"
+import torch
+n = 8192
+a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+for _ in range(5):
+    torch.matmul(a, b, out=c)
+ms = []
+for _ in range(10):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.matmul(a, b, out=c)
+    end.record()
+    end.synchronize()
+    ms.append(start.elapsed_time(end))
+ms.sort()
+print(f"{2 * n**3 / (ms[len(ms) // 2] * 1e-3) / 1e12:.1f}")
+PY
+  )
+  if [[ "$rate" =~ ^[0-9]+(\.[0-9]+)?$ ]]; then
+    export NVFP4MOE_BF16_TFLOPS=$rate
+    echo "dense BF16 rate (torch.matmul 8192^3, median of 10): $rate TFLOP/s"
+    summary+=("$(printf '%-28s %s TFLOP/s (torch.matmul 8192^3, median of 10)' "dense BF16 rate" "$rate")")
+  else
+    echo "dense BF16 rate not measured (see $out/bf16-rate.err); the benches use their constant"
+  fi
 fi
 if [ "${NVFP4MOE_BENCHES:-all}" != none ]; then
   for b in "$here"/benches/*; do

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::Criterion;
-use cudarc::driver::{sys::CUevent_flags, CudaSlice, CudaStream};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+pub use nvfp4_moe::presets::Preset;
 
 /// Measured H200 ceilings (shared/design/BENCHMARKS.md): copy bandwidth counting read + written.
 pub const HBM_TBPS: f64 = 4.3;
@@ -14,20 +16,22 @@ pub const HBM_TBPS: f64 = 4.3;
 /// Measured dense BF16 matrix rate on the H200 (TFLOP/s).
 pub const BF16_TFLOPS: f64 = 795.0;
 
-/// MoE shapes (shared/presets/moe-shapes.toml).
-pub struct Preset {
-    pub name: &'static str,
-    pub experts: usize,
-    pub hidden: usize,
-    pub inter: usize,
-    pub top_k: usize,
+/// The dense BF16 rate for floors (TFLOP/s) and where it came from: `$NVFP4MOE_BF16_TFLOPS` when
+/// set (scripts/gpu-run.sh measures it with PyTorch in the same call, so the floor tracks this
+/// GPU's clocks), else [`BF16_TFLOPS`].
+pub fn bf16_tflops() -> (f64, String) {
+    match std::env::var("NVFP4MOE_BF16_TFLOPS").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
+        Some(r) if r.is_finite() && r > 0.0 => (r, "NVFP4MOE_BF16_TFLOPS, measured in this run".into()),
+        _ => (BF16_TFLOPS, "the H200 constant BF16_TFLOPS; NVFP4MOE_BF16_TFLOPS unset".into()),
+    }
 }
 
-pub const PRESETS: [Preset; 3] = [
-    Preset { name: "deepseek-v3", experts: 256, hidden: 7168, inter: 2048, top_k: 8 },
-    Preset { name: "qwen3-30b-a3b", experts: 128, hidden: 2048, inter: 768, top_k: 8 },
-    Preset { name: "mixtral-8x7b", experts: 8, hidden: 4096, inter: 14336, top_k: 2 },
-];
+/// The crate's built-in presets of these names (shared/presets/moe-shapes.toml, one source of
+/// the shapes).
+pub fn presets(names: &[&str]) -> Vec<Preset> {
+    names.iter().map(|n| nvfp4_moe::presets::preset(n).unwrap()).collect()
+}
+
 pub const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
 
 /// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
@@ -95,6 +99,38 @@ pub fn flushed_pairs_us(
     median(&mut v)
 }
 
+/// A CUDA graph of `n` copies of the work `f` enqueues on `stream` (captured, instantiated and
+/// uploaded). `stream` must not be the legacy default stream (it cannot be captured), and buffers
+/// `f` uses must not track events (`CudaContext::disable_event_tracking` before allocating them):
+/// a wait on an event recorded before the capture would break it.
+pub fn capture(stream: &Arc<CudaStream>, n: usize, mut f: impl FnMut()) -> CudaGraph {
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    for _ in 0..n {
+        f();
+    }
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a non-empty capture");
+    graph.upload().unwrap();
+    graph
+}
+
+/// Time of one kernel of `pairs` (a graph of `n` pairs: L2 flush, then the kernel) without the
+/// flushes: a replay of `pairs` minus a replay of `flushes` (the same `n` flushes alone), each
+/// timed with CUDA events, divided by `n`; the median of `reps` such differences, in
+/// microseconds. The two replays alternate so that clock drift cancels.
+pub fn graph_pairs_us(stream: &Arc<CudaStream>, pairs: &CudaGraph, flushes: &CudaGraph, n: usize, reps: usize) -> f64 {
+    // The first replays after upload pay one-time costs.
+    pairs.launch().unwrap();
+    flushes.launch().unwrap();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            let with = time_events(stream, 1, || pairs.launch().unwrap());
+            let without = time_events(stream, 1, || flushes.launch().unwrap());
+            (with.as_secs_f64() - without.as_secs_f64()) * 1e6 / n as f64
+        })
+        .collect();
+    median(&mut v)
+}
+
 /// The median of `v` (sorts it).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -123,19 +159,32 @@ pub struct Row {
 /// Prints the summary table last (the GPU runner shows the end of the output) and writes JSON to
 /// `$NVFP4MOE_BENCH_JSON` (a directory) when set.
 pub fn report(bench: &str, rows: &[Row]) {
+    report_noted(bench, "median of CUDA-event timings", &[], rows);
+}
+
+/// [`report`] with `how` (how the times were taken) in the title and `notes` under it (lines the
+/// GPU runner's summary keeps: it prints from the title on).
+pub fn report_noted(bench: &str, how: &str, notes: &[String], rows: &[Row]) {
     println!();
-    println!("== {bench}: summary (median of CUDA-event timings) ==");
-    println!("{:<44} {:>10} {:>9} {:>9} {:>10} {:>8}", "case", "us", "TB/s", "%4.3TB/s", "TFLOP/s", "floor/t");
+    println!("== {bench}: summary ({how}) ==");
+    for n in notes {
+        println!("{n}");
+    }
+    println!(
+        "{:<44} {:>10} {:>9} {:>9} {:>10} {:>10} {:>8}",
+        "case", "us", "TB/s", "%4.3TB/s", "TFLOP/s", "floor us", "floor/t"
+    );
     for r in rows {
         let tbps = r.bytes / (r.us * 1e-6) / 1e12;
         let tflops = r.flops / (r.us * 1e-6) / 1e12;
         println!(
-            "{:<44} {:>10.2} {:>9.3} {:>8.1}% {:>10.1} {:>8.2}",
+            "{:<44} {:>10.2} {:>9.3} {:>8.1}% {:>10.1} {:>10.2} {:>8.2}",
             r.name,
             r.us,
             tbps,
             100.0 * tbps / HBM_TBPS,
             tflops,
+            r.floor_us,
             r.floor_us / r.us
         );
     }
@@ -156,7 +205,7 @@ pub fn report(bench: &str, rows: &[Row]) {
 }
 
 /// Criterion kept short for the GPU machine's time budget: 10 samples, no plots; the tables the
-/// benches print come from their own single-launch CUDA-event timings.
+/// benches print come from their own CUDA-event timings.
 pub fn short_criterion(warm_up_ms: u64, measurement_ms: u64) -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(warm_up_ms))
