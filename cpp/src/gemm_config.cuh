@@ -126,6 +126,7 @@ struct Config {
 #define NVFP4MOE_GEMM_TILES(X)          \
   X(N16, 16, 6, 2, false, 1, 2)         \
   X(N16SplitK, 16, 6, 2, false, 4, 2)   \
+  X(N32, 32, 5, 2, false, 1, 2)         \
   X(N64, 64, 8, 1, true, 1, 2)          \
   X(N128, 128, 8, 1, true, 1, 1)
 

@@ -15,6 +15,24 @@
 
 namespace nvfp4moe::gemm {
 
+// One m64 x N x k16 register-A wgmma whose B descriptor is a 64-bit value. CuTe advances a
+// descriptor with 32-bit arithmetic on its low word, which ptxas compiles to three uniform
+// instructions per wgmma (an add and two moves into the descriptor registers); a 64-bit add is one
+// (SASS, 2026-12-02: 24 -> 8 per 128-K stage of the N16 tile).
+template <class MmaOp, class FragA, class Accum>
+CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA::ScaleOut const& scale) {
+  constexpr int kRegsA = extent<typename MmaOp::ARegisters>::value;
+  constexpr int kRegsC = extent<typename MmaOp::CRegisters>::value;
+  static_assert(extent<typename MmaOp::BRegisters>::value == 1, "B from shared memory: one descriptor");
+  Tensor rA = recast<uint32_t>(a);   // (4): 8 BF16 values
+  Tensor rC = recast<float>(accum);  // (kRegsC)
+  CUTE_STATIC_ASSERT_V(size(rA) == Int<kRegsA>{});
+  CUTE_STATIC_ASSERT_V(size(rC) == Int<kRegsC>{});
+  const uint64_t b[1] = {desc_b};
+  cute::detail::explode(MmaOp::fma, rA, make_int_sequence<kRegsA>{}, b, make_int_sequence<1>{}, rC,
+                        make_int_sequence<kRegsC>{}, &scale, seq<0>{});
+}
+
 template <class Cfg>
 struct MainloopProducer {
   using Pipeline = typename Cfg::Pipeline;
@@ -133,15 +151,22 @@ struct MainloopConsumer {
         asm volatile("" : "+r"(a_words(i))::"memory");
       }
     };
+    // B descriptors: tCrB (MMA, MMA_N, MMA_K, stages) holds descriptor offsets from its base; k-block
+    // kb of stage s is base + offset(0, 0, kb, s), added as 64-bit values (wgmma_rs).
+    const uint64_t desc_b0 = uint64_t(tCrB.data().desc_);
+    auto desc_b = [&](int kb, int s) { return desc_b0 + uint64_t(int(tCrB.layout()(0, 0, kb, s))); };
+    using MmaOp = typename Cfg::MmaOp;
     // 4 kChunks m64 x kBlockN x k16 wgmmas over stage s, committed as one group. (All of them in a
     // partial last stage too: a predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
     auto issue = [&](int s, auto& frag) {
       fence_a(frag);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
+      const uint64_t desc_s = desc_b(0, s);
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < 4 * Cfg::kChunks; ++kb) {
-        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, kb, s), accum);
+        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb, 0))), accum,
+                        tiled_mma.accumulate_);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
@@ -152,9 +177,11 @@ struct MainloopConsumer {
       fence_a(frag);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
+      const uint64_t desc_s = desc_b(4 * h, s);
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < 4; ++kb) {
-        cute::gemm(tiled_mma, frag(_, _, kb), tCrB(_, _, 4 * h + kb, s), accum);
+        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb, 0))), accum,
+                        tiled_mma.accumulate_);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();

@@ -35,10 +35,12 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   if (experts <= 0) return GemmTile::kM128N128;
   // Average rows per expert (routing skew only makes some experts bigger, which the larger tiles
   // serve well). Up to 16 rows, one N16 tile per expert streams the weights once with the least
-  // wasted MMA work; up to 80 rows (decode batches, mid-size prefill over many experts) an N64
-  // tile still reads each expert's weights once or twice; beyond that the N128 tile's better
-  // MMA-to-conversion ratio wins.
+  // wasted MMA work; up to 32 the N32 tile, which like N16 runs two CTAs per SM (twice the
+  // converting warps of N64's one); up to 80 rows (decode batches, mid-size prefill over many
+  // experts) an N64 tile still reads each expert's weights once or twice; beyond that the N128
+  // tile's better MMA-to-conversion ratio wins.
   if (total_rows <= 16 * experts) return GemmTile::kM128N16;
+  if (total_rows <= 32 * experts) return GemmTile::kM128N32;
   if (total_rows <= 80 * experts) return GemmTile::kM128N64;
   return GemmTile::kM128N128;
 }
@@ -73,7 +75,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
 
   GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
-  int block_n = tile == GemmTile::kM128N16 ? 16 : tile == GemmTile::kM128N64 ? 64 : 128;
+  int block_n = tile == GemmTile::kM128N16 ? 16 : tile == GemmTile::kM128N32 ? 32 : tile == GemmTile::kM128N64 ? 64 : 128;
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
   // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
@@ -132,6 +134,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       case GemmTile::kM128N16:
         return splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
                           : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
+      case GemmTile::kM128N32: return launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }

@@ -145,7 +145,12 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   bfloat16_t* epi = ss.epi[cw];
   int handed = 0;  // split-K hand-overs so far (leader: reductions)
 
-  for (int tile = unit0; tile < total_tiles; tile += units) {
+  // The bound is read from shared memory on each step rather than kept in a register across the
+  // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
+  for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units) {
+    // The tile's coordinates and decode scales are loaded before the mainloop, so their latency
+    // hides behind it (loaded after it, qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took
+    // 6% longer, 2026-12-02).
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;

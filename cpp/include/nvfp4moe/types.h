@@ -93,6 +93,7 @@ NVFP4MOE_ENUM(GemmTile) {
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N16, 1),   // 128 x 16: decode, few rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N128, 2),  // 128 x 128: prefill, many rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N64, 3),   // 128 x 64: tens of rows per expert.
+  NVFP4MOE_ENUMERATOR(GemmTile, kM128N32, 4),   // 128 x 32: 17 to 32 rows per expert.
 };
 
 // What the grouped GEMM's epilogue computes and writes.

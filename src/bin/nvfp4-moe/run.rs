@@ -30,6 +30,8 @@ pub enum TileArg {
     Auto,
     /// 128 x 16 (decode)
     N16,
+    /// 128 x 32
+    N32,
     /// 128 x 64
     N64,
     /// 128 x 128 (prefill)
@@ -44,6 +46,7 @@ impl TileArg {
         match self {
             TileArg::Auto => GemmTile::Auto,
             TileArg::N16 => GemmTile::M128N16,
+            TileArg::N32 => GemmTile::M128N32,
             TileArg::N64 => GemmTile::M128N64,
             TileArg::N128 => GemmTile::M128N128,
         }
