@@ -83,6 +83,8 @@ struct Config {
   // of one chunk run while the next chunk is converted into the other fragment).
   static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
   static constexpr int kFragK = kChunkPipelined ? kTileK : kStageK;
+  // Unpipelined 128-K stages of the 16-row tile: one accumulator chain per chunk (the mainloop).
+  static constexpr bool kDualAccum = !kPipelined_ && kChunks_ == 2 && kBlockN_ == 16;
   static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
@@ -120,7 +122,11 @@ struct Config {
 // - N16SplitK: the same tile for launches with few tiles, split over K by clusters of up to 4 CTAs.
 //   A separate instantiation: the reduction's 24 KB of shared memory and its code made the unsplit
 //   N16 kernel 4-7% slower (2026-12-02).
-// - N64, 17-80 rows per expert: two chunks per stage, chunk-pipelined (mixtral-8x7b's layer at
+// - N32, 17-32 rows per expert: N16's schedule at two CTAs per SM (5 stages fit 99 KB each). Against
+//   N64 (one CTA per SM, half the converting warps, half its MMA work padding at 32 rows) the layer
+//   at 32 rows per expert took 2592 vs 3448 us (deepseek-v3 T = 1024), 168 vs 219 (qwen3-30b-a3b
+//   T = 512), 287 vs 369 (mixtral-8x7b T = 128); at 64 rows N64 wins (2026-12-02, PERF_NOTES.md).
+// - N64, 33-80 rows per expert: two chunks per stage, chunk-pipelined (mixtral-8x7b's layer at
 //   T = 128 4% faster than with 64-K stages, 2026-12-02).
 // - N128, prefill.
 #define NVFP4MOE_GEMM_TILES(X)          \

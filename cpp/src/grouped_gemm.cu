@@ -96,23 +96,44 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
   }
-  // Split-K (N16 tiles only): when even an upper bound of the tiles fills less than half the
-  // CTA slots, clusters of 2 or 4 CTAs share each tile's K (each CTA keeping >= 4 K stages). The
-  // bound: expert e has ceil(rows_e / 16) row tiles, and sum_e ceil(rows_e / 16) is at most
-  // total_rows and at most total_rows / 16 + (experts with rows). (Splitting whenever it saves
-  // >= 10% of the walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower (chunk-pipelined build) on
-  // launches with 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
-  int splits = 1;
-  if (tile == GemmTile::kM128N16 && a.max_splits != 1) {
+  // Split-K (N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle, clusters
+  // of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 K stages): the most CTAs per tile
+  // for which every tile still gets a cluster at once (as many as the device holds resident, which
+  // the GPCs bound: 62 clusters of 4 on the H200, so mixtral-8x7b's 64 L2 tiles at T = 1 take
+  // clusters of 3; with 4 they took two rounds, 40 us instead of ~24, 2026-12-02). The bound:
+  // expert e has ceil(rows_e / 16) row tiles, and sum_e ceil(rows_e / 16) is at most total_rows
+  // and at most total_rows / 16 + (experts with rows). (Splitting whenever it saves >= 10% of the
+  // walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower on launches with
+  // 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
+  auto choose_splits = [&](auto epilogue) {
+    constexpr GemmEpilogue E = decltype(epilogue)::value;
+    if (tile != GemmTile::kM128N16 || a.max_splits == 1) return 1;
     const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
     const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
-    const int64_t tiles = m_tiles * row_tiles, slots = int64_t(sms) * 2;
-    for (int s : {4, 2}) {
-      if (tiles * s <= slots && k_tiles >= 4 * s && (a.max_splits == 0 || s <= a.max_splits)) {
-        splits = s;
-        break;
+    const int64_t tiles = m_tiles * row_tiles;
+    if (tiles * 2 > int64_t(sms) * 2) return 1;  // two CTAs per SM: no idle slot to give
+    for (int s : {4, 3, 2}) {
+      if (k_tiles >= 4 * s && (a.max_splits == 0 || s <= a.max_splits) &&
+          tiles <= gemm::max_active_clusters<gemm::ConfigN16SplitK<E>>(s, sms)) {
+        return s;
       }
     }
+    return 1;
+  };
+  int splits = 1;
+  switch (a.epilogue) {
+    case GemmEpilogue::kPlain:
+      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kPlain>{});
+      break;
+    case GemmEpilogue::kInterleaved:
+      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kInterleaved>{});
+      break;
+    case GemmEpilogue::kSwigluBf16:
+      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluBf16>{});
+      break;
+    case GemmEpilogue::kSwigluNvfp4:
+      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluNvfp4>{});
+      break;
   }
   gemm::Params p{static_cast<const uint8_t*>(a.prepared),
                  a.decode_scale,

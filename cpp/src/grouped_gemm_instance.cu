@@ -14,4 +14,5 @@
 namespace nvfp4moe::gemm {
 template Status launch_grouped_gemm<NVFP4MOE_CAT(Config, NVFP4MOE_TILE)<GemmEpilogue::NVFP4MOE_EPILOGUE>>(
     const CUtensorMap&, const Params&, int, cudaStream_t);
+template int max_active_clusters<NVFP4MOE_CAT(Config, NVFP4MOE_TILE)<GemmEpilogue::NVFP4MOE_EPILOGUE>>(int, int);
 }  // namespace nvfp4moe::gemm

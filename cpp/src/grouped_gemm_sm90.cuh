@@ -233,8 +233,39 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   }
 }
 
-// Host side: launches Cfg's kernel on `ctas` x kMinBlocks persistent CTAs (ctas = SM count). Instantiated once per configuration,
-// each in its own translation unit (grouped_gemm_instance.cu).
+// Host side. How many clusters of `splits` CTAs of Cfg's kernel can be resident at once on the
+// current device (`ctas` = its SM count; 0 with the CUDA error left cleared when none fits). The
+// GPCs bound it, not only the CTA slots: on the H200 (2 CTAs per SM, 264 slots) clusters of 2 fill
+// all 264, clusters of 4 only 248 (62 clusters), of 8 240 (2026-12-02).
+template <class Cfg>
+int max_active_clusters(int splits, int ctas) {
+  auto kernel = grouped_gemm_kernel<Cfg>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = unsigned(splits);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / splits * splits));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Cfg::kSmemBytes;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return clusters;
+}
+
+// Launches Cfg's kernel on `ctas` x kMinBlocks persistent CTAs (ctas = SM count); with split-K, on
+// as many clusters of p.splits CTAs as can be resident at once. Instantiated once per
+// configuration, each in its own translation unit (grouped_gemm_instance.cu).
 template <class Cfg>
 Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, cudaStream_t stream) {
   static_assert(Cfg::kSmemBytes * Cfg::kMinBlocks <= 227 * 1024, "shared memory per SM");
@@ -243,12 +274,11 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cudaFuncSetAttribute: %s", cudaGetErrorString(e));
   }
-  if (p.splits < 1 || p.splits > Cfg::kMaxSplits || (p.splits & (p.splits - 1)) != 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: %d splits (this tile allows 1..%d, powers of two)",
-                p.splits, Cfg::kMaxSplits);
+  if (p.splits < 1 || p.splits > Cfg::kMaxSplits) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: %d splits (this tile allows 1..%d)", p.splits,
+                Cfg::kMaxSplits);
   }
-  // Programmatic dependent launch (pdl.cuh), and for split-K clusters of `splits` CTAs, as many as
-  // can be resident at once (the walk is persistent).
+  // Programmatic dependent launch (pdl.cuh); with split-K, the cluster shape.
   cudaLaunchConfig_t cfg = {};
   const bool pdl_on = pdl::enabled(p.splits > 1);
   cudaLaunchAttribute attr[2] = {pdl::attribute(), {}};
@@ -259,22 +289,16 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   cfg.attrs = attr;
   cfg.numAttrs = pdl_on ? 1 : 0;
   if (p.splits > 1) {
+    const int clusters = max_active_clusters<Cfg>(p.splits, ctas);
+    if (clusters < 1) {
+      return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits", p.splits);
+    }
     attr[1].id = cudaLaunchAttributeClusterDimension;
     attr[1].val.clusterDim.x = unsigned(p.splits);
     attr[1].val.clusterDim.y = 1;
     attr[1].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / p.splits * p.splits));
-    cfg.attrs = attr + 1;  // the occupancy query sees the cluster shape only
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
     cfg.attrs = pdl_on ? attr : attr + 1;
     cfg.numAttrs = pdl_on ? 2 : 1;
-    if (e != cudaSuccess || clusters < 1) {
-      (void)cudaGetLastError();
-      return fail(Status::kCudaError, "grouped_gemm_nvfp4: no cluster of %d CTAs fits (%s)", p.splits,
-                  cudaGetErrorString(e));
-    }
     cfg.gridDim = dim3(unsigned(clusters * p.splits));
   }
   e = cudaLaunchKernelEx(&cfg, kernel, tma_x, p);
@@ -286,8 +310,10 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
 
 // Each tile of NVFP4MOE_GEMM_TILES for each epilogue, instantiated by its own translation unit
 // (grouped_gemm_instance.cu).
-#define NVFP4MOE_GEMM_EXTERN_ONE(name, E) \
-  extern template Status launch_grouped_gemm<Config##name<GemmEpilogue::E>>(const CUtensorMap&, const Params&, int, cudaStream_t);
+#define NVFP4MOE_GEMM_EXTERN_ONE(name, E)                                                                   \
+  extern template Status launch_grouped_gemm<Config##name<GemmEpilogue::E>>(const CUtensorMap&, const Params&, int, \
+                                                                            cudaStream_t);                      \
+  extern template int max_active_clusters<Config##name<GemmEpilogue::E>>(int, int);
 #define NVFP4MOE_GEMM_EXTERN(name, ...)                \
   NVFP4MOE_GEMM_EXTERN_ONE(name, kPlain)               \
   NVFP4MOE_GEMM_EXTERN_ONE(name, kInterleaved)         \

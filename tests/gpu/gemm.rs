@@ -183,8 +183,10 @@ pub(crate) mod grouped {
         let a = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         let b = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
-        // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order).
-        for &(e, n, k, max_rows) in &[(4usize, 1024usize, 2048usize, 3usize), (2, 5760, 2880, 5)] {
+        // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order). The
+        // third shape has 64 tiles: more than the H200's 62 resident clusters of 4, so clusters of
+        // 3 with an uneven split (8 K stages over 3 CTAs).
+        for &(e, n, k, max_rows) in &[(4usize, 1024usize, 2048usize, 3usize), (2, 5760, 2880, 5), (2, 4096, 1024, 1)] {
             let w = random_weights(&mut rng, e, n, k);
             let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
             let mut off = random_offsets(&mut rng, e, max_rows);

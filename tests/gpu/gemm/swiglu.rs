@@ -64,8 +64,9 @@ pub fn gate_up_weights(
 fn swiglu_epilogues_match_reference_and_each_other() {
     let s = stream();
     let mut rng = Rng::from_entropy();
-    // The last four shapes have so few tiles that the N16 tile splits K (2 or 4 CTAs per tile,
-    // one with an uneven split: 9 K stages over 2 CTAs).
+    // The last five shapes have so few tiles that the N16 tile splits K (2, 3 or 4 CTAs per tile,
+    // one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64 tiles in clusters
+    // of 3 on the H200, 8 stages over 3 CTAs).
     for &(inter, k, e, max_rows) in &[
         (768usize, 2048usize, 16usize, 150usize),
         (1536, 256, 8, 150),
@@ -76,6 +77,7 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         (768, 768, 8, 2),
         (2880, 2880, 2, 5),
         (256, 576, 3, 4),
+        (2048, 1024, 2, 1),
     ] {
         let seed = rng.seed();
         let n = 2 * inter;
@@ -266,6 +268,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
         (96, 64, 5, 33),
         (512, 2048, 4, 3), // split-K: few tiles
         (768, 768, 8, 2),
+        (2048, 1024, 2, 1), // split-K over clusters of 3 on the H200 (64 tiles)
     ]
     .iter()
     .enumerate()
