@@ -6,6 +6,7 @@
 mod modelopt_fixture;
 
 use modelopt_fixture::{describe_diff, fixture, linear_from_grouped, linear_scales, three_way_offsets};
+use nvfp4_moe::convert::{CpuQuantizer, Quantizer};
 use nvfp4_moe::layout::ScaleLayout;
 use nvfp4_moe::{host, reference};
 
@@ -50,9 +51,25 @@ fn cpu_quantizer_equals_modelopt() {
                 describe_diff("scales", &c.name, &scales, &c.scales)
             );
         }
+        // The converter's CPU quantizer (threshold tables, not the reference's divisions).
+        let (mut codes, mut scales) = (vec![0u8; c.rows * c.cols / 2], vec![0u8; c.rows * c.cols / 16]);
+        CpuQuantizer::with_threads(2).quantize(&c.x, c.rows, c.cols, c.g, &mut codes, &mut scales).unwrap();
+        assert!(
+            describe_diff("codes", &c.name, &codes, &c.codes).is_none(),
+            "CpuQuantizer: {:?}",
+            describe_diff("codes", &c.name, &codes, &c.codes)
+        );
+        assert!(
+            describe_diff("scales", &c.name, &scales, &c.scales).is_none(),
+            "CpuQuantizer: {:?}",
+            describe_diff("scales", &c.name, &scales, &c.scales)
+        );
         blocks += c.scales.len();
     }
-    eprintln!("{} cases, {blocks} blocks: the CPU quantizer equals ModelOpt byte for byte", cases.len());
+    eprintln!(
+        "{} cases, {blocks} blocks: the CPU quantizers (reference, CpuQuantizer) equal ModelOpt byte for byte",
+        cases.len()
+    );
 }
 
 #[test]

@@ -29,7 +29,8 @@
 //! holds at most two finished tensors; copied tensors go from the input's mapping (page cache)
 //! straight to the file. Anonymous memory so stays under two tensors' BF16 copies (only for F16,
 //! F32, FP8 or unaligned input: the tensor and its gate/up partner while their amax is taken) plus
-//! three NVFP4 outputs (one being made, two in flight).
+//! four NVFP4 outputs (one being made, two in flight, one kept for reuse: output buffers go back
+//! from the writer to be filled again).
 //!
 //! Safety of the output: everything is written into a new hidden directory beside the target
 //! (`.{name}.nvfp4moe-{random}.tmp`), each file synced, then the directory is renamed into place:
@@ -37,6 +38,7 @@
 //! directory. An existing target is [`Error::OutputExists`] unless `force` (a directory is then
 //! replaced; a symlink or anything else never is).
 
+mod cpu;
 mod plan;
 mod run;
 
@@ -48,7 +50,7 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 
 use crate::error::{Error, Result};
-use crate::layout::{ScaleLayout, BLOCK_SIZE};
+use crate::layout::BLOCK_SIZE;
 
 #[cfg(feature = "cuda")]
 pub use cuda::CudaQuantizer;
@@ -141,9 +143,11 @@ pub(crate) fn check_quantize_args(
     Ok(())
 }
 
-/// The CPU reference quantizer ([`crate::reference::quantize`]) over row chunks on `threads`
-/// threads (the linear layout makes consecutive row ranges' codes and scales consecutive, so the
-/// bytes are the single-threaded ones).
+/// Recipe v2 on the CPU over `threads` threads: the bytes of [`crate::reference::quantize`] with
+/// linear scales (a table of code thresholds per block scale, built once per call from the
+/// reference's own arithmetic, replaces its per-element divisions; see `src/convert/cpu.rs`). The
+/// linear layout makes consecutive blocks' codes and scales consecutive, so the tensor is split
+/// into runs of blocks, several per thread, and the bytes are the single-threaded ones.
 #[derive(Clone, Copy, Debug)]
 pub struct CpuQuantizer {
     threads: usize,
@@ -166,9 +170,11 @@ pub fn available_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Rows per CPU work item: about 1 Mi elements, at most 1024 rows, at least one.
-fn chunk_rows(cols: usize) -> usize {
-    ((1usize << 20) / cols.max(1)).clamp(1, 1024)
+/// Blocks per CPU work item for `blocks` blocks on `threads` threads: about four items per thread
+/// (so that threads finishing early take over the rest), at least 4096 blocks (64 Ki elements,
+/// tens of microseconds of work) so that taking an item costs little.
+fn chunk_blocks(blocks: usize, threads: usize) -> usize {
+    blocks.div_ceil(threads.max(1) * 4).max(4096)
 }
 
 impl Quantizer for CpuQuantizer {
@@ -186,17 +192,16 @@ impl Quantizer for CpuQuantizer {
         if n == 0 {
             return Ok(());
         }
-        let ch = chunk_rows(cols);
+        let table = cpu::CodeTable::new(g);
+        let ch = chunk_blocks(n / BLOCK, self.threads);
         let items: Vec<_> = x
-            .chunks(ch * cols)
-            .zip(codes.chunks_mut(ch * cols / 2))
-            .zip(scales.chunks_mut(ch * cols / BLOCK))
+            .chunks(ch * BLOCK)
+            .zip(codes.chunks_mut(ch * BLOCK / 2))
+            .zip(scales.chunks_mut(ch))
             .map(|((x, c), s)| (x, c, s))
             .collect();
         run_parallel(self.threads, items, |(x, c, s)| -> Result<()> {
-            let q = crate::reference::quantize(x, x.len() / cols, cols, g, ScaleLayout::Linear)?;
-            c.copy_from_slice(&q.codes);
-            s.copy_from_slice(&q.scales);
+            cpu::quantize_blocks(x, &table, c, s);
             Ok(())
         })
     }
@@ -365,6 +370,7 @@ fn group_decode_scale(amax: bf16, what: &str) -> Result<f32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layout::ScaleLayout;
 
     #[test]
     fn cpu_quantizer_equals_the_reference_on_any_thread_count() {

@@ -7,7 +7,7 @@ use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::sync_channel;
+use std::sync::mpsc::{channel, sync_channel, Receiver};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -199,14 +199,41 @@ impl Drop for RssAnonPeak {
 enum Chunk<'a> {
     Borrowed(&'a [u8]),
     Owned(Vec<u8>),
+    /// An output buffer ([`Spare::take`]), handed back once written.
+    Reused(Vec<u8>),
 }
 
 impl Chunk<'_> {
     fn bytes(&self) -> &[u8] {
         match self {
             Chunk::Borrowed(b) => b,
-            Chunk::Owned(v) => v,
+            Chunk::Owned(v) | Chunk::Reused(v) => v,
         }
+    }
+}
+
+/// Codes and scales buffers the writer has finished with, for the next tensors: no allocation,
+/// page faults, zeroing or unmapping per tensor. Keeps at most [`Spare::KEEP`] of them (one
+/// tensor's codes and scales) besides those in flight.
+struct Spare {
+    back: Receiver<Vec<u8>>,
+    kept: Vec<Vec<u8>>,
+}
+
+impl Spare {
+    const KEEP: usize = 2;
+
+    /// A buffer of `len` bytes: the smallest kept one that holds them, else a new one. Its
+    /// contents are stale: the quantizer overwrites every byte.
+    fn take(&mut self, len: usize) -> Vec<u8> {
+        self.kept.extend(self.back.try_iter());
+        let excess = self.kept.len().saturating_sub(Self::KEEP);
+        self.kept.drain(..excess);
+        let fit =
+            (0..self.kept.len()).filter(|&i| self.kept[i].capacity() >= len).min_by_key(|&i| self.kept[i].capacity());
+        let mut v = fit.map_or_else(Vec::new, |i| self.kept.swap_remove(i));
+        v.resize(len, 0);
+        v
     }
 }
 
@@ -299,24 +326,11 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
 /// The largest finite |x| (as BF16: exact), on `threads` threads, on the bits: an all-ones
 /// exponent is Inf/NaN, and the magnitude bits of finite values order like the values.
 fn finite_amax(x: &[bf16], threads: usize) -> bf16 {
-    let chunk = x.len().div_ceil(threads.max(1)).max(1 << 20);
+    let chunk = x.len().div_ceil(threads.max(1)).max(1 << 18);
     let m = std::thread::scope(|s| {
-        let parts: Vec<_> = x
-            .chunks(chunk)
-            .map(|c| {
-                s.spawn(move || {
-                    c.iter().fold(0u16, |m, v| {
-                        let mag = v.to_bits() & 0x7FFF;
-                        if mag < 0x7F80 {
-                            m.max(mag)
-                        } else {
-                            m
-                        }
-                    })
-                })
-            })
-            .collect();
-        parts.into_iter().map(|h| h.join().unwrap_or(0x7FFF)).max().unwrap_or(0)
+        let parts: Vec<_> = x.chunks(chunk).skip(1).map(|c| s.spawn(move || super::cpu::finite_amax_bits(c))).collect();
+        let first = x.chunks(chunk).next().map_or(0, super::cpu::finite_amax_bits);
+        parts.into_iter().map(|h| h.join().unwrap_or(0x7FFF)).fold(first, u16::max)
     });
     bf16::from_bits(m)
 }
@@ -378,6 +392,8 @@ pub(super) fn execute<'a>(
     let mut quantize_seconds = 0f64;
     let (mut bytes_converted_in, mut bytes_converted_out) = (0u64, 0u64);
     let files: &'a [SafetensorsFile] = &plan.files;
+    let (back, returned) = channel::<Vec<u8>>();
+    let mut spare = Spare { back: returned, kept: Vec::new() };
 
     for (s, shard) in plan.shards.iter().enumerate() {
         let outs: Vec<OutTensor> = shard.items.iter().flat_map(|i| i.outputs(format)).collect();
@@ -391,9 +407,12 @@ pub(super) fn execute<'a>(
             // tensor overlaps writing the last.
             let (tx, rx) = sync_channel::<Chunk<'a>>(2);
             let path_w = path.clone();
+            let back = back.clone();
             let writer = scope.spawn(move || -> Result<()> {
                 let io = |e: std::io::Error| io_err("write", &path_w, e);
-                let mut w = BufWriter::with_capacity(8 << 20, &file);
+                // Small tensors are gathered into larger writes; anything at least this large is
+                // written straight from its own buffer (no copy into this one).
+                let mut w = BufWriter::with_capacity(256 << 10, &file);
                 w.write_all(&(head.len() as u64).to_le_bytes()).map_err(io)?;
                 w.write_all(&head).map_err(io)?;
                 let mut next = expected.iter();
@@ -408,6 +427,10 @@ pub(super) fn execute<'a>(
                         });
                     }
                     w.write_all(chunk.bytes()).map_err(io)?;
+                    if let Chunk::Reused(v) = chunk {
+                        // The producer may have finished: then the buffer is simply dropped.
+                        let _ = back.send(v);
+                    }
                 }
                 if let Some((name, _)) = next.next() {
                     return Err(Error::Tensor { name: shown(name), what: "never produced".into() });
@@ -452,8 +475,8 @@ pub(super) fn execute<'a>(
                                 }
                             };
                             let (n, k) = (job.source.rows, job.source.cols);
-                            let mut codes = vec![0u8; n * k / 2];
-                            let mut scales = vec![0u8; n * k / BLOCK];
+                            let mut codes = spare.take(n * k / 2);
+                            let mut scales = spare.take(n * k / BLOCK);
                             let t = Instant::now();
                             quantizer.quantize(&x, n, k, g, &mut codes, &mut scales)?;
                             quantize_seconds += t.elapsed().as_secs_f64();
@@ -464,8 +487,8 @@ pub(super) fn execute<'a>(
                                 OutputFormat::CompressedTensors => 1.0f32 / g,
                                 OutputFormat::ModelOpt => g,
                             };
-                            send(Chunk::Owned(codes))
-                                && send(Chunk::Owned(scales))
+                            send(Chunk::Reused(codes))
+                                && send(Chunk::Reused(scales))
                                 && send(Chunk::Owned(per_tensor.to_le_bytes().to_vec()))
                         }
                     };

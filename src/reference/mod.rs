@@ -70,24 +70,38 @@ pub fn quantize_block(x: &[f32; 16], decode_scale: f32) -> BlockQuant {
         return BlockQuant { scale: E4M3_NAN_BYTE, codes: [0; 16] };
     }
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = block_scale_byte(amax, decode_scale);
+    let block_decode = e4m3_decode(scale) * decode_scale;
+    let mut codes = [0u8; 16];
+    for (code, &v) in codes.iter_mut().zip(x) {
+        *code = element_code(v, block_decode);
+    }
+    BlockQuant { scale, codes }
+}
+
+/// Step 2 of [`quantize_block`]: the E4M3 scale byte of a block whose amax (`max |x_i|`, not NaN)
+/// is `amax`. The block's `d` is then `e4m3_decode(scale) * decode_scale` (step 3).
+#[inline]
+pub fn block_scale_byte(amax: f32, decode_scale: f32) -> u8 {
     let mut t = if amax.is_infinite() { E4M3_MAX } else { amax / (E2M1_MAX * decode_scale) };
     if t == 0.0 {
         t = 1.0;
     }
     // `t` is not NaN here: amax is finite and 6g > 0 (or +Inf, giving t = 0 -> 1).
-    let scale = e4m3_encode(t.clamp(E4M3_MIN, E4M3_MAX));
-    let block_decode = e4m3_decode(scale) * decode_scale;
-    let mut codes = [0u8; 16];
-    for (code, &v) in codes.iter_mut().zip(x) {
-        *code = if v.is_infinite() {
-            0x7 | (((v < 0.0) as u8) << 3)
-        } else {
-            let q = v / block_decode;
-            let magnitude = if q.is_nan() { 0x7 } else { e2m1_encode(q) & 0x7 };
-            magnitude | (((q < 0.0) as u8) << 3)
-        };
+    e4m3_encode(t.clamp(E4M3_MIN, E4M3_MAX))
+}
+
+/// Step 4 of [`quantize_block`]: the 4-bit code of one non-NaN element `v` of a block whose
+/// `d = e4m3(s) * g` is `block_decode`.
+#[inline]
+pub fn element_code(v: f32, block_decode: f32) -> u8 {
+    if v.is_infinite() {
+        0x7 | (((v < 0.0) as u8) << 3)
+    } else {
+        let q = v / block_decode;
+        let magnitude = if q.is_nan() { 0x7 } else { e2m1_encode(q) & 0x7 };
+        magnitude | (((q < 0.0) as u8) << 3)
     }
-    BlockQuant { scale, codes }
 }
 
 /// Quantizes the 16-element blocks of one row into packed codes (`row_codes`, cols/2 bytes) and

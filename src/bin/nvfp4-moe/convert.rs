@@ -64,7 +64,7 @@ pub struct ConvertArgs {
     /// The checkpoint dialect written
     #[arg(long, value_enum, value_name = "F", default_value = "compressed-tensors")]
     pub format: FormatArg,
-    /// cuda (GPU 0) or cpu (the reference quantizer on all cores; the same bytes); default: cuda
+    /// cuda (GPU 0) or cpu (all cores; the same bytes as the GPU and the reference); default: cuda
     /// when a GPU this build supports is visible, else cpu
     #[arg(long, value_enum, value_name = "D")]
     pub device: Option<Backend>,
