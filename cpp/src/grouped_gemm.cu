@@ -120,21 +120,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     }
     return 1;
   };
-  int splits = 1;
-  switch (a.epilogue) {
-    case GemmEpilogue::kPlain:
-      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kPlain>{});
-      break;
-    case GemmEpilogue::kInterleaved:
-      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kInterleaved>{});
-      break;
-    case GemmEpilogue::kSwigluBf16:
-      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluBf16>{});
-      break;
-    case GemmEpilogue::kSwigluNvfp4:
-      splits = choose_splits(std::integral_constant<GemmEpilogue, GemmEpilogue::kSwigluNvfp4>{});
-      break;
-  }
   gemm::Params p{static_cast<const uint8_t*>(a.prepared),
                  a.decode_scale,
                  a.expert_offsets,
@@ -146,15 +131,16 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  int(a.n),
                  int(a.k),
                  int(a.total_rows),
-                 splits};
+                 1};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
+    p.splits = choose_splits(epilogue);
     switch (tile) {
       case GemmTile::kM128N16:
-        return splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
-                          : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
+        return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
+                            : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
       case GemmTile::kM128N32: return launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
