@@ -14,7 +14,8 @@
 //
 // No deadlock: a head waits only for CTAs with higher indices, each of which writes its tail
 // before anything else (a tail is a CTA's first segment) and never waits for a lower CTA; the grid
-// is at most the CTA slots of the device.
+// is at most the CTA slots of the device. With fewer units than CTAs some shares are empty: those
+// CTAs hold no tail, and a head does not wait for them.
 //
 // Workspace (GroupedGemmArgs::workspace): per CTA slot and consumer warpgroup, kAccum floats per
 // thread as float4 (slot, cw, i4, thread), then one int flag per (slot, cw).
@@ -41,6 +42,9 @@ struct Segment {
   int kc_end;
 };
 
+// The first unit of CTA `cta`'s share.
+CUTLASS_DEVICE int64_t share_begin(int cta, int ctas, int64_t units) { return units * cta / ctas; }
+
 // CTA `cta` of `ctas`: its units in order, as segments.
 struct Walk {
   int64_t u;
@@ -49,8 +53,8 @@ struct Walk {
 
   CUTLASS_DEVICE Walk(int cta, int ctas, int tiles, int stages_) : stages(stages_) {
     const int64_t units = int64_t(tiles) * stages_;
-    u = units * cta / ctas;
-    u_end = units * (cta + 1) / ctas;
+    u = share_begin(cta, ctas, units);
+    u_end = share_begin(cta + 1, ctas, units);
   }
   CUTLASS_DEVICE bool next(Segment& s) {
     if (u >= u_end) return false;
@@ -98,11 +102,13 @@ CUTLASS_DEVICE void store_tail(void* ws, int slots, int slot, int cw, int t, int
   if (t == 0) store_release(flag(ws, slots, slot, cw), 1);
 }
 
-// A head of a tile whose tails are in slots [first, last]: add them to accum in K order (slot
-// order), then clear their flags.
+// A head of a tile whose tails are in the non-empty shares of slots [first, last] (of `units`
+// units): add them to accum in K order (slot order), then clear their flags.
 template <class Accum>
-CUTLASS_DEVICE void add_tails(void* ws, int slots, int first, int last, int cw, int t, int bar, Accum& accum) {
+CUTLASS_DEVICE void add_tails(void* ws, int slots, int64_t units, int first, int last, int cw, int t, int bar,
+                              Accum& accum) {
   for (int s = first; s <= last; ++s) {
+    if (share_begin(s, slots, units) == share_begin(s + 1, slots, units)) continue;  // an empty share
     const int* f = flag(ws, slots, s, cw);
     while (load_acquire(f) == 0) {
       __nanosleep(64);
@@ -120,7 +126,7 @@ CUTLASS_DEVICE void add_tails(void* ws, int slots, int first, int last, int cw, 
   // Every thread has seen every flag raised: clear them for the next launch.
   cutlass::arch::NamedBarrier::sync(128, bar);
   for (int s = first + t; s <= last; s += 128) {
-    *flag(ws, slots, s, cw) = 0;
+    *flag(ws, slots, s, cw) = 0;  // (an empty share's flag is 0 already)
   }
 }
 

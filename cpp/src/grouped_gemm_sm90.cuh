@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         if (ke < k_stages) {  // a head: add the tile's tails, which the next CTAs hold
           const int64_t units_all = int64_t(ss.tile_prefix[p.experts]) * k_stages;
           const int last = streamk::owner(int64_t(tile) * k_stages + k_stages - 1, slots, units_all);
-          streamk::add_tails(p.streamk_ws, slots, int(blockIdx.x) + 1, last, cw, t, 1 + cw, accum);
+          streamk::add_tails(p.streamk_ws, slots, units_all, int(blockIdx.x) + 1, last, cw, t, 1 + cw, accum);
         }
       } else if (splits > 1) {
         // Non-leaders hand their partial sums to the leader and go on; the leader adds them (in
