@@ -52,17 +52,26 @@ CUTLASS_DEVICE void arrive_cluster(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
 }
 
-// Wait for the phase of parity `parity` of a barrier in this CTA, acquiring at cluster scope.
+// Wait for the phase of parity `parity` of a barrier in this CTA, acquiring at cluster scope. The
+// loop exits for the whole warp at once: with a per-thread exit ptxas keeps the mainloop's pipeline
+// state in vector registers (a move to a uniform register per wgmma descriptor: ~40 more
+// instructions per stage of the split-K kernel, SASS 2026-12-02).
 CUTLASS_DEVICE void wait_cluster(uint32_t addr, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(addr),
-      "r"(parity)
-      : "memory");
+  auto done = [&] {
+    uint32_t ok;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(ok)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    return ok != 0;
+  };
+  while (!__all_sync(0xFFFFFFFFu, done())) {
+  }
 }
 
 // One thread initializes the barriers; every thread of every CTA of the cluster then syncs, so no

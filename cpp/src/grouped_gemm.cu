@@ -3,6 +3,7 @@
 #include "grouped_gemm_sm90.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 #include <type_traits>
 
@@ -117,12 +118,17 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   // K stages instead. (T = 1 over 8 experts: mixtral-8x7b's 448 L1 tiles and deepseek-v3's 448 L2
   // tiles took two waves on 264 slots; fewer tiles than slots left SMs idle.) Up to 3 waves: past
   // that the last wave's share of the time is small.
+  // NVFP4MOE_STREAM_K (diagnostic, read once): 0 never, 2 whenever there are at most 3 waves.
+  static const int streamk_env = [] {
+    const char* v = std::getenv("NVFP4MOE_STREAM_K");
+    return v && (v[0] == '0' || v[0] == '2') && v[1] == 0 ? v[0] - '0' : 1;
+  }();
   const int64_t slots = int64_t(sms) * 2;
   const bool stream_k = [&] {
-    if (tile != GemmTile::kM128N16 || a.max_splits == 1 || !a.workspace) return false;
+    if (tile != GemmTile::kM128N16 || a.max_splits == 1 || !a.workspace || streamk_env == 0) return false;
     if (tiles > 3 * slots) return false;
     const int64_t waves = (tiles + slots - 1) / slots;
-    return tiles * 10 < waves * slots * 9;
+    return streamk_env == 2 || tiles * 10 < waves * slots * 9;
   }();
   if (stream_k && a.workspace_bytes < int64_t(grouped_gemm_workspace_bytes(sms))) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: workspace of %lld bytes, %llu needed",
