@@ -4,10 +4,9 @@
 //! tokens x top-k rows, balanced routing.
 //!
 //! Timing: a CUDA graph of 10 pairs (a 256 MiB write that flushes L2, then the GEMM) minus a graph
-//! of the 10 flushes alone, divided by 10; the median of 7 replays. Launched as the layer launches
-//! them, with a stream-K workspace (`GemmWorkspace`, zeroed once): the library's split-K or
-//! stream-K, when it picks one, happens inside the launch, so its reduction is in the time (the
-//! GEMM needs no memset). Reports microseconds, TB/s of weight bytes (0.5625 B per weight of the experts
+//! of the 10 flushes alone, divided by 10; the median of 7 replays. The library's split-K, when it
+//! picks one, happens inside the launch, so its reduction is in the time (the GEMM needs no memset
+//! or workspace). Reports microseconds, TB/s of weight bytes (0.5625 B per weight of the experts
 //! that got rows: min(E, rows)), TFLOP/s, the floor (max of weight bytes / 4.3 TB/s and FLOPs /
 //! the dense BF16 rate: `$NVFP4MOE_BF16_TFLOPS`, which scripts/gpu-run.sh measures with PyTorch in
 //! the same call, else 795 TFLOP/s) and floor/t.
@@ -25,7 +24,7 @@ use common::{
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
-use nvfp4_moe::gemm::{Bf16Output, GemmTile, GemmWorkspace, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
+use nvfp4_moe::gemm::{Bf16Output, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16};
 use nvfp4_moe::presets::{Preset, PRESETS};
 use nvfp4_moe::testing::{random_device_weights, Rng};
 
@@ -72,7 +71,6 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
     let mut out = s.alloc_zeros::<bf16>(max_rows * E::out_cols(n)).unwrap();
     let plan = GroupedGemm::<E>::new(w, GemmTile::Auto).unwrap();
-    let mut ws = GemmWorkspace::new(&s).unwrap();
     for &t in &TOKENS {
         let name = format!("{}/{layer}/T{t}", p.name);
         if !selected(&name) {
@@ -82,10 +80,10 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
         let off = s.clone_htod(&balanced_offsets(rows, p.experts)).unwrap();
         // One launch outside the capture, so that first-launch work (module loading) stays out
         // of the graph.
-        plan.launch_in(&s, &mut ws, &b.x, rows, &off, &mut out).unwrap();
+        plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
         let pairs = capture(&s, PAIRS, || {
             s.memset_zeros(&mut b.flush).unwrap();
-            plan.launch_in(&s, &mut ws, &b.x, rows, &off, &mut out).unwrap();
+            plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
         });
         // Criterion replays the same graphs (each whole: PAIRS GEMMs), so its numbers and the
         // table's agree.

@@ -105,7 +105,6 @@ pub(crate) mod raw {
         fn last_error_message() -> String;
 
         fn core_permute_workspace_bytes(pairs: i64, experts: i64) -> u64;
-        fn core_grouped_gemm_workspace_bytes(sms: i64) -> u64;
         fn core_grouped_scale_bytes(rows: i64, experts: i64, cols: i64) -> u64;
         fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
         fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;

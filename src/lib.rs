@@ -100,9 +100,7 @@ pub mod candle;
 
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use gemm::{
-    GemmTile, GemmWorkspace, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16, SwigluNvfp4,
-};
+pub use gemm::{GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, PlainBf16, RowOrder, SwigluBf16, SwigluNvfp4};
 pub use layout::ScaleLayout;
 #[cfg(feature = "cuda")]
 pub use moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWeightsBf16, MoeWorkspace};

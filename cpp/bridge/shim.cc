@@ -78,7 +78,6 @@ rust::String last_error_message() { return rust::String(::nvfp4moe::last_error_m
 uint64_t core_permute_workspace_bytes(int64_t pairs, int64_t experts) {
   return ::nvfp4moe::permute_workspace_bytes(pairs, experts);
 }
-uint64_t core_grouped_gemm_workspace_bytes(int64_t sms) { return ::nvfp4moe::grouped_gemm_workspace_bytes(sms); }
 uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) {
   return ::nvfp4moe::grouped_scale_bytes(rows, experts, cols);
 }

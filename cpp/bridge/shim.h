@@ -37,7 +37,6 @@ int32_t grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a);
 rust::String last_error_message();
 
 uint64_t core_permute_workspace_bytes(int64_t pairs, int64_t experts);
-uint64_t core_grouped_gemm_workspace_bytes(int64_t sms);
 uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols);
 uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k);
 int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts);

@@ -112,10 +112,6 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: max_splits must be >= 0 (got %lld)",
                 (long long)a.max_splits);
   }
-  if (a.workspace_bytes < 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: workspace_bytes must be >= 0 (got %lld)",
-                (long long)a.workspace_bytes);
-  }
   return Status::kSuccess;
 }
 

@@ -8,7 +8,6 @@
 
 #include "nvfp4moe/nvfp4moe.h"
 #include "gemm_splitk.cuh"
-#include "gemm_streamk.cuh"
 #include "nvfp4_weights.cuh"
 
 #include <cuda_bf16.h>
@@ -53,7 +52,6 @@ struct Params {
   int k;
   int total_rows;              // rows of x and out: offsets are clamped to [0, total_rows]
   int splits;                  // CTAs per tile (the cluster size; 1: no split-K), <= Cfg::kMaxSplits
-  void* streamk_ws;            // stream-K workspace (gemm_streamk.cuh); null: tiles walked whole
 };
 
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer

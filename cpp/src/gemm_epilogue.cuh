@@ -48,24 +48,21 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
 }
 
 // SwigluNvfp4's quantizer warps (warps 1-3 of the producer warpgroup, thread qt of 96): they walk
-// the tiles whose epilogue this CTA runs, as the consumers do, and encode each consumer's staged
-// tile while the consumer runs the next tile's mainloop. `next_tile(tile, more)` gives the next such
-// tile and whether another follows (false: none left). Each hand-over buffer starts empty (one
-// arrive, only in a CTA that has a tile), and after a CTA's last tile nobody waits for it: every
-// arrive is matched by one consumer wait.
-template <class Cfg, class NextTile>
-CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Params& p, int qt, int m_tiles,
-                                    NextTile&& next_tile) {
+// the same tiles as the consumers and encode each consumer's staged tile while the consumer runs
+// the next tile's mainloop. Each hand-over buffer starts empty (one arrive, only in a CTA that has
+// a tile), and after a CTA's last tile nobody waits for it: every arrive is matched by one consumer
+// wait.
+template <class Cfg>
+CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Params& p, int qt, int unit0, int units,
+                                    int total_tiles, int m_tiles) {
   constexpr int kBlockN = Cfg::kBlockN;
-  int tile = 0;
-  bool more = false;
-  if (!next_tile(tile, more)) return;
   cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 0);
   cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 1);
-  do {
+  for (int tile = unit0; tile < total_tiles; tile += units) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
+    bool more = tile + units < total_tiles;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < 2; ++c) {
       int feature0 = tc.m_tile * kTileM + c * 64;
@@ -78,7 +75,7 @@ CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Param
         cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + c);
       }
     }
-  } while (next_tile(tile, more));
+  }
 }
 
 }  // namespace nvfp4moe::gemm

@@ -3,7 +3,6 @@
 #include "grouped_gemm_sm90.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 #include <mutex>
 #include <type_traits>
 
@@ -31,10 +30,6 @@ EncodeTiledFn tensor_map_encoder() {
 }
 
 }  // namespace
-
-uint64_t grouped_gemm_workspace_bytes(int64_t sms) noexcept {
-  return sms <= 0 || sms > (int64_t(1) << 20) ? 0 : uint64_t(gemm::streamk::workspace_bytes(sms * 2));
-}
 
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   if (experts <= 0) return GemmTile::kM128N128;
@@ -110,33 +105,12 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   // and at most total_rows / 16 + (experts with rows). (Splitting whenever it saves >= 10% of the
   // walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower on launches with
   // 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
-  const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
-  const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
-  const int64_t tiles = m_tiles * row_tiles;  // an upper bound of the N16 tiles
-  // Stream-K (N16, with a workspace; gemm_streamk.cuh): when whole tiles would leave CTA slots
-  // idle, or their last wave would fill under 90% of them, every CTA takes an equal share of the
-  // K stages instead. (T = 1 over 8 experts: mixtral-8x7b's 448 L1 tiles and deepseek-v3's 448 L2
-  // tiles took two waves on 264 slots; fewer tiles than slots left SMs idle.) Up to 3 waves: past
-  // that the last wave's share of the time is small.
-  // NVFP4MOE_STREAM_K (diagnostic, read once): 0 never, 2 whenever there are at most 3 waves.
-  static const int streamk_env = [] {
-    const char* v = std::getenv("NVFP4MOE_STREAM_K");
-    return v && (v[0] == '0' || v[0] == '2') && v[1] == 0 ? v[0] - '0' : 1;
-  }();
-  const int64_t slots = int64_t(sms) * 2;
-  const bool stream_k = [&] {
-    if (tile != GemmTile::kM128N16 || a.max_splits == 1 || !a.workspace || streamk_env == 0) return false;
-    if (tiles > 3 * slots) return false;
-    const int64_t waves = (tiles + slots - 1) / slots;
-    return streamk_env == 2 || tiles * 10 < waves * slots * 9;
-  }();
-  if (stream_k && a.workspace_bytes < int64_t(grouped_gemm_workspace_bytes(sms))) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: workspace of %lld bytes, %llu needed",
-                (long long)a.workspace_bytes, (unsigned long long)grouped_gemm_workspace_bytes(sms));
-  }
   auto choose_splits = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
-    if (tile != GemmTile::kM128N16 || a.max_splits == 1 || stream_k) return 1;
+    if (tile != GemmTile::kM128N16 || a.max_splits == 1) return 1;
+    const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
+    const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
+    const int64_t tiles = m_tiles * row_tiles;
     if (tiles * 2 > int64_t(sms) * 2) return 1;  // two CTAs per SM: no idle slot to give
     for (int s : {4, 3, 2}) {
       if (k_tiles >= 4 * s && (a.max_splits == 0 || s <= a.max_splits) &&
@@ -157,8 +131,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  int(a.n),
                  int(a.k),
                  int(a.total_rows),
-                 1,
-                 stream_k ? a.workspace : nullptr};
+                 1};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {
@@ -166,7 +139,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     p.splits = choose_splits(epilogue);
     switch (tile) {
       case GemmTile::kM128N16:
-        return p.splits > 1 || stream_k ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
+        return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
                             : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
       case GemmTile::kM128N32: return launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);

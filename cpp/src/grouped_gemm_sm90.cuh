@@ -38,7 +38,6 @@
 #include "gemm_mainloop.cuh"
 #include "gemm_scheduler.cuh"
 #include "gemm_splitk.cuh"
-#include "gemm_streamk.cuh"
 #include "nvfp4_codec.cuh"
 #include "nvfp4_weights.cuh"
 #include "pdl.cuh"
@@ -89,11 +88,6 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   const int rank = splits > 1 ? int(cute::block_rank_in_cluster()) : 0;
   const int unit0 = int(blockIdx.x) / splits, units = int(gridDim.x) / splits;
   const int kc_begin = rank * k_stages / splits, kc_end = (rank + 1) * k_stages / splits;
-  // Stream-K (gemm_streamk.cuh; the split-K instantiation only, with a workspace): this CTA's
-  // share of the launch's K stages, walked as segments by the producer, the consumers and the
-  // quantizer warps alike.
-  const bool stream_k = Cfg::kMaxSplits > 1 && p.streamk_ws != nullptr;
-  auto streamk_walk = [&] { return streamk::Walk(int(blockIdx.x), int(gridDim.x), total_tiles, k_stages); };
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kStageBytes;
@@ -114,42 +108,15 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(&tma_x);
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      auto load = [&](int tile, int kb, int ke) {
+      for (int tile = unit0; tile < total_tiles; tile += units) {
         TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
-        MainloopProducer<Cfg>::load_tile(pipeline, state, ss, tma_x, p, tc, kb, ke, k_tiles);
-      };
-      if (stream_k) {
-        auto walk = streamk_walk();
-        for (streamk::Segment sg; walk.next(sg);) load(sg.tile, sg.kc_begin, sg.kc_end);
-      } else {
-        for (int tile = unit0; tile < total_tiles; tile += units) load(tile, kc_begin, kc_end);
+        MainloopProducer<Cfg>::load_tile(pipeline, state, ss, tma_x, p, tc, kc_begin, kc_end, k_tiles);
       }
       pipeline.producer_tail(state);
     }
     if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
-      // The tiles whose epilogue this CTA runs, in order, and whether another follows.
-      if (threadIdx.x >= 32 && rank == 0) {
-        if (stream_k) {
-          auto walk = streamk_walk();
-          quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, m_tiles, [&](int& tile, bool& more) {
-            streamk::Segment sg;
-            do {
-              if (!walk.next(sg)) return false;
-            } while (sg.kc_begin > 0);  // tails have no epilogue
-            tile = sg.tile;
-            more = walk.more();
-            return true;
-          });
-        } else {
-          int next = unit0;
-          quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, m_tiles, [&](int& tile, bool& more) {
-            if (next >= total_tiles) return false;
-            tile = next;
-            next += units;
-            more = next < total_tiles;
-            return true;
-          });
-        }
+      if (threadIdx.x >= 32 && rank == 0 && unit0 < total_tiles) {
+        quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, unit0, units, total_tiles, m_tiles);
       }
     }
     return;
@@ -178,7 +145,9 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   bfloat16_t* epi = ss.epi[cw];
   int handed = 0;  // split-K hand-overs so far (leader: reductions)
 
-  auto consume = [&](int tile, int kb, int ke) {
+  // The bound is read from shared memory on each step rather than kept in a register across the
+  // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
+  for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units) {
     // The tile's coordinates and decode scales are loaded before the mainloop, so their latency
     // hides behind it (loaded after it, qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took
     // 6% longer, 2026-12-02).
@@ -192,26 +161,15 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     float scale_lo = p.decode_scale[2 * tc.expert] * 256.0f;
     float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
 
-    MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kb, ke);
+    MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,
+                                    kc_end);
     if constexpr (Cfg::kMaxSplits > 1) {
-      if (stream_k) {
-        static_assert(Cfg::kMaxSplits == 1 || Cfg::kAccum == streamk::kAccum, "the workspace holds N16 tiles");
-        const int slots = int(gridDim.x);
-        if (kb > 0) {  // a tail: hand it to the tile's head
-          streamk::store_tail(p.streamk_ws, slots, int(blockIdx.x), cw, t, 1 + cw, accum);
-          return;
-        }
-        if (ke < k_stages) {  // a head: add the tile's tails, which the next CTAs hold
-          const int64_t units_all = int64_t(ss.tile_prefix[p.experts]) * k_stages;
-          const int last = streamk::owner(int64_t(tile) * k_stages + k_stages - 1, slots, units_all);
-          streamk::add_tails(p.streamk_ws, slots, units_all, int(blockIdx.x) + 1, last, cw, t, 1 + cw, accum);
-        }
-      } else if (splits > 1) {
+      if (splits > 1) {
         // Non-leaders hand their partial sums to the leader and go on; the leader adds them (in
         // rank order) and runs the epilogue.
         if (rank != 0) {
           splitk::send<Cfg::kAccum>(ss.split, rank, cw, t, handed++, accum);
-          return;
+          continue;
         }
         splitk::reduce<Cfg::kAccum>(ss.split, splits, cw, t, handed++, accum);
       }
@@ -251,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       // Hand the staged tile to the quantizer warps (the arrive orders the stores above before
       // their reads) and go on to the next tile.
       cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiFull + cw);
-      return;
+      continue;
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
     bool half_valid = feature0 < p.n;
@@ -267,14 +225,6 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
         *reinterpret_cast<uint4*>(p.out + int64_t(row) * out_cols + out_col0 + c8) = v;
       }
     }
-  };
-  if (stream_k) {
-    auto walk = streamk_walk();
-    for (streamk::Segment sg; walk.next(sg);) consume(sg.tile, sg.kc_begin, sg.kc_end);
-  } else {
-    // The bound is read from shared memory on each step rather than kept in a register across the
-    // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
-    for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units) consume(tile, kc_begin, kc_end);
   }
   if constexpr (Cfg::kMaxSplits > 1) {
     if (splits > 1 && rank != 0) {

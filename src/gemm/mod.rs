@@ -357,7 +357,6 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 
     /// Scratch memory a launch needs: none (the per-expert tile prefix is built in shared memory).
-    /// The optional stream-K scratch ([`GemmWorkspace`]) speeds up decode launches.
     pub fn workspace_bytes(&self) -> usize {
         0
     }
@@ -380,15 +379,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     }
 
     fn launch_raw(&self, l: &Launch<'_>, r: RawLaunch) -> Result<()> {
-        let RawLaunch {
-            x: x_ptr,
-            total_rows,
-            expert_offsets: off_ptr,
-            out: out_ptr,
-            out_scales,
-            act_scales,
-            workspace,
-        } = r;
+        let RawLaunch { x: x_ptr, total_rows, expert_offsets: off_ptr, out: out_ptr, out_scales, act_scales } = r;
         let w = self.weights;
         let (prepared, decode_scales) = (l.input(&w.prepared), l.input(&w.decode_scales));
         let args = GroupedGemmArgs {
@@ -407,8 +398,6 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             tile: self.tile_for(total_rows),
             epilogue: E::KIND,
             max_splits: if self.batch_invariant { 1 } else { 0 },
-            workspace: workspace.0,
-            workspace_bytes: workspace.1 as i64,
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).
@@ -425,37 +414,6 @@ struct RawLaunch {
     out_scales: u64,
     /// Activation decode scales: address and count (0 and 0 unless [`SwigluNvfp4`]).
     act_scales: (u64, usize),
-    /// The stream-K workspace: address and bytes (0 and 0: none).
-    workspace: (u64, usize),
-}
-
-/// Scratch memory for stream-K decode launches of [`GroupedGemm`] (`launch_in`,
-/// `launch_nvfp4_in`): with it, a launch with too few tiles for whole waves of CTAs (decode at small
-/// token counts) spreads its K stages evenly over every CTA slot and adds the pieces of each tile
-/// in K order, so results stay bit-identical across runs. About 16 KB per SM; allocated zeroed, and
-/// every launch leaves it so. Launches that share one workspace must be ordered on one stream
-/// (the `&mut` borrow of each launch enforces this on the host).
-#[derive(Debug)]
-pub struct GemmWorkspace {
-    buf: CudaSlice<u8>,
-}
-
-impl GemmWorkspace {
-    /// A zeroed workspace for the device of `stream`.
-    ///
-    /// # Errors
-    /// A CUDA error reading the device's multiprocessor count or allocating.
-    pub fn new(stream: &Arc<CudaStream>) -> Result<Self> {
-        use cudarc::driver::sys::CUdevice_attribute;
-        let sms = stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let bytes = raw::core_grouped_gemm_workspace_bytes(i64::from(sms)) as usize;
-        Ok(GemmWorkspace { buf: stream.alloc_zeros::<u8>(bytes.max(256))? })
-    }
-
-    /// Its size in bytes.
-    pub fn bytes(&self) -> usize {
-        self.buf.len()
-    }
 }
 
 /// Where [`GroupedGemm::launch_nvfp4`] writes: the NVFP4 output of [`SwigluNvfp4`] and the decode
@@ -494,54 +452,11 @@ impl GroupedGemm<'_, SwigluNvfp4> {
         C: DevicePtrMut<u8>,
         S: DevicePtrMut<u8>,
     {
-        self.launch_nvfp4_impl(stream, None, x, total_rows, expert_offsets, out)
-    }
-
-    /// [`GroupedGemm::launch_nvfp4`] with a stream-K workspace (faster decode launches).
-    ///
-    /// # Errors
-    /// As [`GroupedGemm::launch_nvfp4`].
-    pub fn launch_nvfp4_in<X, O, G, C, S>(
-        &self,
-        stream: &CudaStream,
-        workspace: &mut GemmWorkspace,
-        x: &X,
-        total_rows: usize,
-        expert_offsets: &O,
-        out: SwigluNvfp4Out<'_, G, C, S>,
-    ) -> Result<()>
-    where
-        X: DevicePtr<bf16>,
-        O: DevicePtr<i32>,
-        G: DevicePtr<f32>,
-        C: DevicePtrMut<u8>,
-        S: DevicePtrMut<u8>,
-    {
-        self.launch_nvfp4_impl(stream, Some(workspace), x, total_rows, expert_offsets, out)
-    }
-
-    fn launch_nvfp4_impl<X, O, G, C, S>(
-        &self,
-        stream: &CudaStream,
-        workspace: Option<&mut GemmWorkspace>,
-        x: &X,
-        total_rows: usize,
-        expert_offsets: &O,
-        out: SwigluNvfp4Out<'_, G, C, S>,
-    ) -> Result<()>
-    where
-        X: DevicePtr<bf16>,
-        O: DevicePtr<i32>,
-        G: DevicePtr<f32>,
-        C: DevicePtrMut<u8>,
-        S: DevicePtrMut<u8>,
-    {
         let w = self.weights;
         let SwigluNvfp4Out { act_decode_scales, codes, scales } = out;
         let l = Launch::new(stream)?;
         let (x, off, g) = (l.input(x), l.input(expert_offsets), l.input(act_decode_scales));
         let (c, sc) = (l.output(codes), l.output(scales));
-        let ws = workspace.map(|ws| l.output(&mut ws.buf));
         self.check(total_rows, x.info(), off.len, c.info())?;
         check_len("scales", sc.len, crate::layout::grouped_scale_len(total_rows, w.experts, w.n / 2))?;
         if g.len != 1 && g.len != w.experts {
@@ -558,7 +473,6 @@ impl GroupedGemm<'_, SwigluNvfp4> {
             out: c.addr,
             out_scales: sc.addr,
             act_scales: (g.addr, g.len),
-            workspace: ws.as_ref().map_or((0, 0), |b| (b.addr, b.len)),
         };
         self.launch_raw(&l, r)
     }
@@ -620,47 +534,8 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
         O: DevicePtr<i32>,
         F: DevicePtrMut<bf16>,
     {
-        self.launch_impl(stream, None, x, total_rows, expert_offsets, out)
-    }
-
-    /// [`GroupedGemm::launch`] with a stream-K workspace (faster decode launches).
-    ///
-    /// # Errors
-    /// As [`GroupedGemm::launch`].
-    pub fn launch_in<X, O, F>(
-        &self,
-        stream: &CudaStream,
-        workspace: &mut GemmWorkspace,
-        x: &X,
-        total_rows: usize,
-        expert_offsets: &O,
-        out: &mut F,
-    ) -> Result<()>
-    where
-        X: DevicePtr<bf16>,
-        O: DevicePtr<i32>,
-        F: DevicePtrMut<bf16>,
-    {
-        self.launch_impl(stream, Some(workspace), x, total_rows, expert_offsets, out)
-    }
-
-    fn launch_impl<X, O, F>(
-        &self,
-        stream: &CudaStream,
-        workspace: Option<&mut GemmWorkspace>,
-        x: &X,
-        total_rows: usize,
-        expert_offsets: &O,
-        out: &mut F,
-    ) -> Result<()>
-    where
-        X: DevicePtr<bf16>,
-        O: DevicePtr<i32>,
-        F: DevicePtrMut<bf16>,
-    {
         let l = Launch::new(stream)?;
         let (x, off, out) = (l.input(x), l.input(expert_offsets), l.output(out));
-        let ws = workspace.map(|ws| l.output(&mut ws.buf));
         self.check(total_rows, x.info(), off.len, out.info())?;
         if total_rows == 0 {
             return Ok(());
@@ -672,7 +547,6 @@ impl<E: Bf16Output> GroupedGemm<'_, E> {
             out: out.addr,
             out_scales: 0,
             act_scales: (0, 0),
-            workspace: ws.as_ref().map_or((0, 0), |b| (b.addr, b.len)),
         };
         self.launch_raw(&l, r)
     }

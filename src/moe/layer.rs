@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::MoeWeights;
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTile, GemmWorkspace, GroupedGemm, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
+use crate::gemm::{GemmTile, GroupedGemm, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
 use crate::host::weight_decode_scale;
 use crate::launch::check_len;
 use crate::layout::grouped_scale_len;
@@ -116,7 +116,6 @@ struct Scratch<'a> {
     act: &'a mut CudaSlice<bf16>,
     y: &'a mut CudaSlice<bf16>,
     fp4: Option<&'a mut Fp4Buffers>,
-    gemm: &'a mut GemmWorkspace,
 }
 
 /// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
@@ -138,8 +137,6 @@ pub struct MoeWorkspace {
     ids: CudaSlice<i32>,
     weights: CudaSlice<f32>,
     fp4: Option<Fp4Buffers>,
-    /// The GEMMs' stream-K scratch (both GEMMs of a forward, one after the other).
-    gemm: GemmWorkspace,
     max_pairs: usize,
 }
 
@@ -208,11 +205,11 @@ impl MoeLayer {
     {
         self.check_tokens(tokens, top_k, ws)?;
         let pairs = tokens * top_k;
-        let MoeWorkspace { perm, act, gemm, .. } = ws;
+        let MoeWorkspace { perm, act, .. } = ws;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
         let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?
             .batch_invariant(self.opts.batch_invariant);
-        l1.launch_in(stream, gemm, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
+        l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
         let host = stream.clone_dtoh(&act.slice(..pairs * self.weights.intermediate))?;
         weight_decode_scale(&host).map_err(|e| Error::Invalid(format!("calibrating the NVFP4 intermediate: {e}")))
     }
@@ -240,7 +237,6 @@ impl MoeLayer {
             y: stream.alloc_zeros::<bf16>((pairs * h).max(1))?,
             ids: stream.alloc_zeros::<i32>(pairs.max(1))?,
             weights: stream.alloc_zeros::<f32>(pairs.max(1))?,
-            gemm: GemmWorkspace::new(stream)?,
             max_pairs: pairs,
         })
     }
@@ -293,8 +289,8 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         self.check_tokens(input.tokens, input.top_k, ws)?;
-        let MoeWorkspace { perm, act, y, fp4, gemm, .. } = ws;
-        self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut(), gemm })
+        let MoeWorkspace { perm, act, y, fp4, .. } = ws;
+        self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// The forward's launches over the workspace's parts (split so that the router path can
@@ -313,7 +309,7 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
-        let Scratch { perm, act, y, fp4, gemm } = scratch;
+        let Scratch { perm, act, y, fp4 } = scratch;
         let (h, pairs) = (self.weights.hidden, tokens * top_k);
         check_len("hidden", hidden.len(), tokens * h)?;
         check_len("topk_ids", topk_ids.len(), pairs)?;
@@ -325,13 +321,13 @@ impl MoeLayer {
             GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?.batch_invariant(self.opts.batch_invariant);
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
         match fp4 {
-            None => l1.launch_in(stream, gemm, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
+            None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
             Some(b) => {
                 let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?
                     .batch_invariant(self.opts.batch_invariant);
                 let nvfp4 =
                     SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
-                l1.launch_nvfp4_in(stream, gemm, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
+                l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
                 let desc = GroupedDesc {
                     rows: pairs,
                     cols: self.weights.intermediate,
@@ -341,7 +337,7 @@ impl MoeLayer {
                 dequantize_nvfp4_grouped_into(stream, &b.codes, &b.scales, &desc, act)?;
             }
         }
-        l2.launch_in(stream, gemm, &*act, pairs, &perm.expert_offsets, y)?;
+        l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
         let shape = CombineShape { tokens, top_k, hidden: h };
         combine_into(stream, &*y, &perm.row_of_pair, topk_weights, shape, out)
     }
@@ -365,11 +361,11 @@ impl MoeLayer {
     {
         let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
         self.check_tokens(tokens, top_k, ws)?;
-        let MoeWorkspace { perm, act, y, ids, weights, fp4, gemm, .. } = ws;
+        let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
         let spec = TopK { tokens, experts: self.weights.experts, top_k, renormalize };
         softmax_topk_into(stream, router_logits, spec, ids, weights)?;
         let input = MoeInput { hidden, tokens, topk_ids: &*ids, topk_weights: &*weights, top_k };
-        self.run(stream, &input, out, Scratch { perm, act, y, fp4: fp4.as_mut(), gemm })
+        self.run(stream, &input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
     /// Synchronizes `stream` and reports the first bad expert id seen since the last check.

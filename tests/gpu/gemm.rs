@@ -7,7 +7,7 @@ use super::*;
 
 pub(crate) mod grouped {
     use super::*;
-    use nvfp4_moe::gemm::{ExpertShape, GemmTile, GemmWorkspace, GroupedGemm, Nvfp4Weights, PlainBf16};
+    use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
     use nvfp4_moe::{
         host::ExpertWeightsHost,
         reference::{dequantize_element, grouped_gemm_element},
@@ -61,23 +61,6 @@ pub(crate) mod grouped {
         let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
         let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile).unwrap();
         plan.launch(s, x, total_rows, &off_dev, &mut out).unwrap();
-        s.clone_dtoh(&out).unwrap()
-    }
-
-    /// `run` with a stream-K workspace (and optionally batch-invariant).
-    fn run_in(
-        s: &Arc<CudaStream>,
-        ws: &mut GemmWorkspace,
-        w: &Nvfp4Weights,
-        x: &CudaSlice<bf16>,
-        total_rows: usize,
-        off: &[i32],
-        invariant: bool,
-    ) -> Vec<bf16> {
-        let off_dev = s.clone_htod(off).unwrap();
-        let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
-        let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, GemmTile::Auto).unwrap().batch_invariant(invariant);
-        plan.launch_in(s, ws, x, total_rows, &off_dev, &mut out).unwrap();
         s.clone_dtoh(&out).unwrap()
     }
 
@@ -223,57 +206,6 @@ pub(crate) mod grouped {
             eprintln!("split-K E={e} n={n} k={k} rows={rows}: relative error {:.3e}", err.rel());
             assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}", err.rel());
             err.report(&format!("split-K E={e} n={n} k={k} rows={rows}"));
-        }
-    }
-
-    /// Stream-K (a workspace; launches with too few tiles for whole waves of CTAs): every CTA takes
-    /// an equal share of the K stages, and each tile's pieces are added in K order. Bit-identical
-    /// across runs (the workspace's flags are cleared by every launch, or a second run would read
-    /// stale pieces), within the reference bound, and close to the unsplit (batch-invariant) launch.
-    /// On the H200 (264 CTA slots): 64 tiles of 16 stages (each tile over ~5 CTAs); 448 tiles of 16
-    /// stages (1.7 waves of whole tiles: each CTA ~27 stages); 180 tiles of 22.5 stages (a half
-    /// last stage); uneven rows with empty experts; one row in all.
-    #[test]
-    #[ignore = "needs a CUDA GPU"]
-    fn stream_k_is_deterministic_and_matches_reference() {
-        let s = stream();
-        let mut rng = Rng::from_entropy();
-        let mut ws = GemmWorkspace::new(&s).unwrap();
-        for &(e, n, k, max_rows) in &[
-            (8usize, 1024usize, 2048usize, 0usize),
-            (8, 7168, 2048, 0),
-            (4, 5760, 2880, 0),
-            (16, 1024, 1024, 3),
-            (1, 4096, 7168, 0),
-        ] {
-            let seed = rng.seed();
-            let w = random_weights(&mut rng, e, n, k);
-            let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
-            // max_rows 0: one row per expert (decode at T = 1).
-            let off: Vec<i32> =
-                if max_rows == 0 { (0..=e as i32).collect() } else { random_offsets(&mut rng, e, max_rows) };
-            let rows = *off.last().unwrap() as usize;
-            let x = rng.normal_bf16(rows.max(1) * k, 1.0);
-            let xd = s.clone_htod(&x).unwrap();
-            let ctx = format!("E={e} n={n} k={k} rows={rows} seed={seed}");
-            let a = run_in(&s, &mut ws, &wd, &xd, rows, &off, false);
-            let b = run_in(&s, &mut ws, &wd, &xd, rows, &off, false);
-            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "stream-K runs differ: {ctx}");
-            let plain = run_in(&s, &mut ws, &wd, &xd, rows, &off, true);
-            let (mut err, mut vs_plain) = (RelErr::default(), RelErr::default());
-            for (p, q) in a.iter().zip(&plain) {
-                vs_plain.add(f64::from(p.to_f32()), f64::from(q.to_f32()));
-            }
-            for _ in 0..3000.min(rows * n) {
-                let (row, f) = (rng.range(0, rows), rng.range(0, n));
-                let ex = expert_of(&off, row);
-                err.add(f64::from(a[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
-            }
-            // The same bound as every GEMM test (BF16 output rounding and FP32 sums of exact
-            // products); against the unsplit launch only the K-sum order differs.
-            assert!(err.rel() <= 1e-2, "stream-K vs reference: relative error {:.3e}: {ctx}", err.rel());
-            assert!(vs_plain.rel() <= 1e-2, "stream-K vs unsplit: {:.3e}: {ctx}", vs_plain.rel());
-            err.report(&format!("stream-K {ctx}"));
         }
     }
 

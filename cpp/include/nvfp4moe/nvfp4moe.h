@@ -131,10 +131,6 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 // inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;
 
-// Bytes of GroupedGemmArgs::workspace for a device with `sms` multiprocessors (0 for sms <= 0):
-// one FP32 partial tile and two flags per CTA slot, about 16 KB per SM.
-uint64_t grouped_gemm_workspace_bytes(int64_t sms) noexcept;
-
 // ---------------------------------------------------------------------------------------------
 // can_implement: the host-side checks of an entry point (shapes, counts, enum values, decode
 // scales) without launching anything. Pointers are not looked at: a plan checks its shapes once,

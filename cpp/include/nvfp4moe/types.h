@@ -214,13 +214,6 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   // Split-K: at most this many CTAs share a tile's K (0: the library's choice, up to 4; 1: never,
   // so every row's K-sum order, and with it its result, is the same whatever the launch's rows).
   int64_t max_splits NVFP4MOE_INIT();
-  // Stream-K scratch (optional): grouped_gemm_workspace_bytes(SM count) bytes, zero-filled once
-  // before its first use; every launch leaves it zero-filled again. With it, an N16 launch with few
-  // tiles (decode) spreads its tiles' K stages evenly over every CTA slot and reduces the pieces in
-  // K order (bit-identical across runs); without it (null), cluster split-K only. Launches that use
-  // one workspace must be stream-ordered. Ignored when max_splits is 1.
-  void* workspace NVFP4MOE_INIT();
-  int64_t workspace_bytes NVFP4MOE_INIT();                  // bytes at workspace (0 with no workspace)
 };
 
 /* NVFP4MOE_ABI_END (the generator reads up to here) */

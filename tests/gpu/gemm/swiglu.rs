@@ -64,7 +64,6 @@ pub fn gate_up_weights(
 fn swiglu_epilogues_match_reference_and_each_other() {
     let s = stream();
     let mut rng = Rng::from_entropy();
-    let mut ws = nvfp4_moe::gemm::GemmWorkspace::new(&s).unwrap();
     // The last five shapes have so few tiles that the N16 tile splits K (2, 3 or 4 CTAs per tile,
     // one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64 tiles in clusters
     // of 3 on the H200, 8 stages over 3 CTAs).
@@ -79,7 +78,6 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         (2880, 2880, 2, 5),
         (256, 576, 3, 4),
         (2048, 1024, 2, 1),
-        (14336, 1024, 2, 1), // stream-K: 448 tiles, 1.7 waves of whole tiles on the H200
     ] {
         let seed = rng.seed();
         let n = 2 * inter;
@@ -90,28 +88,15 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         let x = rng.normal_bf16(total * k, 1.0);
         let xd = s.clone_htod(&x).unwrap();
         let off_dev = s.clone_htod(&off).unwrap();
-        // N16 twice: without and with a stream-K workspace (the few-tile shapes then take stream-K).
-        for (tile, streamk) in [
-            (GemmTile::M128N16, false),
-            (GemmTile::M128N16, true),
-            (GemmTile::M128N32, false),
-            (GemmTile::M128N64, false),
-            (GemmTile::M128N128, false),
-        ] {
-            let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} stream-K {streamk} seed={seed}");
+        for tile in [GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+            let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
             let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
             let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
-            let (sw, il) = (
-                GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap(),
-                GroupedGemm::<Interleaved>::new(&wd, tile).unwrap(),
-            );
-            if streamk {
-                sw.launch_in(&s, &mut ws, &xd, total, &off_dev, &mut compact).unwrap();
-                il.launch_in(&s, &mut ws, &xd, total, &off_dev, &mut inter_out).unwrap();
-            } else {
-                sw.launch(&s, &xd, total, &off_dev, &mut compact).unwrap();
-                il.launch(&s, &xd, total, &off_dev, &mut inter_out).unwrap();
-            }
+            GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, total, &off_dev, &mut compact).unwrap();
+            GroupedGemm::<Interleaved>::new(&wd, tile)
+                .unwrap()
+                .launch(&s, &xd, total, &off_dev, &mut inter_out)
+                .unwrap();
             let compact = s.clone_dtoh(&compact).unwrap();
             let inter_out = s.clone_dtoh(&inter_out).unwrap();
             for (i, v) in compact.iter().enumerate() {
@@ -274,7 +259,6 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     use nvfp4_moe::layout::grouped_scale_len;
     let s = stream();
     let mut rng = Rng::from_entropy();
-    let mut ws = nvfp4_moe::gemm::GemmWorkspace::new(&s).unwrap();
     for (ci, &(inter, k, e, max_rows)) in [
         (768usize, 256usize, 8usize, 70usize),
         (1536, 128, 4, 300),
@@ -284,8 +268,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
         (96, 64, 5, 33),
         (512, 2048, 4, 3), // split-K: few tiles
         (768, 768, 8, 2),
-        (2048, 1024, 2, 1),  // split-K over clusters of 3 on the H200 (64 tiles)
-        (14336, 1024, 2, 1), // stream-K: 448 tiles, 1.7 waves of whole tiles on the H200
+        (2048, 1024, 2, 1), // split-K over clusters of 3 on the H200 (64 tiles)
     ]
     .iter()
     .enumerate()
@@ -309,57 +292,36 @@ fn swiglu_nvfp4_equals_quantized_compact() {
             if ci % 2 == 0 { (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect() } else { vec![rng.uniform(1e-3, 1e-1)] };
         let gd = s.clone_htod(&act_g).unwrap();
         let sl = grouped_scale_len(rows, e, inter);
-        // N16 twice: without and with a stream-K workspace (every launch of a case the same way).
-        for (tile, streamk) in [
-            (GemmTile::M128N16, false),
-            (GemmTile::M128N16, true),
-            (GemmTile::M128N32, false),
-            (GemmTile::M128N64, false),
-            (GemmTile::M128N128, false),
-        ] {
+        for tile in [GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
             let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
             let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
-            let (sw, il) = (
-                GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap(),
-                GroupedGemm::<Interleaved>::new(&wd, tile).unwrap(),
-            );
-            if streamk {
-                sw.launch_in(&s, &mut ws, &xd, rows, &offd, &mut compact).unwrap();
-                il.launch_in(&s, &mut ws, &xd, rows, &offd, &mut interleaved).unwrap();
-            } else {
-                sw.launch(&s, &xd, rows, &offd, &mut compact).unwrap();
-                il.launch(&s, &xd, rows, &offd, &mut interleaved).unwrap();
-            }
+            GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut compact).unwrap();
+            GroupedGemm::<Interleaved>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut interleaved).unwrap();
             let [(c1, s1), (c2, s2)] =
                 quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
             let (mut c3, mut s3) = (poisoned_u8(&s, rows * inter / 2), poisoned_u8(&s, sl));
-            let plan = GroupedGemm::<SwigluNvfp4>::new(&wd, tile).unwrap();
-            let out = SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 };
-            if streamk {
-                plan.launch_nvfp4_in(&s, &mut ws, &xd, rows, &offd, out).unwrap();
-            } else {
-                plan.launch_nvfp4(&s, &xd, rows, &offd, out).unwrap();
-            }
+            GroupedGemm::<SwigluNvfp4>::new(&wd, tile)
+                .unwrap()
+                .launch_nvfp4(
+                    &s,
+                    &xd,
+                    rows,
+                    &offd,
+                    SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
+                )
+                .unwrap();
             let (h1, h2, h3) = (c1, c2, s.clone_dtoh(&c3).unwrap());
-            assert!(
-                h3 == h1,
-                "I={inter} {tile:?} stream-K {streamk}: codes differ at {:?} (seed {seed})",
-                first_diff(&h3, &h1)
-            );
+            assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?} (seed {seed})", first_diff(&h3, &h1));
             assert!(
                 h3 == h2,
-                "I={inter} {tile:?} stream-K {streamk}: codes vs swiglu_quantize at {:?} (seed {seed})",
+                "I={inter} {tile:?}: codes vs swiglu_quantize at {:?} (seed {seed})",
                 first_diff(&h3, &h2)
             );
             let (h1, h2, h3) = (s1, s2, s.clone_dtoh(&s3).unwrap());
-            assert!(
-                h3 == h1,
-                "I={inter} {tile:?} stream-K {streamk}: scales differ at {:?} (seed {seed})",
-                first_diff(&h3, &h1)
-            );
+            assert!(h3 == h1, "I={inter} {tile:?}: scales differ at {:?} (seed {seed})", first_diff(&h3, &h1));
             assert!(
                 h3 == h2,
-                "I={inter} {tile:?} stream-K {streamk}: scales vs swiglu_quantize at {:?} (seed {seed})",
+                "I={inter} {tile:?}: scales vs swiglu_quantize at {:?} (seed {seed})",
                 first_diff(&h3, &h2)
             );
             // The codes of the zero expert are zero (and were written: the buffer was poisoned).
