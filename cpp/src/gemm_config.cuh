@@ -83,8 +83,11 @@ struct Config {
   // of one chunk run while the next chunk is converted into the other fragment).
   static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
   static constexpr int kFragK = kChunkPipelined ? kTileK : kStageK;
-  // Unpipelined 128-K stages of the 16-row tile: one accumulator chain per chunk (the mainloop).
-  static constexpr bool kDualAccum = !kPipelined_ && kChunks_ == 2 && kBlockN_ == 16;
+  // One accumulator chain per tile on every tile shape: a row's K-sum order (and so its bits) must
+  // not depend on which tile the launch picks (batch invariance). Two chains per N16 stage (one per
+  // 64-K chunk) were 0.5% faster at deepseek-v3 T = 16 and broke that: 1 value in ~4000 differed
+  // from the N32/N64/N128 tiles after BF16 rounding (batch_invariant_rows_do_not_depend_on_the_launch,
+  // 2026-12-02).
   static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).

@@ -246,41 +246,6 @@ struct MainloopConsumer {
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
       release_stage(release);
-    } else if constexpr (Cfg::kDualAccum) {
-      // Two accumulator chains, one per chunk of a stage: the stage's 8 wgmmas form two independent
-      // chains of 4, so the wait before the next conversion covers 4 dependent wgmmas, not 8.
-      // The tile's sum is (chunk-0 chain) + (chunk-1 chain), the same order on every run.
-      static_assert(Cfg::kChunks == 2, "one chain per chunk");
-      Tensor accum2 = make_fragment_like(accum);
-      clear(accum2);
-      for (int kc = kc_begin; kc < kc_end; ++kc) {
-        pipeline.consumer_wait(state);
-        const int s = state.index();
-        convert(s, tCrA0);
-        fence_a(tCrA0);
-        warpgroup_fence_operand(accum);
-        warpgroup_fence_operand(accum2);
-        warpgroup_arrive();
-        const uint64_t desc_s = desc_b(0, s);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          wgmma_rs<MmaOp>(tCrA0(_, _, j), desc_s + uint64_t(int(tCrB.layout()(0, 0, j, 0))), accum,
-                          tiled_mma.accumulate_);
-          wgmma_rs<MmaOp>(tCrA0(_, _, 4 + j), desc_s + uint64_t(int(tCrB.layout()(0, 0, 4 + j, 0))), accum2,
-                          GMMA::ScaleOut::One);
-          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-        }
-        warpgroup_commit_batch();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(accum);
-        warpgroup_fence_operand(accum2);
-        release_stage(state);
-        ++state;
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) {
-        accum(i) += accum2(i);
-      }
     } else {
       for (int kc = kc_begin; kc < kc_end; ++kc) {
         pipeline.consumer_wait(state);
