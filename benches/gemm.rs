@@ -12,6 +12,7 @@
 //! the same call, else 795 TFLOP/s) and floor/t.
 //!
 //! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1` or `-- /T16`.
+//! `NVFP4MOE_GEMM_TILE=n8|n16|n32|n64|n128` forces a tile instead of the library's choice.
 
 mod common;
 
@@ -70,7 +71,7 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     let (n, k) = (w.n(), w.k());
     let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
     let mut out = s.alloc_zeros::<bf16>(max_rows * E::out_cols(n)).unwrap();
-    let plan = GroupedGemm::<E>::new(w, GemmTile::Auto).unwrap();
+    let plan = GroupedGemm::<E>::new(w, forced_tile()).unwrap();
     for &t in &TOKENS {
         let name = format!("{}/{layer}/T{t}", p.name);
         if !selected(&name) {
@@ -114,6 +115,19 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     }
 }
 
+/// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128), else the library's choice.
+fn forced_tile() -> GemmTile {
+    match std::env::var("NVFP4MOE_GEMM_TILE").as_deref() {
+        Ok("n8") => GemmTile::M128N8,
+        Ok("n16") => GemmTile::M128N16,
+        Ok("n32") => GemmTile::M128N32,
+        Ok("n64") => GemmTile::M128N64,
+        Ok("n128") => GemmTile::M128N128,
+        Ok("") | Ok("auto") | Err(_) => GemmTile::Auto,
+        Ok(other) => panic!("NVFP4MOE_GEMM_TILE={other}: expected n8, n16, n32, n64, n128 or auto"),
+    }
+}
+
 fn benches(c: &mut Criterion) {
     let ctx = CudaContext::new(0).expect("a CUDA GPU");
     // SAFETY: everything below runs on one stream, so no cross-stream synchronization is needed;
@@ -145,7 +159,7 @@ fn benches(c: &mut Criterion) {
         "L1: n = 2I, k = H, SwigluBf16 epilogue ([rows, I] out); L2: n = H, k = I, PlainBf16; balanced routing".into(),
         format!(
             "t = (graph of {PAIRS} x (256 MiB L2 flush + GEMM) - graph of {PAIRS} flushes) / {PAIRS}, median of {REPS} \
-             replays; tile = the library's choice; its split-K (not reported by the API) is inside the launch"
+             replays; tile = the library's choice (or $NVFP4MOE_GEMM_TILE); its split-K (not reported by the API) is inside the launch"
         ),
         format!("floor = max(weight bytes / {HBM_TBPS} TB/s, FLOPs / {rate:.1} TFLOP/s BF16 ({rate_source}))"),
     ];

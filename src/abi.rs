@@ -25,6 +25,7 @@ mod tests {
         assert_eq!(ScaleLayout::Swizzled128x4 as i32, 1);
         assert_eq!(GemmTile::M128N64 as i32, 3);
         assert_eq!(GemmTile::M128N32 as i32, 4);
+        assert_eq!(GemmTile::M128N8 as i32, 5);
         assert_eq!(GemmEpilogue::SwigluNvfp4 as i32, 3);
         assert_eq!(Status::from_raw(6), Some(Status::CudaError));
         assert_eq!(Status::from_raw(7), None);

@@ -142,8 +142,16 @@ pub fn filter() -> Option<String> {
     std::env::args().skip(1).find(|a| !a.starts_with('-') && a != "--bench")
 }
 
+/// Whether case `name` passes the filter: a substring, or `a|b` (either), each `...$` matching the
+/// name's end, so that the same filter means the same cases to criterion's regex (`/T1$` is T = 1
+/// only; `/T1` also takes T16, T128 and T1024).
 pub fn selected(name: &str) -> bool {
-    filter().is_none_or(|f| name.contains(&f))
+    filter().is_none_or(|f| {
+        f.split('|').any(|alt| match alt.strip_suffix('$') {
+            Some(end) => name.ends_with(end),
+            None => name.contains(alt),
+        })
+    })
 }
 
 /// One row of the summary table.

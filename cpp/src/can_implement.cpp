@@ -104,8 +104,8 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
                 (long long)a.num_act_decode_scales);
   }
-  if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N16 && a.tile != GemmTile::kM128N32 &&
-      a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128) {
+  if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N8 && a.tile != GemmTile::kM128N16 &&
+      a.tile != GemmTile::kM128N32 && a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(a.tile));
   }
   if (a.max_splits < 0) {

@@ -78,11 +78,15 @@ struct Config {
   // Prepared 64-K chunks per consumer warpgroup per stage: K per stage is 64 kChunks.
   static constexpr int kChunks = kChunks_;
   static constexpr int kStageK = kTileK * kChunks_;
-  static_assert(kChunks_ == 1 || kChunks_ == 2, "one or two chunks per stage");
-  // The A fragment: a whole stage, or with two pipelined chunks per stage one chunk (the wgmmas
-  // of one chunk run while the next chunk is converted into the other fragment).
+  static_assert(kChunks_ == 1 || kChunks_ == 2 || (kChunks_ == 4 && !kPipelined_),
+                "one or two chunks per stage, or four unpipelined");
+  // The A fragment: a whole stage; with two pipelined chunks per stage one chunk (the wgmmas of
+  // one chunk run while the next chunk is converted into the other fragment); with four chunks
+  // (unpipelined) two, converted and retired twice per stage (a whole 256-K stage would need 64
+  // registers of fragment).
   static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
-  static constexpr int kFragK = kChunkPipelined ? kTileK : kStageK;
+  static constexpr int kFragChunks = kChunkPipelined ? 1 : kChunks_ == 4 ? 2 : kChunks_;
+  static constexpr int kFragK = kTileK * kFragChunks;
   // One accumulator chain per tile on every tile shape: a row's K-sum order (and so its bits) must
   // not depend on which tile the launch picks (batch invariance). Two chains per N16 stage (one per
   // 64-K chunk) were 0.5% faster at deepseek-v3 T = 16 and broke that: 1 value in ~4000 differed
@@ -118,6 +122,9 @@ struct Config {
 
 // The tile list: X(name, kBlockN, stages, CTAs per SM, pipelined, max split-K CTAs, 64-K chunks
 // per stage), one line per tile (the build parses the lines that start with "  X(").
+// - N8 (and N8SplitK), at most 8 rows per expert (T = 1): N16's schedule with m64n8k16 wgmmas,
+//   half the MMA work and half the x bytes per stage (15/16 of N16's are padding at one row),
+//   two more stages in flight.
 // - N16, the decode tile: two chunks per stage, unpipelined (each stage's wgmmas retire before the
 //   next conversion; four consumer warpgroups per SM hide that). 128-K stages made the layer 4-10%
 //   faster at T = 1-128 than 64-K ones; pipelining the two chunks made it 3-20% slower again
@@ -133,6 +140,8 @@ struct Config {
 //   T = 128 4% faster than with 64-K stages, 2026-12-02).
 // - N128, prefill.
 #define NVFP4MOE_GEMM_TILES(X)          \
+  X(N8, 8, 8, 2, false, 1, 2)           \
+  X(N8SplitK, 8, 8, 2, false, 4, 2)     \
   X(N16, 16, 6, 2, false, 1, 2)         \
   X(N16SplitK, 16, 6, 2, false, 4, 2)   \
   X(N32, 32, 5, 2, false, 1, 2)         \

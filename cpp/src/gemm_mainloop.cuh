@@ -108,34 +108,41 @@ struct MainloopConsumer {
     // consumer_release, built for a cluster of one, would signal the cluster's rank 0.)
     auto release_stage = [&](auto st) { ss.pipeline.empty_barrier_[st.index()].arrive(); };
 
-    // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see
-    // nvfp4_weights.cuh).
-    auto convert_chunk = [&](int s, int h, auto& frag, int h0) {
+    // A chunk's shared-memory words for this thread: its 16 code bytes (one u32 per k-block) and 8
+    // scale bytes (the byte pairs of its two rows for k-blocks 0..3).
+    struct ChunkWords {
+      uint4 codes;
+      uint2 scales;
+    };
+    auto load_chunk = [&](int s, int h) {
+      const uint8_t* chunk = ss.a[s][cw] + h * weights::kChunkBytes;
+      return ChunkWords{reinterpret_cast<const uint4*>(chunk)[t],
+                        *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8)};
+    };
+    // A chunk's words -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see nvfp4_weights.cuh).
+    auto decode_chunk = [&](const ChunkWords& cwds, auto& frag, int h0) {
       Tensor a_words = recast<uint32_t>(frag);  // 16 registers per chunk: bf16 pairs, 4 per k-block
-      {
-        const uint8_t* chunk = ss.a[s][cw] + h * weights::kChunkBytes;
-        uint4 codes = reinterpret_cast<const uint4*>(chunk)[t];
-        uint2 sc = *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8);
-        const uint32_t cw4[4] = {codes.x, codes.y, codes.z, codes.w};
+      const uint32_t cw4[4] = {cwds.codes.x, cwds.codes.y, cwds.codes.z, cwds.codes.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4; ++kb) {
+        uint32_t sw = kb < 2 ? cwds.scales.x : cwds.scales.y;
+        // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
+        // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
+        uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+        uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+        const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
+                               weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
         CUTLASS_PRAGMA_UNROLL
-        for (int kb = 0; kb < 4; ++kb) {
-          uint32_t sw = kb < 2 ? sc.x : sc.y;
-          // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
-          // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
-          uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-          uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
-          const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-          const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-          const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
-                                 weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 4; ++j) {
-            __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
-            a_words((h0 * 4 + kb) * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
-          }
+        for (int j = 0; j < 4; ++j) {
+          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
+          a_words((h0 * 4 + kb) * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
         }
       }
     };
+    // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on.
+    auto convert_chunk = [&](int s, int h, auto& frag, int h0) { decode_chunk(load_chunk(s, h), frag, h0); };
     // All of stage s's chunks -> `frag` (a whole-stage fragment).
     auto convert = [&](int s, auto& frag) {
       CUTLASS_PRAGMA_UNROLL
@@ -156,37 +163,25 @@ struct MainloopConsumer {
     const uint64_t desc_b0 = uint64_t(tCrB.data().desc_);
     auto desc_b = [&](int kb, int s) { return desc_b0 + uint64_t(int(tCrB.layout()(0, 0, kb, s))); };
     using MmaOp = typename Cfg::MmaOp;
-    // 4 kChunks m64 x kBlockN x k16 wgmmas over stage s, committed as one group. (All of them in a
-    // partial last stage too: a predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
-    auto issue = [&](int s, auto& frag) {
+    // The 4 kFragChunks m64 x kBlockN x k16 wgmmas of one fragment, k-blocks [kb0, kb0 + 4
+    // kFragChunks) of stage s, committed as one group. (All of them in a partial last stage too: a
+    // predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
+    auto issue_range = [&](int s, int kb0, auto& frag) {
       fence_a(frag);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       const uint64_t desc_s = desc_b(0, s);
       CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < 4 * Cfg::kChunks; ++kb) {
-        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb, 0))), accum,
+      for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {
+        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb0 + kb, 0))), accum,
                         tiled_mma.accumulate_);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
       warpgroup_fence_operand(accum);
     };
-    // The 4 wgmmas of chunk h of stage s from a one-chunk fragment, committed as one group.
-    auto issue_chunk = [&](int s, int h, auto& frag) {
-      fence_a(frag);
-      warpgroup_fence_operand(accum);
-      warpgroup_arrive();
-      const uint64_t desc_s = desc_b(4 * h, s);
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < 4; ++kb) {
-        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb, 0))), accum,
-                        tiled_mma.accumulate_);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      warpgroup_fence_operand(accum);
-    };
+    auto issue = [&](int s, auto& frag) { issue_range(s, 0, frag); };                  // a whole stage
+    auto issue_chunk = [&](int s, int h, auto& frag) { issue_range(s, 4 * h, frag); };  // one chunk
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     if constexpr (Cfg::kChunkPipelined) {
@@ -247,15 +242,50 @@ struct MainloopConsumer {
       warpgroup_fence_operand(accum);
       release_stage(release);
     } else {
-      for (int kc = kc_begin; kc < kc_end; ++kc) {
-        pipeline.consumer_wait(state);
-        convert(state.index(), tCrA0);
-        issue(state.index(), tCrA0);
+      // One fragment of kFragChunks chunks, kParts per stage: each part's group retires before the
+      // next part is converted. The next part's shared-memory words are read while the current
+      // group runs (the next stage's full-barrier wait too), into the registers its conversion
+      // needs anyway, so that the read latency and the wait overlap the wgmmas.
+      constexpr int kParts = Cfg::kChunks / Cfg::kFragChunks;
+      ChunkWords next[Cfg::kFragChunks];
+      auto load_part = [&](int s, int part) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < Cfg::kFragChunks; ++h) next[h] = load_chunk(s, part * Cfg::kFragChunks + h);
+      };
+      auto retire = [&] {
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
-        release_stage(state);
+        fence_a(tCrA0);
+      };
+      // Stage s from its part 0's words (already read); ends with the last part's group in flight.
+      auto run_stage = [&](int s) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int part = 0; part < kParts; ++part) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int h = 0; h < Cfg::kFragChunks; ++h) decode_chunk(next[h], tCrA0, h);
+          issue_range(s, 4 * Cfg::kFragChunks * part, tCrA0);
+          if (part + 1 < kParts) {
+            load_part(s, part + 1);
+            retire();
+          }
+        }
+      };
+      pipeline.consumer_wait(state);
+      load_part(state.index(), 0);
+      // The last stage is peeled off: every stage of the loop has a next one to read.
+      for (int kc = kc_begin; kc + 1 < kc_end; ++kc) {
+        run_stage(state.index());
+        const auto current = state;
         ++state;
+        pipeline.consumer_wait(state);
+        load_part(state.index(), 0);
+        retire();
+        release_stage(current);
       }
+      run_stage(state.index());
+      retire();
+      release_stage(state);
+      ++state;
     }
   }
 };

@@ -39,6 +39,9 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   // converting warps of N64's one); up to 80 rows (decode batches, mid-size prefill over many
   // experts) an N64 tile still reads each expert's weights once or twice; beyond that the N128
   // tile's better MMA-to-conversion ratio wins.
+  // At most 8 rows in all (one token's top-k): no expert can have more than 8, so the N8 tile
+  // reads every expert's weights once with half of N16's MMA work and x bytes.
+  if (total_rows <= 8) return GemmTile::kM128N8;
   if (total_rows <= 16 * experts) return GemmTile::kM128N16;
   if (total_rows <= 32 * experts) return GemmTile::kM128N32;
   if (total_rows <= 80 * experts) return GemmTile::kM128N64;
@@ -75,7 +78,11 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
 
   GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
-  int block_n = tile == GemmTile::kM128N16 ? 16 : tile == GemmTile::kM128N32 ? 32 : tile == GemmTile::kM128N64 ? 64 : 128;
+  int block_n = tile == GemmTile::kM128N8    ? 8
+                : tile == GemmTile::kM128N16 ? 16
+                : tile == GemmTile::kM128N32 ? 32
+                : tile == GemmTile::kM128N64 ? 64
+                                             : 128;
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
   // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
@@ -96,25 +103,27 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
   }
-  // Split-K (N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle, clusters
+  // Split-K (N8 and N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle, clusters
   // of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 K stages): the most CTAs per tile
   // for which every tile still gets a cluster at once (as many as the device holds resident, which
   // the GPCs bound: 62 clusters of 4 on the H200, so mixtral-8x7b's 64 L2 tiles at T = 1 take
   // clusters of 3; with 4 they took two rounds, 40 us instead of ~24, 2026-12-02). The bound:
-  // expert e has ceil(rows_e / 16) row tiles, and sum_e ceil(rows_e / 16) is at most total_rows
-  // and at most total_rows / 16 + (experts with rows). (Splitting whenever it saves >= 10% of the
+  // expert e has ceil(rows_e / block_n) row tiles, and sum_e ceil(rows_e / block_n) is at most total_rows
+  // and at most total_rows / block_n + (experts with rows). (Splitting whenever it saves >= 10% of the
   // walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower on launches with
   // 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
   auto choose_splits = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
-    if (tile != GemmTile::kM128N16 || a.max_splits == 1) return 1;
+    const bool n8 = tile == GemmTile::kM128N8;
+    if ((!n8 && tile != GemmTile::kM128N16) || a.max_splits == 1) return 1;
     const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
-    const int64_t row_tiles = std::min(a.total_rows, a.total_rows / 16 + std::min(a.experts, a.total_rows));
+    const int64_t row_tiles = std::min(a.total_rows, a.total_rows / block_n + std::min(a.experts, a.total_rows));
     const int64_t tiles = m_tiles * row_tiles;
     if (tiles * 2 > int64_t(sms) * 2) return 1;  // two CTAs per SM: no idle slot to give
     for (int s : {4, 3, 2}) {
       if (k_tiles >= 4 * s && (a.max_splits == 0 || s <= a.max_splits) &&
-          tiles <= gemm::max_active_clusters<gemm::ConfigN16SplitK<E>>(s, sms)) {
+          tiles <= (n8 ? gemm::max_active_clusters<gemm::ConfigN8SplitK<E>>(s, sms)
+                       : gemm::max_active_clusters<gemm::ConfigN16SplitK<E>>(s, sms))) {
         return s;
       }
     }
@@ -138,6 +147,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
     p.splits = choose_splits(epilogue);
     switch (tile) {
+      case GemmTile::kM128N8:
+        return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN8SplitK<E>>(map, p, sms, st)
+                            : launch_grouped_gemm<gemm::ConfigN8<E>>(map, p, sms, st);
       case GemmTile::kM128N16:
         return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
                             : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);

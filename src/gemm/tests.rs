@@ -13,10 +13,14 @@ fn gemm_shapes_are_checked() {
 
 #[test]
 fn tile_heuristic() {
-    assert_eq!(GemmTile::choose(8, 256), GemmTile::M128N16);
+    // At most 8 rows in all: no expert can have more than 8.
+    assert_eq!(GemmTile::choose(8, 256), GemmTile::M128N8);
+    assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N8);
+    assert_eq!(GemmTile::choose(1, 1), GemmTile::M128N8);
+    assert_eq!(GemmTile::choose(9, 256), GemmTile::M128N16);
+    assert_eq!(GemmTile::choose(9, 1), GemmTile::M128N16);
     assert_eq!(GemmTile::choose(16 * 256, 256), GemmTile::M128N16);
     assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
-    assert_eq!(GemmTile::choose(2, 8), GemmTile::M128N16);
     assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
     assert_eq!(GemmTile::choose(17 * 256, 256), GemmTile::M128N32);
     assert_eq!(GemmTile::choose(8192, 256), GemmTile::M128N32);

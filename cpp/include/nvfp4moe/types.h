@@ -94,6 +94,7 @@ NVFP4MOE_ENUM(GemmTile) {
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N128, 2),  // 128 x 128: prefill, many rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N64, 3),   // 128 x 64: tens of rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N32, 4),   // 128 x 32: 17 to 32 rows per expert.
+  NVFP4MOE_ENUMERATOR(GemmTile, kM128N8, 5),    // 128 x 8: at most 8 rows per expert (one token).
 };
 
 // What the grouped GEMM's epilogue computes and writes.

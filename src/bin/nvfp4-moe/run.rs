@@ -28,6 +28,8 @@ Example:
 pub enum TileArg {
     /// Chosen from T x k and E
     Auto,
+    /// 128 x 8 (at most 8 rows per expert)
+    N8,
     /// 128 x 16 (decode)
     N16,
     /// 128 x 32
@@ -45,6 +47,7 @@ impl TileArg {
         use nvfp4_moe::GemmTile;
         match self {
             TileArg::Auto => GemmTile::Auto,
+            TileArg::N8 => GemmTile::M128N8,
             TileArg::N16 => GemmTile::M128N16,
             TileArg::N32 => GemmTile::M128N32,
             TileArg::N64 => GemmTile::M128N64,
@@ -379,6 +382,7 @@ mod tests {
     fn tiles() {
         assert_eq!(TileArg::from_str("auto", false), Ok(TileArg::Auto));
         assert_eq!(TileArg::from_str("n16", false), Ok(TileArg::N16));
+        assert_eq!(TileArg::from_str("n8", false), Ok(TileArg::N8));
         assert_eq!(TileArg::from_str("n64", false), Ok(TileArg::N64));
         assert_eq!(TileArg::from_str("n128", false), Ok(TileArg::N128));
         assert!(TileArg::from_str("N16", false).is_err());

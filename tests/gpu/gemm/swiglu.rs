@@ -88,7 +88,7 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         let x = rng.normal_bf16(total * k, 1.0);
         let xd = s.clone_htod(&x).unwrap();
         let off_dev = s.clone_htod(&off).unwrap();
-        for tile in [GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
             let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
             let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
             let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
@@ -292,7 +292,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
             if ci % 2 == 0 { (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect() } else { vec![rng.uniform(1e-3, 1e-1)] };
         let gd = s.clone_htod(&act_g).unwrap();
         let sl = grouped_scale_len(rows, e, inter);
-        for tile in [GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
             let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
             let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
             GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut compact).unwrap();
