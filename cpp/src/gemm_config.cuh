@@ -140,10 +140,10 @@ struct Config {
 //   T = 128 4% faster than with 64-K stages, 2026-12-02).
 // - N128, prefill.
 #define NVFP4MOE_GEMM_TILES(X)          \
-  X(N8, 8, 8, 2, false, 1, 2)           \
-  X(N8SplitK, 8, 8, 2, false, 4, 2)     \
-  X(N16, 16, 6, 2, false, 1, 2)         \
-  X(N16SplitK, 16, 6, 2, false, 4, 2)   \
+  X(N8, 8, 4, 2, false, 1, 4)           \
+  X(N8SplitK, 8, 4, 2, false, 4, 4)     \
+  X(N16, 16, 3, 2, false, 1, 4)         \
+  X(N16SplitK, 16, 3, 2, false, 4, 4)   \
   X(N32, 32, 5, 2, false, 1, 2)         \
   X(N64, 64, 8, 1, true, 1, 2)          \
   X(N128, 128, 8, 1, true, 1, 1)

@@ -66,16 +66,31 @@ struct MainloopProducer {
         SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c0, p.n, p.k), bar,
                                  ss.a[s][1], Cfg::kChunks * weights::kChunkBytes);
       } else {
-        // The partial last stage: its missing weight chunks repeat the last one, so every
-        // stage completes the same transaction bytes, and its x pieces past K are zero-filled
-        // by the TMA unit, so those products add exact zeros (the weights are finite).
+        // The partial last stage. Its x pieces past K are zero-filled by the TMA unit. Its weight
+        // chunks past K repeat the last one where they share an A fragment with a chunk inside K
+        // (their products add exact zeros: the weights are finite). With two fragments per stage
+        // (Config::kFragChunks), a fragment wholly past K is neither loaded nor converted
+        // (MainloopConsumer), and its bytes are counted off the stage's barrier here, so every
+        // stage still completes its kStageBytes.
+        constexpr bool kSkipParts = !Cfg::kPipelined && Cfg::kFragChunks < Cfg::kChunks;
+        const int loaded = kSkipParts ? min(Cfg::kChunks, (k_tiles - c0 + Cfg::kFragChunks - 1) / Cfg::kFragChunks *
+                                                              Cfg::kFragChunks)
+                                      : Cfg::kChunks;
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < Cfg::kChunks; ++h) {
-          const int c = min(c0 + h, k_tiles - 1);
-          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c, p.n, p.k), bar,
-                                   ss.a[s][0] + h * weights::kChunkBytes, weights::kChunkBytes);
-          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c, p.n, p.k), bar,
-                                   ss.a[s][1] + h * weights::kChunkBytes, weights::kChunkBytes);
+          if (!kSkipParts || h < loaded) {
+            const int c = min(c0 + h, k_tiles - 1);
+            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c, p.n, p.k), bar,
+                                     ss.a[s][0] + h * weights::kChunkBytes, weights::kChunkBytes);
+            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c, p.n, p.k), bar,
+                                     ss.a[s][1] + h * weights::kChunkBytes, weights::kChunkBytes);
+          }
+        }
+        if (kSkipParts && loaded < Cfg::kChunks) {
+          const uint32_t skipped = uint32_t(Cfg::kChunks - loaded) * 2 * weights::kChunkBytes;
+          asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(bar)),
+                       "r"(skipped)
+                       : "memory");
         }
       }
       CUTLASS_PRAGMA_UNROLL
@@ -101,7 +116,7 @@ struct MainloopConsumer {
   template <class Pipeline, class State, class TiledMma, class FragB, class FragA, class Accum>
   CUTLASS_DEVICE static void mma_tile(Pipeline& pipeline, State& state, typename Cfg::SharedStorage& ss, int cw, int t,
                                       TiledMma& tiled_mma, FragB& tCrB, FragA& tCrA0, FragA& tCrA1, Accum& accum,
-                                      int kc_begin, int kc_end) {
+                                      int kc_begin, int kc_end, int k_tiles) {
     const int w = t / 32, g = (t % 32) / 4;
     const int n_k = kc_end - kc_begin;  // K stages per tile for this CTA
     // A stage's shared memory is free again: arrive on this CTA's empty barrier. (The pipeline's own
@@ -247,6 +262,9 @@ struct MainloopConsumer {
       // group runs (the next stage's full-barrier wait too), into the registers its conversion
       // needs anyway, so that the read latency and the wait overlap the wgmmas.
       constexpr int kParts = Cfg::kChunks / Cfg::kFragChunks;
+      // Parts of this CTA's last stage that hold a chunk inside K (the producer loads no others).
+      const int last_parts =
+          min(kParts, (k_tiles - (kc_end - 1) * Cfg::kChunks + Cfg::kFragChunks - 1) / Cfg::kFragChunks);
       ChunkWords next[Cfg::kFragChunks];
       auto load_part = [&](int s, int part) {
         CUTLASS_PRAGMA_UNROLL
@@ -257,16 +275,17 @@ struct MainloopConsumer {
         warpgroup_fence_operand(accum);
         fence_a(tCrA0);
       };
-      // Stage s from its part 0's words (already read); ends with the last part's group in flight.
-      auto run_stage = [&](int s) {
+      // Parts [0, parts) of stage s from its part 0's words (already read); ends with the last
+      // part's group in flight.
+      auto run_stage = [&](int s, int parts) {
         CUTLASS_PRAGMA_UNROLL
         for (int part = 0; part < kParts; ++part) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int h = 0; h < Cfg::kFragChunks; ++h) decode_chunk(next[h], tCrA0, h);
-          issue_range(s, 4 * Cfg::kFragChunks * part, tCrA0);
-          if (part + 1 < kParts) {
-            load_part(s, part + 1);
-            retire();
+          if (part == 0 || part < parts) {
+            if (part > 0) retire();  // the previous part's group: the fragment is free
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < Cfg::kFragChunks; ++h) decode_chunk(next[h], tCrA0, h);
+            issue_range(s, 4 * Cfg::kFragChunks * part, tCrA0);
+            if (part + 1 < parts) load_part(s, part + 1);
           }
         }
       };
@@ -274,7 +293,7 @@ struct MainloopConsumer {
       load_part(state.index(), 0);
       // The last stage is peeled off: every stage of the loop has a next one to read.
       for (int kc = kc_begin; kc + 1 < kc_end; ++kc) {
-        run_stage(state.index());
+        run_stage(state.index(), kParts);
         const auto current = state;
         ++state;
         pipeline.consumer_wait(state);
@@ -282,7 +301,7 @@ struct MainloopConsumer {
         retire();
         release_stage(current);
       }
-      run_stage(state.index());
+      run_stage(state.index(), last_parts);
       retire();
       release_stage(state);
       ++state;

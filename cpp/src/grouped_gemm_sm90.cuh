@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
 
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,
-                                    kc_end);
+                                    kc_end, k_tiles);
     if constexpr (Cfg::kMaxSplits > 1) {
       if (splits > 1) {
         // Non-leaders hand their partial sums to the leader and go on; the leader adds them (in

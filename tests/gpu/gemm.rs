@@ -72,7 +72,9 @@ pub(crate) mod grouped {
         let mut cases = 0;
         for &e in &[1usize, 8, 128, 256] {
             for &n in &[128usize, 2880, 4096] {
-                for &k in &[256usize, 2880, 7168] {
+                // K = 64 (one chunk), 256, 7168 (whole 256-K stages), 384, 448 and 2880: a last
+                // 256-K stage with 2, 3 and 1 of its 4 chunks inside K.
+                for &k in &[64usize, 256, 384, 448, 2880, 7168] {
                     if e * n * k > 1_100_000_000 {
                         continue;
                     }
