@@ -122,17 +122,19 @@ struct Config {
 
 // The tile list: X(name, kBlockN, stages, CTAs per SM, pipelined, max split-K CTAs, 64-K chunks
 // per stage), one line per tile (the build parses the lines that start with "  X(").
-// - N8 (and N8SplitK), at most 8 rows per expert (T = 1): N16's schedule with m64n8k16 wgmmas,
-//   half the MMA work and half the x bytes per stage (15/16 of N16's are padding at one row),
-//   two more stages in flight.
-// - N16, the decode tile: two chunks per stage, unpipelined (each stage's wgmmas retire before the
-//   next conversion; four consumer warpgroups per SM hide that). 128-K stages made the layer 4-10%
-//   faster at T = 1-128 than 64-K ones; pipelining the two chunks made it 3-20% slower again
-//   (PERF_NOTES.md, 2026-12-02).
+// - N8 (and N8SplitK), at most 8 rows in all (T = 1): N16's schedule with m64n8k16 wgmmas, half
+//   the MMA work and half the x bytes per stage (15/16 of N16's are padding at one row): 4-8% faster
+//   than N16 on the T = 1 launches with few tiles, 1.5% slower on deepseek-v3 L1 (2026-12-02).
+// - N16, the decode tile: four chunks (256 K) per stage, unpipelined, converted and retired in two
+//   128-K fragments (each fragment's wgmmas retire before the next conversion; four consumer
+//   warpgroups per SM hide that). 256-K stages made the GEMMs 8-10% faster at T = 16 than 128-K
+//   ones (and those the layer 4-10% faster than 64-K ones); pipelining two chunks in flight made it
+//   3-20% slower (PERF_NOTES.md, 2026-12-02). 3 stages of 26.6 KB: the bytes in flight of 6 x 128 K.
 // - N16SplitK: the same tile for launches with few tiles, split over K by clusters of up to 4 CTAs.
 //   A separate instantiation: the reduction's 24 KB of shared memory and its code made the unsplit
 //   N16 kernel 4-7% slower (2026-12-02).
-// - N32, 17-32 rows per expert: N16's schedule at two CTAs per SM (5 stages fit 99 KB each). Against
+// - N32, 17-32 rows per expert: N16's schedule at two CTAs per SM with 128-K stages (5 fit 99 KB
+//   each; 3 of 256 K do not fit). Against
 //   N64 (one CTA per SM, half the converting warps, half its MMA work padding at 32 rows) the layer
 //   at 32 rows per expert took 2592 vs 3448 us (deepseek-v3 T = 1024), 168 vs 219 (qwen3-30b-a3b
 //   T = 512), 287 vs 369 (mixtral-8x7b T = 128); at 64 rows N64 wins (2026-12-02, PERF_NOTES.md).

@@ -108,8 +108,9 @@ struct MainloopProducer {
 // thread t of 128) runs one tile's K stages [kc_begin, kc_end) into `accum`. Per 64-K chunk, each
 // thread reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 // (shift/mask/or and one bf16x2 multiply per pair; nvfp4_weights.cuh), and issues 4 m64 x kBlockN x
-// k16 wgmmas as one group. Three schedules (Config): unpipelined (each stage's group retired before
-// the next conversion), pipelined by stage (two whole-stage fragments, one group in flight), and
+// k16 wgmmas per chunk. Three schedules (Config): unpipelined (one fragment of kFragChunks chunks,
+// one or two per stage, each group retired before the next conversion), pipelined by stage (two
+// whole-stage fragments, one group in flight), and
 // pipelined by chunk (two one-chunk fragments with two chunks per stage).
 template <class Cfg>
 struct MainloopConsumer {
