@@ -130,11 +130,14 @@ struct MainloopConsumer {
       uint4 codes;
       uint2 scales;
     };
-    auto load_chunk = [&](int s, int h) {
-      const uint8_t* chunk = ss.a[s][cw] + h * weights::kChunkBytes;
-      return ChunkWords{reinterpret_cast<const uint4*>(chunk)[t],
-                        *reinterpret_cast<const uint2*>(chunk + weights::kChunkCodeBytes + (w * 8 + g) * 8)};
+    auto load_codes = [&](int s, int h) {
+      return reinterpret_cast<const uint4*>(ss.a[s][cw] + h * weights::kChunkBytes)[t];
     };
+    auto load_scales = [&](int s, int h) {
+      return *reinterpret_cast<const uint2*>(ss.a[s][cw] + h * weights::kChunkBytes + weights::kChunkCodeBytes +
+                                             (w * 8 + g) * 8);
+    };
+    auto load_chunk = [&](int s, int h) { return ChunkWords{load_codes(s, h), load_scales(s, h)}; };
     // A chunk's words -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see nvfp4_weights.cuh).
     auto decode_chunk = [&](const ChunkWords& cwds, auto& frag, int h0) {
       Tensor a_words = recast<uint32_t>(frag);  // 16 registers per chunk: bf16 pairs, 4 per k-block
@@ -263,13 +266,12 @@ struct MainloopConsumer {
       // group runs (the next stage's full-barrier wait too), into the registers its conversion
       // needs anyway, so that the read latency and the wait overlap the wgmmas.
       constexpr int kParts = Cfg::kChunks / Cfg::kFragChunks;
-      // Parts of this CTA's last stage that hold a chunk inside K (the producer loads no others).
-      const int last_parts =
-          min(kParts, (k_tiles - (kc_end - 1) * Cfg::kChunks + Cfg::kFragChunks - 1) / Cfg::kFragChunks);
-      ChunkWords next[Cfg::kFragChunks];
+      // The next part's code words (8 registers per chunk pair); its scale words are read when it
+      // is converted (reading them early too made ptxas spill at 80 registers).
+      uint4 next[Cfg::kFragChunks];
       auto load_part = [&](int s, int part) {
         CUTLASS_PRAGMA_UNROLL
-        for (int h = 0; h < Cfg::kFragChunks; ++h) next[h] = load_chunk(s, part * Cfg::kFragChunks + h);
+        for (int h = 0; h < Cfg::kFragChunks; ++h) next[h] = load_codes(s, part * Cfg::kFragChunks + h);
       };
       auto retire = [&] {
         warpgroup_wait<0>();
@@ -284,7 +286,9 @@ struct MainloopConsumer {
           if (part == 0 || part < parts) {
             if (part > 0) retire();  // the previous part's group: the fragment is free
             CUTLASS_PRAGMA_UNROLL
-            for (int h = 0; h < Cfg::kFragChunks; ++h) decode_chunk(next[h], tCrA0, h);
+            for (int h = 0; h < Cfg::kFragChunks; ++h) {
+              decode_chunk(ChunkWords{next[h], load_scales(s, part * Cfg::kFragChunks + h)}, tCrA0, h);
+            }
             issue_range(s, 4 * Cfg::kFragChunks * part, tCrA0);
             if (part + 1 < parts) load_part(s, part + 1);
           }
@@ -302,6 +306,10 @@ struct MainloopConsumer {
         retire();
         release_stage(current);
       }
+      // Parts of this CTA's last stage that hold a chunk inside K (the producer loads no others).
+      // (Computed here, not before the loop: one more value live across it made ptxas spill.)
+      const int last_parts =
+          min(kParts, (k_tiles - (kc_end - 1) * Cfg::kChunks + Cfg::kFragChunks - 1) / Cfg::kFragChunks);
       run_stage(state.index(), last_parts);
       retire();
       release_stage(state);
