@@ -47,6 +47,10 @@ mod routing {
             (300, 8, 128, 256),
             (3000, 8, 256, 64),
             (500, 2, 8, 4096),
+            // Rows copied in pieces of 128 vectors (fewer than 256 rows) and of 8 x 128 (from 256
+            // rows on), each with a partial last piece.
+            (10, 4, 8, 2056),
+            (40, 8, 16, 8200),
         ] {
             let seed = rng.seed();
             // Skewed routing: a few hot experts, many empty ones.
