@@ -103,15 +103,17 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
   }
-  // Split-K (N8 and N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle, clusters
-  // of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 K stages): the most CTAs per tile
+  // Split-K (N8 and N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle,
+  // clusters of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 64-K chunks, one 256-K
+  // stage of these tiles; a CTA with 1-2 stages no longer overlaps loads with conversion, which
+  // cost qwen3-30b-a3b L2 at T = 1 0.7 us, PERF_NOTES.md): the most CTAs per tile
   // for which every tile still gets a cluster at once (as many as the device holds resident, which
   // the GPCs bound: 62 clusters of 4 on the H200, so mixtral-8x7b's 64 L2 tiles at T = 1 take
   // clusters of 3; with 4 they took two rounds, 40 us instead of ~24, 2026-12-02). The bound:
-  // expert e has ceil(rows_e / block_n) row tiles, and sum_e ceil(rows_e / block_n) is at most total_rows
-  // and at most total_rows / block_n + (experts with rows). (Splitting whenever it saves >= 10% of the
-  // walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower on launches with
-  // 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
+  // expert e has ceil(rows_e / block_n) row tiles, and sum_e ceil(rows_e / block_n) is at most
+  // total_rows and at most total_rows / block_n + (experts with rows). (Splitting whenever it
+  // saves >= 10% of the walk's rounds, counted in whole-tile times, was measured 1.3-1.7x slower on
+  // launches with 320-448 tiles, 2026-12-02: a split CTA does not stream faster per byte.)
   auto choose_splits = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;
     const bool n8 = tile == GemmTile::kM128N8;
