@@ -12,7 +12,8 @@
 //! the same call, else 795 TFLOP/s) and floor/t.
 //!
 //! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1` or `-- /T16`.
-//! `NVFP4MOE_GEMM_TILE=n8|n16|n32|n64|n128` forces a tile instead of the library's choice.
+//! `NVFP4MOE_GEMM_TILE=n8|n16|n32|n64|n128` forces a tile instead of the library's choice;
+//! `NVFP4MOE_BENCH_TOKENS=512,640` benches those token counts instead.
 
 mod common;
 
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, Row, HBM_TBPS, TOKENS,
+    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, tokens, Row, HBM_TBPS,
 };
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
@@ -69,10 +70,10 @@ fn device_activations(s: &Arc<CudaStream>, rng: &mut Rng, len: usize) -> CudaSli
 fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Weights) {
     let s = b.s.clone();
     let (n, k) = (w.n(), w.k());
-    let max_rows = TOKENS.iter().max().unwrap() * p.top_k;
+    let max_rows = tokens().iter().max().unwrap() * p.top_k;
     let mut out = s.alloc_zeros::<bf16>(max_rows * E::out_cols(n)).unwrap();
     let plan = GroupedGemm::<E>::new(w, forced_tile()).unwrap();
-    for &t in &TOKENS {
+    for &t in &tokens() {
         let name = format!("{}/{layer}/T{t}", p.name);
         if !selected(&name) {
             continue;
@@ -138,11 +139,11 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::from_entropy();
     let mut flush = s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap();
     let flushes = capture(&s, PAIRS, || s.memset_zeros(&mut flush).unwrap());
-    let max_x = PRESETS.iter().map(|p| TOKENS.iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
+    let max_x = PRESETS.iter().map(|p| tokens().iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
     let x = device_activations(&s, &mut rng, max_x.unwrap());
     let (rate, rate_source) = bf16_tflops();
     let mut b = Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, table: Vec::new() };
-    let any = |p: &Preset, layer: &str| TOKENS.iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
+    let any = |p: &Preset, layer: &str| tokens().iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
     for p in &PRESETS {
         let (e, h, i) = (p.experts, p.hidden, p.intermediate);
         if any(p, "L1") {

@@ -34,6 +34,18 @@ pub fn presets(names: &[&str]) -> Vec<Preset> {
 
 pub const TOKENS: [usize; 5] = [1, 16, 128, 1024, 8192];
 
+/// The token counts to bench: `$NVFP4MOE_BENCH_TOKENS` (comma-separated, e.g. `640,1024`) or
+/// [`TOKENS`].
+pub fn tokens() -> Vec<usize> {
+    match std::env::var("NVFP4MOE_BENCH_TOKENS") {
+        Ok(list) => list
+            .split(',')
+            .map(|t| t.trim().parse().expect("NVFP4MOE_BENCH_TOKENS: comma-separated token counts"))
+            .collect(),
+        Err(_) => TOKENS.to_vec(),
+    }
+}
+
 /// Balanced routing: rows spread evenly over the experts (the first rows % E get one more).
 pub fn balanced_offsets(rows: usize, experts: usize) -> Vec<i32> {
     let mut off = vec![0i32];

@@ -81,11 +81,16 @@ struct Config {
   static_assert(kChunks_ == 1 || kChunks_ == 2 || (kChunks_ == 4 && !kPipelined_),
                 "one or two chunks per stage, or four unpipelined");
   // The A fragment: a whole stage; with two pipelined chunks per stage one chunk (the wgmmas of
-  // one chunk run while the next chunk is converted into the other fragment); with four chunks
-  // (unpipelined) two, converted and retired twice per stage (a whole 256-K stage would need 64
-  // registers of fragment).
+  // one chunk run while the next chunk is converted into the other fragment). Unpipelined, as many
+  // chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of two
+  // CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole 256-K
+  // stage would need 64 registers), one for N64 (32 registers of accumulators).
   static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
-  static constexpr int kFragChunks = kChunkPipelined ? 1 : kChunks_ == 4 ? 2 : kChunks_;
+  static constexpr int kUnpipelinedFragChunks = (48 - 64 * kBlockN_ / 128) / 16;
+  static constexpr int kFragChunks = kChunkPipelined ? 1
+                                     : kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_
+                                                                                         : kUnpipelinedFragChunks;
+  static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
   static constexpr int kFragK = kTileK * kFragChunks;
   // One accumulator chain per tile on every tile shape: a row's K-sum order (and so its bits) must
   // not depend on which tile the launch picks (batch invariance). Two chains per N16 stage (one per
@@ -147,7 +152,7 @@ struct Config {
   X(N16, 16, 3, 2, false, 1, 4)         \
   X(N16SplitK, 16, 3, 2, false, 4, 4)   \
   X(N32, 32, 5, 2, false, 1, 2)         \
-  X(N64, 64, 8, 1, true, 1, 2)          \
+  X(N64, 64, 3, 2, false, 1, 2)         \
   X(N128, 128, 8, 1, true, 1, 1)
 
 // ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the list for epilogue E.

@@ -294,10 +294,15 @@ struct MainloopConsumer {
           }
         }
       };
+      // Parts of this CTA's last stage that hold a chunk inside K (the producer loads no others).
+      // Only it and a count of the stages left stay live across the loop (kc, kc_end and k_tiles
+      // made ptxas spill on N64).
+      const int last_parts =
+          min(kParts, (k_tiles - (kc_end - 1) * Cfg::kChunks + Cfg::kFragChunks - 1) / Cfg::kFragChunks);
       pipeline.consumer_wait(state);
       load_part(state.index(), 0);
       // The last stage is peeled off: every stage of the loop has a next one to read.
-      for (int kc = kc_begin; kc + 1 < kc_end; ++kc) {
+      for (int left = kc_end - kc_begin - 1; left > 0; --left) {
         run_stage(state.index(), kParts);
         const auto current = state;
         ++state;
@@ -306,10 +311,6 @@ struct MainloopConsumer {
         retire();
         release_stage(current);
       }
-      // Parts of this CTA's last stage that hold a chunk inside K (the producer loads no others).
-      // (Computed here, not before the loop: one more value live across it made ptxas spill.)
-      const int last_parts =
-          min(kParts, (k_tiles - (kc_end - 1) * Cfg::kChunks + Cfg::kFragChunks - 1) / Cfg::kFragChunks);
       run_stage(state.index(), last_parts);
       retire();
       release_stage(state);

@@ -61,6 +61,14 @@ namespace nvfp4moe::gemm {
 
 using namespace cute;
 
+// v, through a volatile move: a value derived from it is computed where it is used instead of
+// being hoisted out of a loop (and kept, or spilled, across it).
+CUTLASS_DEVICE int unhoisted(int v) {
+  int r;
+  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
+  return r;
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_x, Params p) {
@@ -148,21 +156,41 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   // The bound is read from shared memory on each step rather than kept in a register across the
   // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
   for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units) {
-    // The tile's coordinates and decode scales are loaded before the mainloop, so their latency
-    // hides behind it (loaded after it, qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took
-    // 6% longer, 2026-12-02).
-    TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
-    int2 rr = expert_rows(p, tc.expert);
-    int row_begin = rr.x + tc.n_tile * kBlockN;
-    int row_end = rr.y;
-    int feature0 = tc.m_tile * kTileM + cw * 64;
-    // Undo the 2^-8 of the weight encoding. Rows 16w + g (f % 16 < 8) and 16w + g + 8 may carry
-    // different decode scales (gate and up rows of interleaved W13 weights).
-    float scale_lo = p.decode_scale[2 * tc.expert] * 256.0f;
-    float scale_hi = p.decode_scale[2 * tc.expert + 1] * 256.0f;
+    // The tile's coordinates, rows and decode scales. Undo the 2^-8 of the weight encoding: rows
+    // 16w + g (f % 16 < 8) and 16w + g + 8 may carry different decode scales (gate and up rows of
+    // interleaved W13 weights).
+    struct TileValues {
+      int row_begin, row_end, feature0;
+      float scale_lo, scale_hi;
+    };
+    auto tile_values = [&] {
+      // m_tiles recomputed from the parameters: one value less live across the mainloop.
+      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (unhoisted(p.n) + kTileM - 1) / kTileM);
+      int2 rr = expert_rows(p, tc.expert);
+      return TileValues{rr.x + tc.n_tile * kBlockN, rr.y, tc.m_tile * kTileM + cw * 64,
+                        p.decode_scale[2 * tc.expert] * 256.0f, p.decode_scale[2 * tc.expert + 1] * 256.0f};
+    };
+    // Loaded before the mainloop, so that their latency hides behind it (loaded after it,
+    // qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took 6% longer, 2026-12-02); after it
+    // where the accumulators leave no registers for them (N64 at two CTAs per SM, whose other CTA
+    // hides the latency; kept across the mainloop they spilled).
+    constexpr bool kLateTileValues = kBlockN >= 64 && Cfg::kMinBlocks == 2;
+    TileValues tv{};
+    if constexpr (!kLateTileValues) tv = tile_values();
 
+    // There, too, the K range of an unsplit tile is derived from the parameters again for each
+    // tile (through an asm move the compiler cannot hoist) instead of staying live across the
+    // tile walk.
+    int tile_k_tiles = k_tiles, tile_kc_end = kc_end;
+    if constexpr (kLateTileValues && Cfg::kMaxSplits == 1) {
+      tile_k_tiles = unhoisted(p.k) / kTileK;
+      tile_kc_end = (tile_k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;
+    }
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,
-                                    kc_end, k_tiles);
+                                    tile_kc_end, tile_k_tiles);
+    if constexpr (kLateTileValues) tv = tile_values();
+    const int row_begin = tv.row_begin, row_end = tv.row_end, feature0 = tv.feature0;
+    const float scale_lo = tv.scale_lo, scale_hi = tv.scale_hi;
     if constexpr (Cfg::kMaxSplits > 1) {
       if (splits > 1) {
         // Non-leaders hand their partial sums to the leader and go on; the leader adds them (in
