@@ -143,8 +143,10 @@ struct Config {
 //   N64 (one CTA per SM, half the converting warps, half its MMA work padding at 32 rows) the layer
 //   at 32 rows per expert took 2592 vs 3448 us (deepseek-v3 T = 1024), 168 vs 219 (qwen3-30b-a3b
 //   T = 512), 287 vs 369 (mixtral-8x7b T = 128); at 64 rows N64 wins (2026-12-02, PERF_NOTES.md).
-// - N64, 33-80 rows per expert: two chunks per stage, chunk-pipelined (mixtral-8x7b's layer at
-//   T = 128 4% faster than with 64-K stages, 2026-12-02).
+// - N64, 33-64 rows per expert: N32's schedule (two CTAs per SM, unpipelined, 128-K stages) with
+//   each stage converted and retired in two 64-K parts (32 registers of accumulators). Against the
+//   one-CTA, chunk-pipelined N64 (8 stages) at 64 rows per expert: the GEMMs 5-11% faster
+//   (qwen3-30b-a3b L2 71.2 -> 63.5 us), the layer 5-8% (2026-12-02, PERF_NOTES.md).
 // - N128, prefill.
 #define NVFP4MOE_GEMM_TILES(X)          \
   X(N8, 8, 4, 2, false, 1, 4)           \

@@ -35,16 +35,16 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   if (experts <= 0) return GemmTile::kM128N128;
   // Average rows per expert (routing skew only makes some experts bigger, which the larger tiles
   // serve well). Up to 16 rows, one N16 tile per expert streams the weights once with the least
-  // wasted MMA work; up to 32 the N32 tile, which like N16 runs two CTAs per SM (twice the
-  // converting warps of N64's one); up to 80 rows (decode batches, mid-size prefill over many
-  // experts) an N64 tile still reads each expert's weights once or twice; beyond that the N128
-  // tile's better MMA-to-conversion ratio wins.
+  // wasted MMA work; up to 32 the N32 tile (at 32 rows it beat N64 by 1.2-1.3x, at 40 N64 beat it
+  // by 1.4x: qwen3-30b-a3b, 2026-12-02); up to 64 rows (decode batches, mid-size prefill over many
+  // experts) the N64 tile reads each expert's weights once; beyond that the N128 tile (at 80 rows
+  // 1.1-1.25x faster than N64's two row tiles per expert, and its MMA-to-conversion ratio wins).
   // At most 8 rows in all (one token's top-k): no expert can have more than 8, so the N8 tile
   // reads every expert's weights once with half of N16's MMA work and x bytes.
   if (total_rows <= 8) return GemmTile::kM128N8;
   if (total_rows <= 16 * experts) return GemmTile::kM128N16;
   if (total_rows <= 32 * experts) return GemmTile::kM128N32;
-  if (total_rows <= 80 * experts) return GemmTile::kM128N64;
+  if (total_rows <= 64 * experts) return GemmTile::kM128N64;
   return GemmTile::kM128N128;
 }
 

@@ -25,8 +25,8 @@ fn tile_heuristic() {
     assert_eq!(GemmTile::choose(17 * 256, 256), GemmTile::M128N32);
     assert_eq!(GemmTile::choose(8192, 256), GemmTile::M128N32);
     assert_eq!(GemmTile::choose(32 * 8 + 1, 8), GemmTile::M128N64);
-    assert_eq!(GemmTile::choose(80 * 128, 128), GemmTile::M128N64);
-    assert_eq!(GemmTile::choose(81 * 128, 128), GemmTile::M128N128);
+    assert_eq!(GemmTile::choose(64 * 128, 128), GemmTile::M128N64);
+    assert_eq!(GemmTile::choose(64 * 128 + 1, 128), GemmTile::M128N128);
 }
 
 #[test]

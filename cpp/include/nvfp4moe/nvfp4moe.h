@@ -124,7 +124,7 @@ size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept;
 Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexcept;
 
 // The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
-// rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 80: N64; else N128.
+// rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
