@@ -54,13 +54,6 @@ struct Params {
   int splits;                  // CTAs per tile (the cluster size; 1: no split-K), <= Cfg::kMaxSplits
 };
 
-// What the epilogue needs of a tile: its rows [row_begin, row_end) of x and out, its first feature,
-// and the decode scales of its expert's two feature halves (times 2^8, undoing the weight encoding).
-struct TileValues {
-  int row_begin, row_end, feature0;
-  float scale_lo, scale_hi;
-};
-
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
 // warpgroup keeps 40, consumers get 96; ptxas compiles for 80) and so must the shared memory;
 // small-N tiles need few registers, and two CTAs double the warps that convert weights, which
@@ -105,13 +98,6 @@ struct Config {
   // from the N32/N64/N128 tiles after BF16 rounding (batch_invariant_rows_do_not_depend_on_the_launch,
   // 2026-12-02).
   static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
-  // Where the accumulators leave no registers to keep a tile's TileValues across its mainloop (N64
-  // at two CTAs per SM: they spilled), the producer thread stores them in a shared-memory ring as
-  // it starts the tile, and the consumers read them after the mainloop. kStages + 2 slots: the
-  // producer starts tile j + kStages + 2 only after the consumers released a stage of tile j + 1,
-  // which they do after tile j's epilogue.
-  static constexpr bool kTileRing = kBlockN_ >= 64 && kMinBlocks_ == 2;
-  static constexpr int kTileRingSlots = kTileRing ? kStages_ + 2 : 1;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
@@ -132,7 +118,6 @@ struct Config {
     alignas(128) uint8_t a[kStages][2][kChunks * weights::kChunkBytes];  // (stage, consumer, chunk)
     alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
     int tile_prefix[kMaxExperts + 1];
-    TileValues tile_ring[kTileRingSlots];
     typename Pipeline::SharedStorage pipeline;
     std::conditional_t<(kMaxSplits > 1), splitk::Storage<kMaxSplits, kAccum>, splitk::NoStorage> split;
   };

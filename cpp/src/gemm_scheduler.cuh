@@ -33,14 +33,6 @@ CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, i
   return TileCoord{lo, local % m_tiles, local / m_tiles};
 }
 
-// Tile tc's TileValues (feature0: the tile's first feature; a consumer adds its 64 x cw).
-template <int kBlockN>
-CUTLASS_DEVICE TileValues tile_values(const Params& p, const TileCoord& tc) {
-  int2 rr = expert_rows(p, tc.expert);
-  return TileValues{rr.x + tc.n_tile * kBlockN, rr.y, tc.m_tile * kTileM, p.decode_scale[2 * tc.expert] * 256.0f,
-                    p.decode_scale[2 * tc.expert + 1] * 256.0f};
-}
-
 // The tile prefix in shared memory, prefix[e] = the first tile of expert e (prefix[E] = all
 // tiles): counts first (e's count stored at e + 1), then an exclusive scan. Called by all kThreads
 // threads of the CTA; ends with __syncthreads().

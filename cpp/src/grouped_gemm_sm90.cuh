@@ -97,13 +97,6 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   const int unit0 = int(blockIdx.x) / splits, units = int(gridDim.x) / splits;
   const int kc_begin = rank * k_stages / splits, kc_end = (rank + 1) * k_stages / splits;
 
-  // Config::kTileRing: tile's slot, from how many tiles this CTA walked before it (unsplit:
-  // unit0 = blockIdx.x, units = gridDim.x, read again rather than kept live).
-  static_assert(!Cfg::kTileRing || Cfg::kMaxSplits == 1, "the ring's slot assumes an unsplit tile walk");
-  auto ring_slot = [](int tile) {
-    return (tile - unhoisted(int(blockIdx.x))) / unhoisted(int(gridDim.x)) % Cfg::kTileRingSlots;
-  };
-
   typename Pipeline::Params pp;
   pp.transaction_bytes = Cfg::kStageBytes;
   pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
@@ -123,15 +116,8 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(&tma_x);
       auto state = cutlass::make_producer_start_state<Pipeline>();
-      // (With the ring, the walk's stride is read again each step: kept live, it spilled on the
-      // producer's 40 registers.)
-      for (int tile = unit0; tile < total_tiles; tile += Cfg::kTileRing ? unhoisted(int(gridDim.x)) : units) {
+      for (int tile = unit0; tile < total_tiles; tile += units) {
         TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
-        if constexpr (Cfg::kTileRing) {
-          // Stored before the tile's first stage is armed: its full barrier's arrive releases the
-          // store to the consumers, which wait on that barrier before they read the slot.
-          ss.tile_ring[ring_slot(tile)] = tile_values<kBlockN>(p, tc);
-        }
         MainloopProducer<Cfg>::load_tile(pipeline, state, ss, tma_x, p, tc, kc_begin, kc_end, k_tiles);
       }
       pipeline.producer_tail(state);
@@ -170,26 +156,39 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   // The bound is read from shared memory on each step rather than kept in a register across the
   // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
   for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units) {
-    // The tile's rows, first feature and decode scales (TileValues). Read before the mainloop, so
-    // that their global loads' latency hides behind it (read after it, qwen3-30b-a3b's
-    // one-tile-per-CTA launches at T = 1 took 6% longer, 2026-12-02); from the producer's
-    // shared-memory ring after it where the registers are short (Config::kTileRing).
+    // The tile's coordinates, rows and decode scales. Undo the 2^-8 of the weight encoding: rows
+    // 16w + g (f % 16 < 8) and 16w + g + 8 may carry different decode scales (gate and up rows of
+    // interleaved W13 weights).
+    struct TileValues {
+      int row_begin, row_end, feature0;
+      float scale_lo, scale_hi;
+    };
+    auto tile_values = [&] {
+      // m_tiles recomputed from the parameters: one value less live across the mainloop.
+      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (unhoisted(p.n) + kTileM - 1) / kTileM);
+      int2 rr = expert_rows(p, tc.expert);
+      return TileValues{rr.x + tc.n_tile * kBlockN, rr.y, tc.m_tile * kTileM + cw * 64,
+                        p.decode_scale[2 * tc.expert] * 256.0f, p.decode_scale[2 * tc.expert + 1] * 256.0f};
+    };
+    // Loaded before the mainloop, so that their latency hides behind it (loaded after it,
+    // qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took 6% longer, 2026-12-02); after it
+    // where the accumulators leave no registers for them (N64 at two CTAs per SM, whose other CTA
+    // hides the latency; kept across the mainloop they spilled).
+    constexpr bool kLateTileValues = kBlockN >= 64 && Cfg::kMinBlocks == 2;
     TileValues tv{};
-    if constexpr (!Cfg::kTileRing) {
-      tv = tile_values<kBlockN>(p, decode_tile(tile, ss.tile_prefix, p.experts, m_tiles));
-    }
+    if constexpr (!kLateTileValues) tv = tile_values();
+
     // There, too, the K range of an unsplit tile is derived from the parameters again for each
     // tile (through an asm move the compiler cannot hoist) instead of staying live across the
-    // tile walk (it spilled).
+    // tile walk.
     int tile_k_tiles = k_tiles, tile_kc_end = kc_end;
-    if constexpr (Cfg::kTileRing && Cfg::kMaxSplits == 1) {
+    if constexpr (kLateTileValues && Cfg::kMaxSplits == 1) {
       tile_k_tiles = unhoisted(p.k) / kTileK;
       tile_kc_end = (tile_k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;
     }
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,
                                     tile_kc_end, tile_k_tiles);
-    if constexpr (Cfg::kTileRing) tv = ss.tile_ring[ring_slot(tile)];
-    tv.feature0 += cw * 64;
+    if constexpr (kLateTileValues) tv = tile_values();
     const int row_begin = tv.row_begin, row_end = tv.row_end, feature0 = tv.feature0;
     const float scale_lo = tv.scale_lo, scale_hi = tv.scale_hi;
     if constexpr (Cfg::kMaxSplits > 1) {
@@ -208,46 +207,29 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     // that belong to the expert. Accumulator value i holds feature f = 16w + g + 8 v1 and row
     // r = 8j + 2c + v0 with i = v0 + 2 v1 + 4j: for v1 = 0 (f % 16 < 8), value i + 2 is feature
     // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
-    // Warp w holds every row of its features 16w..16w+15, so (except for SwigluNvfp4, whose
-    // quantizer warps read the whole staged tile) each warp stages and stores its own columns and
-    // synchronizes with itself only: the warpgroup's two named-barrier waits per tile were the
-    // largest stall of short-K launches (Nsight Compute, qwen3-30b-a3b L2 at 64 rows per expert:
-    // barrier 1.21 per issued instruction, 2026-12-02).
     constexpr bool kNvfp4 = Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
-    constexpr bool kSwiglu = Cfg::kEpilogue != GemmEpilogue::kPlain;
-    constexpr bool kCompact = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 || Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
-    constexpr int kStageCols = kCompact ? 32 : 64;
-    // Staged element (r, col): row-major, and where each warp stores its own columns the 16-byte
-    // chunks of a row permuted by the row (XOR), so that a warp's 2-byte stores, whose lanes hold
-    // rows 2c + v0 apart, fall in distinct banks.
-    auto staged = [&](int r, int col) {
-      if constexpr (kNvfp4) {
-        return r * kStageCols + col;
-      } else {
-        const int q = col / 8;
-        const int sq = kCompact ? q ^ ((r >> 1) & 3) : q ^ (r & 7);
-        return r * kStageCols + sq * 8 + col % 8;
-      }
-    };
     if constexpr (kNvfp4) {
       cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, kBarEpiEmpty + cw);  // the quantizer has read epi
     } else {
-      __syncwarp();  // this warp's stores of the previous tile have read its columns
+      cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
     }
+    constexpr bool kSwiglu = Cfg::kEpilogue != GemmEpilogue::kPlain;
+    constexpr bool kCompact = Cfg::kEpilogue == GemmEpilogue::kSwigluBf16 || Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
+    constexpr int kStageCols = kCompact ? 32 : 64;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) {
       int f = get<0>(tCcC(i));
       int r = get<1>(tCcC(i));
       if constexpr (!kSwiglu) {
-        epi[staged(r, f)] = bfloat16_t(accum(i) * (f % 16 < 8 ? scale_lo : scale_hi));
+        epi[r * 64 + f] = bfloat16_t(accum(i) * (f % 16 < 8 ? scale_lo : scale_hi));
       } else if ((i % 4) < 2) {  // v1 == 0: a gate value; its up value is i + 2
         float gate = accum(i) * scale_lo;
         float sw = swiglu(gate, accum(i + 2) * scale_hi);
         if constexpr (Cfg::kEpilogue == GemmEpilogue::kInterleaved) {
-          epi[staged(r, f)] = bfloat16_t(gate);
-          epi[staged(r, f + 8)] = bfloat16_t(sw);
+          epi[r * 64 + f] = bfloat16_t(gate);
+          epi[r * 64 + f + 8] = bfloat16_t(sw);
         } else {
-          epi[staged(r, (f / 16) * 8 + f % 16)] = bfloat16_t(sw);  // local logical feature 8w + g
+          epi[r * 32 + (f / 16) * 8 + f % 16] = bfloat16_t(sw);  // local logical feature 8w + g
         }
       }
     }
@@ -257,18 +239,17 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiFull + cw);
       continue;
     }
-    __syncwarp();
-    const bool half_valid = feature0 < p.n;
-    const int w = t / 32, lane = t % 32;
-    constexpr int kWarpChunks = kStageCols / 8 / 4;  // 16-byte pieces of a row per warp
+    cutlass::arch::NamedBarrier::sync(128, 1 + cw);
+    bool half_valid = feature0 < p.n;
+    constexpr int kPieces = kStageCols / 8;  // 16-byte pieces per staged row
     const int out_cols = kCompact ? p.n / 2 : p.n;
     const int out_col0 = kCompact ? feature0 / 2 : feature0;
     CUTLASS_PRAGMA_UNROLL
-    for (int piece = lane; piece < kBlockN * kWarpChunks; piece += 32) {
-      int r = piece / kWarpChunks, c8 = (w * kWarpChunks + piece % kWarpChunks) * 8;
+    for (int piece = t; piece < kBlockN * kPieces; piece += 128) {
+      int r = piece / kPieces, c8 = (piece % kPieces) * 8;
       int row = row_begin + r;
       if (half_valid && row < row_end) {
-        uint4 v = *reinterpret_cast<const uint4*>(epi + staged(r, c8));
+        uint4 v = *reinterpret_cast<const uint4*>(epi + r * kStageCols + c8);
         *reinterpret_cast<uint4*>(p.out + int64_t(row) * out_cols + out_col0 + c8) = v;
       }
     }
