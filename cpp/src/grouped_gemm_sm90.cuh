@@ -4,9 +4,9 @@
 //
 // GEMM view: M = output features f (weights, register-sourced wgmma A), N = rows/tokens (x, wgmma B
 // from shared memory), K = k. A CTA tile is 128 features x kBlockN rows; a K stage is kChunks x 64
-// wide (the N16 and N64 tiles take 128 per stage, so each barrier wait and release covers 9 KB of
-// weights; a K whose 64-chunk count is odd ends in a half stage whose x part past K the TMA unit
-// zero-fills).
+// wide (N8 and N16 take 256 per stage, N32 and N64 128, N128 64: gemm_config.cuh's tile list); a
+// partial last stage loads and converts only its parts with a chunk inside K, and its x pieces past
+// K are zero-filled by the TMA unit.
 //
 // Roles (384 threads):
 //   warpgroup 0 (producer, one elected thread): per stage, one bulk copy of kChunks prepared
@@ -16,9 +16,9 @@
 //   warpgroups 1, 2 (consumers): each owns 64 of the 128 features. Per 64-K chunk, each thread
 //     reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 //     (shift/mask/or and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas
-//     as one group. Pipelined: two fragments, one group in flight, so a chunk is converted while
-//     the previous chunk's wgmmas run (with two chunks per stage this fits the 80 registers of
-//     two CTAs per SM). The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
+//     as one group. Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
+//     group retires before the next conversion, and the other CTA's warpgroups fill the wait.
+//     Pipelined (N128, one CTA per SM): two fragments, one group in flight. The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
 //     shared memory with 16-byte row-masked stores (rows past the expert's end are never written).
 //   kSwigluNvfp4 only: warps 1-3 of warpgroup 0 (idle otherwise) are the quantizer. Each consumer
 //     hands over its staged BF16 SwiGLU tile through named barriers and goes on to the next
