@@ -78,18 +78,15 @@ struct Config {
   // Prepared 64-K chunks per consumer warpgroup per stage: K per stage is 64 kChunks.
   static constexpr int kChunks = kChunks_;
   static constexpr int kStageK = kTileK * kChunks_;
-  static_assert(kChunks_ == 1 || kChunks_ == 2 || (kChunks_ == 4 && !kPipelined_),
-                "one or two chunks per stage, or four unpipelined");
-  // The A fragment: a whole stage; with two pipelined chunks per stage one chunk (the wgmmas of
-  // one chunk run while the next chunk is converted into the other fragment). Unpipelined, as many
-  // chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of two
-  // CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole 256-K
-  // stage would need 64 registers), one for N64 (32 registers of accumulators).
-  static constexpr bool kChunkPipelined = kPipelined_ && kChunks_ == 2;
+  static_assert(kChunks_ == 1 || (!kPipelined_ && (kChunks_ == 2 || kChunks_ == 4)),
+                "one chunk per stage, or two or four unpipelined");
+  // The A fragment: pipelined, a whole stage (two of them, one group in flight). Unpipelined, as
+  // many chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of
+  // two CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole
+  // 256-K stage would need 64 registers), one for N64 (32 registers of accumulators).
   static constexpr int kUnpipelinedFragChunks = (48 - 64 * kBlockN_ / 128) / 16;
-  static constexpr int kFragChunks = kChunkPipelined ? 1
-                                     : kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_
-                                                                                         : kUnpipelinedFragChunks;
+  static constexpr int kFragChunks =
+      kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
   static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
   static constexpr int kFragK = kTileK * kFragChunks;
   // One accumulator chain per tile on every tile shape: a row's K-sum order (and so its bits) must

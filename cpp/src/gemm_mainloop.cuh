@@ -108,10 +108,11 @@ struct MainloopProducer {
 // thread t of 128) runs one tile's K stages [kc_begin, kc_end) into `accum`. Per 64-K chunk, each
 // thread reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 // (shift/mask/or and one bf16x2 multiply per pair; nvfp4_weights.cuh), and issues 4 m64 x kBlockN x
-// k16 wgmmas per chunk. Three schedules (Config): unpipelined (one fragment of kFragChunks chunks,
-// one or two per stage, each group retired before the next conversion), pipelined by stage (two
-// whole-stage fragments, one group in flight), and
-// pipelined by chunk (two one-chunk fragments with two chunks per stage).
+// k16 wgmmas per chunk. Two schedules (Config): unpipelined (one fragment of kFragChunks chunks,
+// each stage converted and retired in kChunks / kFragChunks parts, each part's group retired before
+// the next conversion) and pipelined (two whole-stage fragments, one group in flight). (A third,
+// two one-chunk fragments pipelined within 128-K stages, served the one-CTA N64 tile until N64 went
+// to two CTAs per SM, 2026-12-02.)
 template <class Cfg>
 struct MainloopConsumer {
   template <class Pipeline, class State, class TiledMma, class FragB, class FragA, class Accum>
@@ -199,37 +200,10 @@ struct MainloopConsumer {
       warpgroup_commit_batch();
       warpgroup_fence_operand(accum);
     };
-    auto issue = [&](int s, auto& frag) { issue_range(s, 0, frag); };                  // a whole stage
-    auto issue_chunk = [&](int s, int h, auto& frag) { issue_range(s, 4 * h, frag); };  // one chunk
+    auto issue = [&](int s, auto& frag) { issue_range(s, 0, frag); };  // a whole stage
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
-    if constexpr (Cfg::kChunkPipelined) {
-      // Two chunks per stage, one wgmma group in flight: chunk 0 goes to A0, chunk 1 to A1; each
-      // chunk is converted while the previous chunk's group runs. A stage is released once its
-      // chunk 1 group has retired (seen by the wait after the next stage's chunk 0 is issued).
-      auto release = state;
-      for (int kc = kc_begin; kc < kc_end; ++kc) {
-        pipeline.consumer_wait(state);
-        const int s = state.index();
-        convert_chunk(s, 0, tCrA0, 0);
-        issue_chunk(s, 0, tCrA0);
-        if (kc > kc_begin) {
-          warpgroup_wait<1>();  // the previous stage's chunk 1: A1 and that stage are free
-          fence_a(tCrA1);
-          release_stage(release);
-        }
-        release = state;
-        convert_chunk(s, 1, tCrA1, 0);
-        issue_chunk(s, 1, tCrA1);
-        warpgroup_wait<1>();  // this stage's chunk 0: A0 is free
-        fence_a(tCrA0);
-        ++state;
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accum);
-      fence_a(tCrA1);
-      release_stage(release);
-    } else if constexpr (Cfg::kPipelined) {
+    if constexpr (Cfg::kPipelined) {
       // Software pipeline, one wgmma group in flight: stage kc's group is issued, then the wait for
       // at most one outstanding group retires stage kc - 1's, whose shared memory is released and
       // whose A fragment is free for stage kc + 1. Fragments alternate A0, A1 (k_tiles >= 1).
