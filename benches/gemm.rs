@@ -47,6 +47,8 @@ struct Bench<'a> {
     /// Activations for the largest case; a case reads its first rows x k.
     x: CudaSlice<bf16>,
     bf16_tflops: f64,
+    /// The token counts benched (`common::tokens`).
+    tokens: Vec<usize>,
     table: Vec<Row>,
 }
 
@@ -70,10 +72,10 @@ fn device_activations(s: &Arc<CudaStream>, rng: &mut Rng, len: usize) -> CudaSli
 fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Weights) {
     let s = b.s.clone();
     let (n, k) = (w.n(), w.k());
-    let max_rows = tokens().iter().max().unwrap() * p.top_k;
+    let max_rows = b.tokens.iter().max().unwrap() * p.top_k;
     let mut out = s.alloc_zeros::<bf16>(max_rows * E::out_cols(n)).unwrap();
     let plan = GroupedGemm::<E>::new(w, forced_tile()).unwrap();
-    for &t in &tokens() {
+    for t in b.tokens.clone() {
         let name = format!("{}/{layer}/T{t}", p.name);
         if !selected(&name) {
             continue;
@@ -139,11 +141,13 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::from_entropy();
     let mut flush = s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap();
     let flushes = capture(&s, PAIRS, || s.memset_zeros(&mut flush).unwrap());
-    let max_x = PRESETS.iter().map(|p| tokens().iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
+    let tokens = tokens();
+    let max_x = PRESETS.iter().map(|p| tokens.iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
     let x = device_activations(&s, &mut rng, max_x.unwrap());
     let (rate, rate_source) = bf16_tflops();
-    let mut b = Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, table: Vec::new() };
-    let any = |p: &Preset, layer: &str| tokens().iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
+    let mut b =
+        Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, tokens: tokens.clone(), table: Vec::new() };
+    let any = |p: &Preset, layer: &str| tokens.iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
     for p in &PRESETS {
         let (e, h, i) = (p.experts, p.hidden, p.intermediate);
         if any(p, "L1") {

@@ -80,21 +80,21 @@ struct Config {
   static constexpr int kStageK = kTileK * kChunks_;
   static_assert(kChunks_ == 1 || (!kPipelined_ && (kChunks_ == 2 || kChunks_ == 4)),
                 "one chunk per stage, or two or four unpipelined");
-  // The A fragment: pipelined, a whole stage (two of them, one group in flight). Unpipelined, as
-  // many chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of
-  // two CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole
-  // 256-K stage would need 64 registers), one for N64 (32 registers of accumulators).
-  static constexpr int kUnpipelinedFragChunks = (48 - 64 * kBlockN_ / 128) / 16;
-  static constexpr int kFragChunks =
-      kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
-  static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
-  static constexpr int kFragK = kTileK * kFragChunks;
   // One accumulator chain per tile on every tile shape: a row's K-sum order (and so its bits) must
   // not depend on which tile the launch picks (batch invariance). Two chains per N16 stage (one per
   // 64-K chunk) were 0.5% faster at deepseek-v3 T = 16 and broke that: 1 value in ~4000 differed
   // from the N32/N64/N128 tiles after BF16 rounding (batch_invariant_rows_do_not_depend_on_the_launch,
   // 2026-12-02).
   static constexpr int kAccum = 64 * kBlockN_ / 128;  // accumulator floats per consumer thread
+  // The A fragment: pipelined, a whole stage (two of them, one group in flight). Unpipelined, as
+  // many chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of
+  // two CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole
+  // 256-K stage would need 64 registers), one for N64 (32 registers of accumulators).
+  static constexpr int kUnpipelinedFragChunks = (48 - kAccum) / 16;
+  static constexpr int kFragChunks =
+      kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
+  static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
+  static constexpr int kFragK = kTileK * kFragChunks;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
