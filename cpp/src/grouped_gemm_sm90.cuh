@@ -163,12 +163,9 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
       int row_begin, row_end, feature0;
       float scale_lo, scale_hi;
     };
-    constexpr bool kLateTileValues = kBlockN >= 64 && Cfg::kMinBlocks == 2;
     auto tile_values = [&] {
-      // After the mainloop, m_tiles is derived from the parameters again: one value less live
-      // across it.
-      const int mt = kLateTileValues ? (unhoisted(p.n) + kTileM - 1) / kTileM : m_tiles;
-      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, mt);
+      // m_tiles recomputed from the parameters: one value less live across the mainloop.
+      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (unhoisted(p.n) + kTileM - 1) / kTileM);
       int2 rr = expert_rows(p, tc.expert);
       return TileValues{rr.x + tc.n_tile * kBlockN, rr.y, tc.m_tile * kTileM + cw * 64,
                         p.decode_scale[2 * tc.expert] * 256.0f, p.decode_scale[2 * tc.expert + 1] * 256.0f};
@@ -177,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     // qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took 6% longer, 2026-12-02); after it
     // where the accumulators leave no registers for them (N64 at two CTAs per SM, whose other CTA
     // hides the latency; kept across the mainloop they spilled).
+    constexpr bool kLateTileValues = kBlockN >= 64 && Cfg::kMinBlocks == 2;
     TileValues tv{};
     if constexpr (!kLateTileValues) tv = tile_values();
 

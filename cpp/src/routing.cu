@@ -99,39 +99,11 @@ __global__ void count_kernel(const int* __restrict__ ids, int pairs, int experts
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[int64_t(blockIdx.x) * experts + e] = hist[e];
 }
 
-// The inclusive scan of one value per thread over a CTA of 1024 threads: within each warp by
-// shuffles, then over the 32 warp totals (two __syncthreads; a Hillis-Steele scan over shared
-// memory took twenty, which made it most of route_small_kernel's time, 2026-12-02). Called by all
-// threads; `warp_total` is 32 ints of shared memory.
-CUTLASS_DEVICE int block_inclusive_scan_1024(int v, int* warp_total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int incl = v;
-  CUTLASS_PRAGMA_UNROLL
-  for (int d = 1; d < 32; d *= 2) {
-    int u = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += u;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int wt = warp_total[lane], wincl = wt;
-    CUTLASS_PRAGMA_UNROLL
-    for (int d = 1; d < 32; d *= 2) {
-      int u = __shfl_up_sync(0xFFFFFFFFu, wincl, d);
-      if (lane >= d) wincl += u;
-    }
-    warp_total[lane] = wincl - wt;  // exclusive: the totals of the warps before
-  }
-  __syncthreads();
-  return incl + warp_total[warp];
-}
-
 // One CTA of 1024 threads: counts (chunks, E) -> per-chunk bases (in place) and offsets [E+1].
 __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, int chunks, int experts,
                                                     int* __restrict__ offsets) {
   pdl::wait_and_release();
-  static_assert(kMaxExperts == 1024, "one thread per expert slot");
-  __shared__ int warp_total[32];
+  __shared__ int total[kMaxExperts];
   const int e = threadIdx.x;
   int run = 0;
   if (e < experts) {
@@ -141,13 +113,21 @@ __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, in
       run += v;
     }
   }
-  const int incl = block_inclusive_scan_1024(run, warp_total);
-  const int base = incl - run;  // exclusive
+  total[e] = e < experts ? run : 0;
+  __syncthreads();
+  // Inclusive Hillis-Steele scan over the 1024 slots.
+  for (int d = 1; d < kMaxExperts; d *= 2) {
+    int v = e >= d ? total[e - d] : 0;
+    __syncthreads();
+    total[e] += v;
+    __syncthreads();
+  }
+  int base = total[e] - run;  // exclusive
   if (e < experts) {
     offsets[e] = base;
     for (int c = 0; c < chunks; ++c) counts[int64_t(c) * experts + e] += base;
   }
-  if (e == experts - 1) offsets[experts] = incl;
+  if (e == experts - 1) offsets[experts] = total[e];
 }
 
 // The scatter of one chunk, called by all 1024 threads of a CTA after a __syncthreads: thread `t`
@@ -235,7 +215,28 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   if (id >= experts) id = -1;
   __syncthreads();
   const int count = t < experts ? next[t] : 0;
-  const int incl = block_inclusive_scan_1024(count, warp_total);
+  // Inclusive scan of the counts: within each warp by shuffles, then over the 32 warp totals (two
+  // __syncthreads; a Hillis-Steele scan over shared memory took twenty).
+  const int lane = t % 32, warp = t / 32;
+  int incl = count;
+  CUTLASS_PRAGMA_UNROLL
+  for (int d = 1; d < 32; d *= 2) {
+    int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int wt = warp_total[lane], wincl = wt;
+    CUTLASS_PRAGMA_UNROLL
+    for (int d = 1; d < 32; d *= 2) {
+      int v = __shfl_up_sync(0xFFFFFFFFu, wincl, d);
+      if (lane >= d) wincl += v;
+    }
+    warp_total[lane] = wincl - wt;  // exclusive: the counts of the warps before
+  }
+  __syncthreads();
+  incl += warp_total[warp];
   const int base = incl - count;  // exclusive
   if (t < experts) {
     offsets[t] = base;
