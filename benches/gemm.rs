@@ -118,7 +118,7 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     }
 }
 
-/// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128), else the library's choice.
+/// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128, warp), else the library's choice.
 fn forced_tile() -> GemmTile {
     match std::env::var("NVFP4MOE_GEMM_TILE").as_deref() {
         Ok("n8") => GemmTile::M128N8,
@@ -126,8 +126,9 @@ fn forced_tile() -> GemmTile {
         Ok("n32") => GemmTile::M128N32,
         Ok("n64") => GemmTile::M128N64,
         Ok("n128") => GemmTile::M128N128,
+        Ok("warp") => GemmTile::WarpM16N8,
         Ok("") | Ok("auto") | Err(_) => GemmTile::Auto,
-        Ok(other) => panic!("NVFP4MOE_GEMM_TILE={other}: expected n8, n16, n32, n64, n128 or auto"),
+        Ok(other) => panic!("NVFP4MOE_GEMM_TILE={other}: expected n8, n16, n32, n64, n128, warp or auto"),
     }
 }
 

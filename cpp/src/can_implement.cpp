@@ -3,6 +3,7 @@
 // Each launch function checks the same rules before it enqueues; these let a plan (the Rust
 // crate's GroupedGemm, MoeLayer) report a typed error once, at construction.
 #include "nvfp4moe/nvfp4moe.h"
+#include "grouped_gemm_warp.hpp"
 #include "status.hpp"
 
 #include <cmath>
@@ -105,8 +106,16 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
                 (long long)a.num_act_decode_scales);
   }
   if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N8 && a.tile != GemmTile::kM128N16 &&
-      a.tile != GemmTile::kM128N32 && a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128) {
+      a.tile != GemmTile::kM128N32 && a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128 &&
+      a.tile != GemmTile::kWarpM16N8) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(a.tile));
+  }
+  if (a.tile == GemmTile::kWarpM16N8 && !gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {
+    return fail(Status::kInvalidShape,
+                "grouped_gemm_nvfp4: tile kWarpM16N8 takes at most %lld rows whose x (rows x k BF16) fits in %lld "
+                "bytes, and no kSwigluNvfp4 (total_rows=%lld k=%lld)",
+                (long long)gemm::warp::kMaxRows, (long long)gemm::warp::kMaxXBytes, (long long)a.total_rows,
+                (long long)a.k);
   }
   if (a.max_splits < 0) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: max_splits must be >= 0 (got %lld)",

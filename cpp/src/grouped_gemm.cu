@@ -1,8 +1,11 @@
 // grouped_gemm_nvfp4: host-side validation, tile choice, the x tensor map, and dispatch to the
 // per-configuration kernels (grouped_gemm_instance.cu, once per tile and epilogue).
 #include "grouped_gemm_sm90.cuh"
+#include "grouped_gemm_warp.hpp"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -29,6 +32,16 @@ EncodeTiledFn tensor_map_encoder() {
   return fn;
 }
 
+// NVFP4MOE_WARP_KERNEL=0 in the environment keeps kAuto's 8-row launches on the N8 tile (for A/B
+// timing; read once).
+bool warp_kernel_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("NVFP4MOE_WARP_KERNEL");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return on;
+}
+
 }  // namespace
 
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
@@ -46,6 +59,16 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   if (total_rows <= 32 * experts) return GemmTile::kM128N32;
   if (total_rows <= 64 * experts) return GemmTile::kM128N64;
   return GemmTile::kM128N128;
+}
+
+GemmTile launch_gemm_tile(const GroupedGemmArgs& a) noexcept {
+  if (a.tile != GemmTile::kAuto) return a.tile;
+  const GemmTile tile = choose_gemm_tile(a.total_rows, a.experts);
+  if (tile == GemmTile::kM128N8 && a.max_splits != 1 && warp_kernel_on() &&
+      gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {
+    return GemmTile::kWarpM16N8;
+  }
+  return tile;
 }
 
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
@@ -74,10 +97,32 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       reinterpret_cast<uintptr_t>(a.prepared) % 16) {
     return fail(Status::kMisaligned, "grouped_gemm_nvfp4: x, out and prepared weights must be 16-byte aligned");
   }
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
+  }
+  gemm::Params p{static_cast<const uint8_t*>(a.prepared),
+                 a.decode_scale,
+                 a.expert_offsets,
+                 static_cast<__nv_bfloat16*>(a.out),
+                 static_cast<uint8_t*>(a.out_scales),
+                 a.act_decode_scales,
+                 int(a.num_act_decode_scales),
+                 int(a.experts),
+                 int(a.n),
+                 int(a.k),
+                 int(a.total_rows),
+                 1};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+
+  const GemmTile tile = launch_gemm_tile(a);
+  if (tile == GemmTile::kWarpM16N8) {
+    p.splits = a.max_splits == 1 ? 1 : gemm::warp::choose_splits(a.total_rows, a.experts, a.n, a.k, sms);
+    return gemm::warp::launch(p, a.x, a.epilogue, sms, stream);
+  }
   auto encode = tensor_map_encoder();
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");
-
-  GemmTile tile = a.tile == GemmTile::kAuto ? choose_gemm_tile(a.total_rows, a.experts) : a.tile;
   int block_n = tile == GemmTile::kM128N8    ? 8
                 : tile == GemmTile::kM128N16 ? 16
                 : tile == GemmTile::kM128N32 ? 32
@@ -98,11 +143,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled failed (%d)", int(r));
   }
 
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cannot read the multiprocessor count");
-  }
   // Split-K (N8 and N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle,
   // clusters of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 64-K chunks, one 256-K
   // stage of these tiles; a CTA with 1-2 stages no longer overlaps loads with conversion, which
@@ -131,19 +171,6 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     }
     return 1;
   };
-  gemm::Params p{static_cast<const uint8_t*>(a.prepared),
-                 a.decode_scale,
-                 a.expert_offsets,
-                 static_cast<__nv_bfloat16*>(a.out),
-                 static_cast<uint8_t*>(a.out_scales),
-                 a.act_decode_scales,
-                 int(a.num_act_decode_scales),
-                 int(a.experts),
-                 int(a.n),
-                 int(a.k),
-                 int(a.total_rows),
-                 1};
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
   using gemm::launch_grouped_gemm;
   auto launch = [&](auto epilogue) {
     constexpr GemmEpilogue E = decltype(epilogue)::value;

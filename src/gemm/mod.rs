@@ -362,11 +362,28 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         0
     }
 
-    /// The tile a launch over `total_rows` rows uses.
+    /// The tile a launch over `total_rows` rows uses: the plan's, or for [`GemmTile::Auto`] the
+    /// core's choice for this launch ([`GemmTile::choose`], with launches of at most 8 rows in
+    /// all on [`GemmTile::WarpM16N8`] where that kernel takes them).
     pub fn tile_for(&self, total_rows: usize) -> GemmTile {
-        match self.tile {
-            GemmTile::Auto => GemmTile::choose(total_rows, self.weights.experts),
-            t => t,
+        let w = self.weights;
+        let raw_tile = raw::core_launch_gemm_tile(
+            self.tile as i32,
+            total_rows as i64,
+            w.experts as i64,
+            w.k as i64,
+            E::KIND as i32,
+            self.max_splits(),
+        );
+        GemmTile::from_raw(raw_tile).unwrap_or(GemmTile::M128N128)
+    }
+
+    /// The core's `max_splits`: 1 (never split K) when batch invariant, else the library's choice.
+    fn max_splits(&self) -> i64 {
+        if self.batch_invariant {
+            1
+        } else {
+            0
         }
     }
 
@@ -396,9 +413,9 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             out_scales,
             act_decode_scales: act_scales.0,
             num_act_decode_scales: act_scales.1 as i64,
-            tile: self.tile_for(total_rows),
+            tile: self.tile,
             epilogue: E::KIND,
-            max_splits: if self.batch_invariant { 1 } else { 0 },
+            max_splits: self.max_splits(),
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).

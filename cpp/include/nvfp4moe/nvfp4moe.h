@@ -127,6 +127,13 @@ Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexc
 // rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
+// The tile a grouped_gemm_nvfp4 launch with these arguments runs: args.tile, or for kAuto
+// choose_gemm_tile's, except that at most 8 rows in all run on kWarpM16N8 (one warp per 16
+// features, mma.sync) where it takes the launch: an epilogue other than kSwigluNvfp4, x fitting in
+// shared memory, and max_splits != 1 (its bits may differ from the wgmma tiles'; max_splits == 1
+// asks for one reduction order for every launch). Host-only, no GPU.
+GemmTile launch_gemm_tile(const GroupedGemmArgs& args) noexcept;
+
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
 // inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;

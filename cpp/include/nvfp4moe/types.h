@@ -95,6 +95,9 @@ NVFP4MOE_ENUM(GemmTile) {
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N64, 3),   // 128 x 64: tens of rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N32, 4),   // 128 x 32: 17 to 32 rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N8, 5),    // 128 x 8: at most 8 rows per expert (one token).
+  // One warp per 16 features with mma.sync, at most 8 rows in all: the T = 1 decode step (not for
+  // kSwigluNvfp4, nor with max_splits == 1; kAuto takes it there instead of kM128N8).
+  NVFP4MOE_ENUMERATOR(GemmTile, kWarpM16N8, 6),
 };
 
 // What the grouped GEMM's epilogue computes and writes.

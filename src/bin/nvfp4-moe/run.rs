@@ -38,6 +38,8 @@ pub enum TileArg {
     N64,
     /// 128 x 128 (prefill)
     N128,
+    /// One warp per 16 features, mma.sync (at most 8 rows in all)
+    Warp,
 }
 
 #[cfg(feature = "cuda")]
@@ -52,6 +54,7 @@ impl TileArg {
             TileArg::N32 => GemmTile::M128N32,
             TileArg::N64 => GemmTile::M128N64,
             TileArg::N128 => GemmTile::M128N128,
+            TileArg::Warp => GemmTile::WarpM16N8,
         }
     }
 }
@@ -385,6 +388,7 @@ mod tests {
         assert_eq!(TileArg::from_str("n8", false), Ok(TileArg::N8));
         assert_eq!(TileArg::from_str("n64", false), Ok(TileArg::N64));
         assert_eq!(TileArg::from_str("n128", false), Ok(TileArg::N128));
+        assert_eq!(TileArg::from_str("warp", false), Ok(TileArg::Warp));
         assert!(TileArg::from_str("N16", false).is_err());
     }
 }

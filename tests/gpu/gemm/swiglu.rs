@@ -78,6 +78,10 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         (2880, 2880, 2, 5),
         (256, 576, 3, 4),
         (2048, 1024, 2, 1),
+        // At most 8 rows in all (the warp kernel too): I = 96 (n % 128 == 64), K at its minimum.
+        (96, 64, 5, 1),
+        (1536, 4096, 8, 1),
+        (2880, 2880, 4, 2),
     ] {
         let seed = rng.seed();
         let n = 2 * inter;
@@ -88,7 +92,12 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         let x = rng.normal_bf16(total * k, 1.0);
         let xd = s.clone_htod(&x).unwrap();
         let off_dev = s.clone_htod(&off).unwrap();
-        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        // The warp kernel where the launch has at most 8 rows.
+        let warp = (total <= 8).then_some(GemmTile::WarpM16N8);
+        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128]
+            .into_iter()
+            .chain(warp)
+        {
             let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
             let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
             let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();

@@ -1,0 +1,285 @@
+// The warp-MMA decode kernel of the grouped NVFP4 GEMM, for launches of at most 8 rows in all
+// (one token's top-k: the T = 1 decode step).
+//
+//   out[r, f] = sum_k x[r, k] * W_e[f, k] * g_e      for rows r of expert e
+//
+// At <= 8 rows the wgmma tiles (gemm_config.cuh) stream whole 128-feature tiles through a TMA
+// pipeline shared by two consumer warpgroups: the launch is bound by the consumers' instructions
+// and synchronizations, and by how 128-feature tiles divide over the CTA slots (deepseek-v3's L2
+// at T = 1: 448 tiles on 264 slots, two rounds for 1.7 rounds of work). Here every warp is a
+// consumer on its own: a unit is one expert's 16 output features over the whole K (the four warps'
+// quarters of a prepared chunk are independent: each thread's A fragment of the SM90 64x16 RS
+// layout is, per warp, exactly the A fragment of mma.sync m16n8k16), the warp streams its unit's
+// code and scale words from global memory straight into registers, eight 64-K chunks in flight,
+// decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
+// m16n8k16 with the expert's rows (<= 8) as N, read with ldmatrix from x staged once per CTA in
+// shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
+// over the CTAs so that every SM gets the same number within one.
+//
+// One accumulator chain per unit in K order (the wgmma tiles' order): the result does not depend
+// on the launch's other rows.
+#include "grouped_gemm_warp.hpp"
+
+#include "gemm_config.cuh"
+#include "gemm_epilogue.cuh"
+#include "gemm_scheduler.cuh"
+#include "nvfp4_weights.cuh"
+#include "pdl.cuh"
+#include "status.hpp"
+
+#include <cuda_bf16.h>
+
+namespace nvfp4moe::gemm::warp {
+namespace {
+
+constexpr int kThreads = kWarps * 32;  // one CTA per SM: 128 registers per thread
+constexpr int kDepth = 8;   // 64-K chunks in flight per warp: 8 x 576 B per warp, ~74 KB per SM
+constexpr int kUnitFeatures = 16;
+
+struct Smem {
+  int count[kWarps * 2];  // active experts per 32-expert slice (kMaxExperts / 32 = 32 slices)
+  int active[kMaxExperts];
+  int num_active;
+  float red[2][kWarps][4][32];  // K-split partial sums: (round parity, warp, accumulator, lane)
+};
+static_assert(kThreads * 2 >= kMaxExperts, "one pass over the expert offsets: two experts per thread");
+static_assert(kWarps / 2 + 1 <= 16, "a named barrier per team of two or more warps");
+// x rows follow Smem, each k * 2 + 16 bytes: the 16-byte skew puts the 8 rows of an ldmatrix
+// 8x8 matrix in 8 different bank groups.
+constexpr int kXOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
+
+CUTLASS_DEVICE uint4 load_stream_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+CUTLASS_DEVICE uint2 load_stream_v2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// mma.sync m16n8k16, BF16 inputs, FP32 accumulators in place.
+CUTLASS_DEVICE void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <GemmEpilogue kEpilogue>
+__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
+  static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
+  extern __shared__ __align__(128) char smem_raw[];
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  char* xs = smem_raw + kXOffset;  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, c = lane % 4;
+
+  pdl::wait_and_release();
+  // The experts with rows, in expert order: two per thread, a ballot per warp, a scan of the
+  // 32 warp-slice counts.
+  bool has[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int e = h * kThreads + int(threadIdx.x);
+    bool any = false;
+    if (e < p.experts) {
+      int2 rr = expert_rows(p, e);
+      any = rr.y > rr.x;
+    }
+    has[h] = any;
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, any);
+    if (lane == 0) sm.count[h * kWarps + warp] = __popc(ballot);
+  }
+  __syncthreads();
+  CUTLASS_PRAGMA_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const int slice = h * kWarps + warp;
+    int pos = __popc(__ballot_sync(0xFFFFFFFFu, has[h]) & ((1u << lane) - 1u));
+    for (int s = 0; s < slice; ++s) pos += sm.count[s];
+    if (has[h]) sm.active[pos] = h * kThreads + int(threadIdx.x);
+    if (h == 1 && warp == kWarps - 1 && lane == 31) {
+      int total = 0;
+      for (int s = 0; s < 2 * kWarps; ++s) total += sm.count[s];
+      sm.num_active = total;
+    }
+  }
+
+  // x into shared memory: 16-byte pieces (k % 64 == 0).
+  const int k = p.k;
+  const int pieces_per_row = k / 8;
+  const uint32_t row_bytes = uint32_t(k) * 2u + 16u;
+  for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kThreads) {
+    const int r = i / pieces_per_row, q = i % pieces_per_row;
+    *reinterpret_cast<uint4*>(xs + r * row_bytes + q * 16) =
+        *reinterpret_cast<const uint4*>(x + int64_t(r) * k + q * 8);
+  }
+  __syncthreads();
+
+  const int groups = p.n / kUnitFeatures;  // 16-feature units per expert
+  const int units = sm.num_active * groups;
+  const int k_chunks = k / weights::kChunkK;
+  const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
+  // K split over `splits` consecutive warps of the CTA (a power of two, 1 to 8): split `split`
+  // takes chunks [split C / S, (split + 1) C / S); split 0 adds the others' partial sums in split
+  // order (the same bits on every run) and runs the epilogue.
+  const int splits = p.splits, split = warp % splits, team = warp / splits;
+  const int teams = kWarps / splits;
+  const int kc_begin = split * k_chunks / splits, chunks = (split + 1) * k_chunks / splits - kc_begin;
+  int round = 0;
+
+  for (int u = team * int(gridDim.x) + int(blockIdx.x); u < units; u += int(gridDim.x) * teams, ++round) {
+    const int expert = sm.active[u / groups];
+    const int fg = u % groups;
+    const int mt = fg / 4, wq = fg % 4;  // the chunk row (64 features) and the warp's quarter of it
+    const int2 rr = expert_rows(p, expert);
+    const int rows = rr.y - rr.x;  // 1..8 (at most total_rows <= 8)
+
+    // This lane's code words (16 B at (32 wq + lane) * 16 of each chunk) and scale words (8 B).
+    const uint8_t* base = p.prepared + weights::chunk_offset(expert, mt, kc_begin, p.n, k);
+    const uint8_t* codes_at = base + (wq * 32 + lane) * 16;
+    const uint8_t* scales_at = base + weights::kChunkCodeBytes + (wq * 8 + g) * 8;
+    uint4 ring_codes[kDepth];  // chunk kc in slot kc % kDepth
+    uint2 ring_scales[kDepth];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kDepth; ++i) {
+      if (i < chunks) {
+        ring_codes[i] = load_stream_v4(codes_at + i * weights::kChunkBytes);
+        ring_scales[i] = load_stream_v2(scales_at + i * weights::kChunkBytes);
+      }
+    }
+    // ldmatrix row addresses: lane l reads row l % 8 of matrix l / 8 (matrices: k-block kb's
+    // k 0-7 and 8-15, then kb + 1's); rows past the expert's end repeat its last row (their
+    // columns of the product are not stored).
+    const int b_row = rr.x + min(lane % 8, rows - 1);
+    uint32_t b_addr = xs_addr + uint32_t(b_row) * row_bytes + uint32_t(kc_begin) * 128u + uint32_t(lane / 8) * 16u;
+
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    // One 64-K chunk: 4 k-blocks, each decoded to an m16k16 A fragment and multiplied into d.
+    auto mma_chunk = [&](const uint4& cw, const uint2& sw2, uint32_t b_chunk) {
+      uint32_t b[2][4];  // (k-block pair) x {kb b0, kb b1, kb+1 b0, kb+1 b1}
+      ldmatrix_x4(b[0], b_chunk);
+      ldmatrix_x4(b[1], b_chunk + 64u);
+      const uint32_t cw4[4] = {cw.x, cw.y, cw.z, cw.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < 4; ++kb) {
+        const uint32_t sw = kb < 2 ? sw2.x : sw2.y;
+        const uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+        const uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+        const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+        const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
+                               weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
+        uint32_t a[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) {
+          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
+          a[j] = *reinterpret_cast<uint32_t*>(&prod);
+        }
+        mma_m16n8k16(d, a, b[kb / 2][(kb % 2) * 2], b[kb / 2][(kb % 2) * 2 + 1]);
+      }
+    };
+    // Whole rounds of kDepth chunks: slot i is consumed, then refilled with the chunk kDepth
+    // further (addresses as immediate offsets from one pointer per round).
+    const uint8_t* codes_next = codes_at + kDepth * weights::kChunkBytes;
+    const uint8_t* scales_next = scales_at + kDepth * weights::kChunkBytes;
+    int kc0 = 0;
+    for (; kc0 + kDepth <= chunks; kc0 += kDepth) {
+      const bool next_full = kc0 + 2 * kDepth <= chunks;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kDepth; ++i) {
+        mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * 128u);
+        if (next_full || kc0 + kDepth + i < chunks) {
+          ring_codes[i] = load_stream_v4(codes_next + i * weights::kChunkBytes);
+          ring_scales[i] = load_stream_v2(scales_next + i * weights::kChunkBytes);
+        }
+      }
+      codes_next += kDepth * weights::kChunkBytes;
+      scales_next += kDepth * weights::kChunkBytes;
+      b_addr += kDepth * 128u;
+    }
+    // The last chunks - kc0 < kDepth chunks, already loaded.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kDepth - 1; ++i) {
+      if (kc0 + i < chunks) mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * 128u);
+    }
+
+    if (splits > 1) {
+      // The team's partial sums meet in shared memory (two buffers by round parity: a split can
+      // be at most one round ahead of split 0's reads).
+      float(&mine)[4][32] = sm.red[round & 1][warp];
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) mine[j][lane] = d[j];
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + team), "r"(splits * 32) : "memory");
+      if (split != 0) continue;
+      for (int o = 1; o < splits; ++o) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) d[j] += sm.red[round & 1][warp + o][j][lane];
+      }
+    }
+    // d: (feature g, row 2c), (g, 2c + 1), (g + 8, 2c), (g + 8, 2c + 1). Undo the 2^-8 of the
+    // weight encoding with the decode scale of each half (gate and up rows of kGateUpBands8).
+    const float scale_lo = p.decode_scale[2 * expert] * 256.0f;
+    const float scale_hi = p.decode_scale[2 * expert + 1] * 256.0f;
+    const int f = mt * 64 + wq * 16 + g;  // feature of d[0], d[1]; d[2], d[3] are f + 8
+    CUTLASS_PRAGMA_UNROLL
+    for (int v1 = 0; v1 < 2; ++v1) {
+      const int r = 2 * c + v1;
+      if (r < rows) {
+        const int64_t row = rr.x + r;
+        const float lo = d[v1] * scale_lo, hi = d[2 + v1] * scale_hi;
+        if constexpr (kEpilogue == GemmEpilogue::kPlain) {
+          p.out[row * p.n + f] = __float2bfloat16_rn(lo);
+          p.out[row * p.n + f + 8] = __float2bfloat16_rn(hi);
+        } else if constexpr (kEpilogue == GemmEpilogue::kInterleaved) {
+          p.out[row * p.n + f] = __float2bfloat16_rn(lo);
+          p.out[row * p.n + f + 8] = __float2bfloat16_rn(swiglu(lo, hi));
+        } else {
+          p.out[row * (p.n / 2) + mt * 32 + wq * 8 + g] = __float2bfloat16_rn(swiglu(lo, hi));
+        }
+      }
+    }
+  }
+}
+
+template <GemmEpilogue kEpilogue>
+Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStream_t stream) {
+  auto kernel = grouped_gemm_warp_kernel<kEpilogue>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (e != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): cudaFuncSetAttribute: %s",
+                cudaGetErrorString(e));
+  }
+  e = pdl::launch(kernel, dim3(unsigned(sms)), dim3(kThreads), smem, stream, p,
+                  static_cast<const __nv_bfloat16*>(x));
+  if (e != cudaSuccess) {
+    return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): launch: %s", cudaGetErrorString(e));
+  }
+  return check_launch("grouped_gemm_nvfp4 (warp kernel)");
+}
+
+}  // namespace
+
+Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream_ptr) noexcept {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const size_t smem = size_t(kXOffset) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
+  switch (epilogue) {
+    case GemmEpilogue::kPlain: return launch_one<GemmEpilogue::kPlain>(p, x, sms, smem, stream);
+    case GemmEpilogue::kInterleaved: return launch_one<GemmEpilogue::kInterleaved>(p, x, sms, smem, stream);
+    case GemmEpilogue::kSwigluBf16: return launch_one<GemmEpilogue::kSwigluBf16>(p, x, sms, smem, stream);
+    default: break;
+  }
+  return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: the warp kernel does not write SwigluNvfp4");
+}
+
+}  // namespace nvfp4moe::gemm::warp

@@ -1,0 +1,48 @@
+// The warp-MMA decode kernel of the grouped GEMM (grouped_gemm_warp.cu): the rules of when it runs
+// (plain C++: can_implement.cpp reads them too) and its launch.
+#pragma once
+
+#include "nvfp4moe/nvfp4moe.h"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nvfp4moe::gemm {
+struct Params;
+}
+
+namespace nvfp4moe::gemm::warp {
+
+// At most this many rows in all: every expert's rows are one mma.sync N = 8.
+constexpr int64_t kMaxRows = 8;
+// x is staged whole in shared memory, rows of k * 2 + 16 bytes, after a 4.2 KB expert table:
+// within this bound it fits every sm_90 device's 227 KB per CTA.
+constexpr int64_t kMaxXBytes = 220 * 1024;
+
+// Whether the kernel can run a launch: at most kMaxRows rows whose x fits, and an epilogue other than
+// SwigluNvfp4 (whose encoder runs on the wgmma tiles' quantizer warps).
+inline bool supports(GemmEpilogue epilogue, int64_t total_rows, int64_t k) noexcept {
+  return epilogue != GemmEpilogue::kSwigluNvfp4 && total_rows >= 0 && total_rows <= kMaxRows && k > 0 &&
+         k <= kMaxXBytes && total_rows * (k * 2 + 16) <= kMaxXBytes;
+}
+
+// Warps per CTA (one CTA per SM).
+constexpr int kWarps = 16;
+
+// How many warps share each unit's K (1, 2, 4 or 8): the most for which an upper bound of the
+// units (16 features of an expert with rows) still fits the resident warps, each split keeping at
+// least two 64-K chunks. A launch with few units otherwise leaves SMs with too few loads in flight
+// (mixtral-8x7b's L2 at T = 1: 512 units, 4 warps per SM).
+inline int choose_splits(int64_t total_rows, int64_t experts, int64_t n, int64_t k, int sms) noexcept {
+  const int64_t units = (total_rows < experts ? total_rows : experts) * (n / 16);
+  const int64_t chunks = k / 64;
+  int s = 1;
+  while (s < 8 && units * s * 2 <= int64_t(sms) * kWarps && chunks >= 4 * s) s *= 2;
+  return s;
+}
+
+// One CTA per SM (`sms`), programmatic dependent launch; p.splits from choose_splits. x: BF16 [p.total_rows, p.k], 16-byte
+// aligned. The caller checked supports().
+Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream) noexcept;
+
+}  // namespace nvfp4moe::gemm::warp
