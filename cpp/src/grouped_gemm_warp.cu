@@ -115,8 +115,49 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
     }
   }
 
-  // x into shared memory: 16-byte pieces (k % 64 == 0).
+  __syncthreads();  // the expert table is complete
+
   const int k = p.k;
+  const int groups = p.n / kUnitFeatures;  // 16-feature units per expert
+  const int units = sm.num_active * groups;
+  const int k_chunks = k / weights::kChunkK;
+  // K split over `splits` consecutive warps of the CTA (a power of two, 1 to 8): split `split`
+  // takes chunks [split C / S, (split + 1) C / S); split 0 adds the others' partial sums in split
+  // order (the same bits on every run) and runs the epilogue.
+  const int splits = p.splits, split = warp % splits, team = warp / splits;
+  const int teams = kWarps / splits;
+  const int kc_begin = split * k_chunks / splits, chunks = (split + 1) * k_chunks / splits - kc_begin;
+
+  // Unit u's weights for this lane: its code words (16 B at (32 wq + lane) * 16 of each chunk)
+  // and scale words (8 B), from chunk kc_begin on; the first kDepth chunks go into the ring.
+  struct Unit {
+    int expert, mt, wq;
+    const uint8_t* codes_at;
+    const uint8_t* scales_at;
+  };
+  auto unit_at = [&](int u) {
+    const int expert = sm.active[u / groups];
+    const int fg = u % groups;
+    const int mt = fg / 4, wq = fg % 4;  // the chunk row (64 features) and the warp's quarter of it
+    const uint8_t* base = p.prepared + weights::chunk_offset(expert, mt, kc_begin, p.n, k);
+    return Unit{expert, mt, wq, base + (wq * 32 + lane) * 16, base + weights::kChunkCodeBytes + (wq * 8 + g) * 8};
+  };
+  uint4 ring_codes[kDepth];  // chunk kc in slot kc % kDepth
+  uint2 ring_scales[kDepth];
+  auto fill_ring = [&](const Unit& un) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kDepth; ++i) {
+      if (i < chunks) {
+        ring_codes[i] = load_stream_v4(un.codes_at + i * weights::kChunkBytes);
+        ring_scales[i] = load_stream_v2(un.scales_at + i * weights::kChunkBytes);
+      }
+    }
+  };
+  // The first unit's weights are requested before x is staged, so that both latencies overlap.
+  const int u0 = team * int(gridDim.x) + int(blockIdx.x);
+  if (u0 < units) fill_ring(unit_at(u0));
+
+  // x into shared memory: 16-byte pieces (k % 64 == 0).
   const int pieces_per_row = k / 8;
   const uint32_t row_bytes = uint32_t(k) * 2u + 16u;
   for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kThreads) {
@@ -125,39 +166,17 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
         *reinterpret_cast<const uint4*>(x + int64_t(r) * k + q * 8);
   }
   __syncthreads();
-
-  const int groups = p.n / kUnitFeatures;  // 16-feature units per expert
-  const int units = sm.num_active * groups;
-  const int k_chunks = k / weights::kChunkK;
   const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
-  // K split over `splits` consecutive warps of the CTA (a power of two, 1 to 8): split `split`
-  // takes chunks [split C / S, (split + 1) C / S); split 0 adds the others' partial sums in split
-  // order (the same bits on every run) and runs the epilogue.
-  const int splits = p.splits, split = warp % splits, team = warp / splits;
-  const int teams = kWarps / splits;
-  const int kc_begin = split * k_chunks / splits, chunks = (split + 1) * k_chunks / splits - kc_begin;
   int round = 0;
 
-  for (int u = team * int(gridDim.x) + int(blockIdx.x); u < units; u += int(gridDim.x) * teams, ++round) {
-    const int expert = sm.active[u / groups];
-    const int fg = u % groups;
-    const int mt = fg / 4, wq = fg % 4;  // the chunk row (64 features) and the warp's quarter of it
+  for (int u = u0; u < units; u += int(gridDim.x) * teams, ++round) {
+    const Unit un = unit_at(u);
+    const int expert = un.expert, mt = un.mt, wq = un.wq;
     const int2 rr = expert_rows(p, expert);
     const int rows = rr.y - rr.x;  // 1..8 (at most total_rows <= 8)
-
-    // This lane's code words (16 B at (32 wq + lane) * 16 of each chunk) and scale words (8 B).
-    const uint8_t* base = p.prepared + weights::chunk_offset(expert, mt, kc_begin, p.n, k);
-    const uint8_t* codes_at = base + (wq * 32 + lane) * 16;
-    const uint8_t* scales_at = base + weights::kChunkCodeBytes + (wq * 8 + g) * 8;
-    uint4 ring_codes[kDepth];  // chunk kc in slot kc % kDepth
-    uint2 ring_scales[kDepth];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kDepth; ++i) {
-      if (i < chunks) {
-        ring_codes[i] = load_stream_v4(codes_at + i * weights::kChunkBytes);
-        ring_scales[i] = load_stream_v2(scales_at + i * weights::kChunkBytes);
-      }
-    }
+    if (u != u0) fill_ring(un);
+    const uint8_t* codes_at = un.codes_at;
+    const uint8_t* scales_at = un.scales_at;
     // ldmatrix row addresses: lane l reads row l % 8 of matrix l / 8 (matrices: k-block kb's
     // k 0-7 and 8-15, then kb + 1's); rows past the expert's end repeat its last row (their
     // columns of the product are not stored).

@@ -183,6 +183,25 @@ impl MoeLayer {
         MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
     }
 
+    /// The tiles of the first and second GEMM of a forward over `tokens` x `top_k` rows (the
+    /// option's tile, or the core's choice per launch for [`GemmTile::Auto`]).
+    ///
+    /// # Errors
+    /// None in practice (the plans were checked at construction); the plan constructors' errors.
+    pub fn gemm_tiles(&self, tokens: usize, top_k: usize) -> Result<(GemmTile, GemmTile)> {
+        let (rows, tile, inv) = (tokens * top_k, self.opts.tile, self.opts.batch_invariant);
+        let l1 = match self.opts.intermediate {
+            Intermediate::Bf16 => {
+                GroupedGemm::<SwigluBf16>::new(&self.weights.w13, tile)?.batch_invariant(inv).tile_for(rows)
+            }
+            Intermediate::Nvfp4 { .. } => {
+                GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, tile)?.batch_invariant(inv).tile_for(rows)
+            }
+        };
+        let l2 = GroupedGemm::<PlainBf16>::new(&self.weights.w2, tile)?.batch_invariant(inv).tile_for(rows);
+        Ok((l1, l2))
+    }
+
     /// Calibrates [`Intermediate::Nvfp4`]'s activation decode scale on these tokens: runs the
     /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
     /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes

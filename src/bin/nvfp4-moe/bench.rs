@@ -109,7 +109,7 @@ pub fn floor_us(bytes: f64, flops: f64) -> f64 {
 pub struct BenchRow {
     pub preset: &'static str,
     pub tokens: usize,
-    /// The tile the forward used (`M128N16`, ...).
+    /// The tile of the forward's first GEMM (`M128N16`, ...).
     pub tile: String,
     pub us: f64,
     pub bytes: f64,
@@ -218,7 +218,7 @@ mod gpu_run {
     use half::bf16;
     use nvfp4_moe::moe::MoeInput;
     use nvfp4_moe::testing::{random_device_weights, Rng};
-    use nvfp4_moe::{Error, GemmTile, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
+    use nvfp4_moe::{Error, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
     use tracing::info;
 
     use super::{balanced_ids, bench_work, median, BenchArgs, BenchRow, BENCH_REPS, FLUSH_BYTES};
@@ -332,7 +332,7 @@ mod gpu_run {
                 let row = BenchRow {
                     preset: p.name,
                     tokens: t,
-                    tile: format!("{:?}", if tile == GemmTile::Auto { GemmTile::choose(t * k, e) } else { tile }),
+                    tile: format!("{:?}", layer.gemm_tiles(t, k)?.0),
                     us,
                     bytes,
                     flops,
