@@ -367,24 +367,12 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// all on [`GemmTile::WarpM16N8`] where that kernel takes them).
     pub fn tile_for(&self, total_rows: usize) -> GemmTile {
         let w = self.weights;
-        let raw_tile = raw::core_launch_gemm_tile(
-            self.tile as i32,
-            total_rows as i64,
-            w.experts as i64,
-            w.k as i64,
-            E::KIND as i32,
-            self.max_splits(),
-        );
-        GemmTile::from_raw(raw_tile).unwrap_or(GemmTile::M128N128)
+        launch_tile(self.tile, total_rows, w.experts, w.k, E::KIND, self.batch_invariant)
     }
 
     /// The core's `max_splits`: 1 (never split K) when batch invariant, else the library's choice.
     fn max_splits(&self) -> i64 {
-        if self.batch_invariant {
-            1
-        } else {
-            0
-        }
+        max_splits(self.batch_invariant)
     }
 
     /// Validates a launch (pure; no GPU): buffer lengths and alignment.
@@ -421,6 +409,39 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         // prepared for (E, n, k).
         unsafe { l.launch(&args, raw::grouped_gemm_nvfp4_can_implement, raw::grouped_gemm_nvfp4) }
     }
+}
+
+/// The core's `max_splits` for a plan: 1 (never split K) when batch invariant, else 0 (the
+/// library's choice).
+fn max_splits(batch_invariant: bool) -> i64 {
+    if batch_invariant {
+        1
+    } else {
+        0
+    }
+}
+
+/// The tile a launch runs (the core's `launch_gemm_tile`, host-only): `tile`, or for
+/// [`GemmTile::Auto`] [`GemmTile::choose`]'s, except launches of at most 8 rows in all on
+/// [`GemmTile::WarpM16N8`] where that kernel takes them (not `SwigluNvfp4`, not batch invariant,
+/// x small enough for shared memory).
+pub(crate) fn launch_tile(
+    tile: GemmTile,
+    total_rows: usize,
+    experts: usize,
+    k: usize,
+    epilogue: GemmEpilogue,
+    batch_invariant: bool,
+) -> GemmTile {
+    let raw_tile = raw::core_launch_gemm_tile(
+        tile as i32,
+        total_rows as i64,
+        experts as i64,
+        k as i64,
+        epilogue as i32,
+        max_splits(batch_invariant),
+    );
+    GemmTile::from_raw(raw_tile).unwrap_or(GemmTile::M128N128)
 }
 
 /// The device addresses of one launch, checked by the caller.

@@ -30,6 +30,43 @@ fn tile_heuristic() {
 }
 
 #[test]
+fn launch_tile_takes_the_warp_kernel_for_at_most_8_rows() {
+    use GemmEpilogue::{Interleaved, Plain, SwigluBf16, SwigluNvfp4};
+    let warp = GemmTile::WarpM16N8;
+    // deepseek-v3 at T = 1 (8 rows; L1 K = 7168, L2 K = 2048), a lone row, mixtral's L2 K = 14336.
+    for (rows, e, k, ep) in
+        [(8, 256, 7168, SwigluBf16), (8, 256, 2048, Plain), (1, 8, 64, Interleaved), (2, 8, 14336, Plain)]
+    {
+        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, ep, false), warp, "{rows} {e} {k} {ep:?}");
+        // Batch-invariant plans and SwigluNvfp4 keep the N8 tile.
+        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, ep, true), GemmTile::M128N8);
+        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, SwigluNvfp4, false), GemmTile::M128N8);
+    }
+    // x too large for shared memory (8 rows of K = 14336: 229 KB), or more than 8 rows.
+    assert_eq!(launch_tile(GemmTile::Auto, 8, 8, 14336, Plain, false), GemmTile::M128N8);
+    assert_eq!(launch_tile(GemmTile::Auto, 9, 256, 7168, Plain, false), GemmTile::M128N16);
+    // An explicit tile is the launch's tile.
+    assert_eq!(launch_tile(GemmTile::M128N8, 8, 256, 7168, Plain, false), GemmTile::M128N8);
+    assert_eq!(launch_tile(warp, 8, 256, 7168, Plain, true), warp);
+    // The core rejects an explicit warp tile it cannot run, before any launch.
+    let args = |rows: i64, k: i64, epilogue| GroupedGemmArgs {
+        experts: 8,
+        n: 256,
+        k,
+        total_rows: rows,
+        tile: warp,
+        epilogue,
+        ..Default::default()
+    };
+    let ok = |a: &GroupedGemmArgs| launch::status(raw::grouped_gemm_nvfp4_can_implement(a)).is_ok();
+    assert!(ok(&args(8, 7168, Plain)));
+    assert!(ok(&args(0, 7168, Plain)));
+    for bad in [args(9, 64, Plain), args(8, 14336, Plain), args(1, 64, SwigluNvfp4)] {
+        assert!(!ok(&bad), "{:?}", (bad.total_rows, bad.k, bad.epilogue));
+    }
+}
+
+#[test]
 fn launches_are_checked_before_any_kernel() {
     let b = |addr: u64, len: usize| BufferInfo { addr, len };
     let (e, k, n, rows) = (8usize, 256usize, 128usize, 37usize);
