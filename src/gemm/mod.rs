@@ -238,7 +238,8 @@ impl Nvfp4Weights {
 }
 
 /// A tile configuration of the grouped GEMM (declared in `cpp/include/nvfp4moe/types.h`,
-/// generated); [`GemmTile::Auto`] is resolved by [`GemmTile::choose`].
+/// generated); [`GemmTile::Auto`] is resolved per launch by the core ([`GemmTile::choose`], and the warp
+/// kernel for launches of at most 8 rows: [`GroupedGemm::tile_for`]).
 pub use crate::abi::GemmTile;
 
 impl GemmTile {
