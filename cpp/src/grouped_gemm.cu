@@ -118,7 +118,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 
   const GemmTile tile = launch_gemm_tile(a);
   if (tile == GemmTile::kWarpM16N8) {
-    p.splits = a.max_splits == 1 ? 1 : gemm::warp::choose_splits(a.total_rows, a.experts, a.n, a.k, sms);
+    p.splits = gemm::warp::choose_splits(a.total_rows, a.experts, a.n, a.k, sms, a.max_splits);
     return gemm::warp::launch(p, a.x, a.epilogue, sms, stream);
   }
   auto encode = tensor_map_encoder();

@@ -16,8 +16,9 @@
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
 //
-// One accumulator chain per unit in K order (the wgmma tiles' order): the result does not depend
-// on the launch's other rows.
+// One accumulator chain per unit (or K split) in K order; the K splits, where there are several,
+// added in split order: bit-identical across runs, but with a split a row's K-sum order depends
+// on the launch (as with the wgmma tiles' split-K); not used for batch-invariant plans.
 #include "grouped_gemm_warp.hpp"
 
 #include "gemm_config.cuh"
@@ -32,21 +33,24 @@
 namespace nvfp4moe::gemm::warp {
 namespace {
 
-constexpr int kThreads = kWarps * 32;  // one CTA per SM: 128 registers per thread
+constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM: 128 registers per thread
 constexpr int kDepth = 8;   // 64-K chunks in flight per warp: 8 x 576 B per warp, ~74 KB per SM
-constexpr int kUnitFeatures = 16;
 
 struct Smem {
-  int count[kWarps * 2];  // active experts per 32-expert slice (kMaxExperts / 32 = 32 slices)
+  int count[kMaxExperts / 32];  // active experts per 32-expert slice
   int active[kMaxExperts];
   int num_active;
   float red[2][kWarps][4][32];  // K-split partial sums: (round parity, warp, accumulator, lane)
 };
-static_assert(kThreads * 2 >= kMaxExperts, "one pass over the expert offsets: two experts per thread");
+static_assert(kCtaThreads * 2 == kMaxExperts, "one pass over the expert offsets: two experts per thread");
+static_assert(kWarps % 8 == 0, "teams of 1, 2, 4 or 8 warps");
 static_assert(kWarps / 2 + 1 <= 16, "a named barrier per team of two or more warps");
 // x rows follow Smem, each k * 2 + 16 bytes: the 16-byte skew puts the 8 rows of an ldmatrix
 // 8x8 matrix in 8 different bank groups.
 constexpr int kXOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
+static_assert(kXOffset <= kTableBytes, "the host's shared-memory rule (supports) counts the table");
+static_assert(kWeightChunkK == weights::kChunkK && kTileK == weights::kChunkK, "64-K chunks");
+constexpr uint32_t kXChunkBytes = weights::kChunkK * 2;  // one chunk's K of one x row (BF16)
 
 CUTLASS_DEVICE uint4 load_stream_v4(const void* p) {
   uint4 v;
@@ -77,7 +81,7 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 }
 
 template <GemmEpilogue kEpilogue>
-__global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
+__global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
   extern __shared__ __align__(128) char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -91,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
   bool has[2];
   CUTLASS_PRAGMA_UNROLL
   for (int h = 0; h < 2; ++h) {
-    const int e = h * kThreads + int(threadIdx.x);
+    const int e = h * kCtaThreads + int(threadIdx.x);
     bool any = false;
     if (e < p.experts) {
       int2 rr = expert_rows(p, e);
@@ -107,7 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
     const int slice = h * kWarps + warp;
     int pos = __popc(__ballot_sync(0xFFFFFFFFu, has[h]) & ((1u << lane) - 1u));
     for (int s = 0; s < slice; ++s) pos += sm.count[s];
-    if (has[h]) sm.active[pos] = h * kThreads + int(threadIdx.x);
+    if (has[h]) sm.active[pos] = h * kCtaThreads + int(threadIdx.x);
     if (h == 1 && warp == kWarps - 1 && lane == 31) {
       int total = 0;
       for (int s = 0; s < 2 * kWarps; ++s) total += sm.count[s];
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
   // x into shared memory: 16-byte pieces (k % 64 == 0).
   const int pieces_per_row = k / 8;
   const uint32_t row_bytes = uint32_t(k) * 2u + 16u;
-  for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kThreads) {
+  for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kCtaThreads) {
     const int r = i / pieces_per_row, q = i % pieces_per_row;
     *reinterpret_cast<uint4*>(xs + r * row_bytes + q * 16) =
         *reinterpret_cast<const uint4*>(x + int64_t(r) * k + q * 8);
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
     // k 0-7 and 8-15, then kb + 1's); rows past the expert's end repeat its last row (their
     // columns of the product are not stored).
     const int b_row = rr.x + min(lane % 8, rows - 1);
-    uint32_t b_addr = xs_addr + uint32_t(b_row) * row_bytes + uint32_t(kc_begin) * 128u + uint32_t(lane / 8) * 16u;
+    uint32_t b_addr = xs_addr + uint32_t(b_row) * row_bytes + uint32_t(kc_begin) * kXChunkBytes + uint32_t(lane / 8) * 16u;
 
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     // One 64-K chunk: 4 k-blocks, each decoded to an m16k16 A fragment and multiplied into d.
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
       const bool next_full = kc0 + 2 * kDepth <= chunks;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
-        mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * 128u);
+        mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * kXChunkBytes);
         if (next_full || kc0 + kDepth + i < chunks) {
           ring_codes[i] = load_stream_v4(codes_next + i * weights::kChunkBytes);
           ring_scales[i] = load_stream_v2(scales_next + i * weights::kChunkBytes);
@@ -225,12 +229,12 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_gemm_warp_kernel(Params p
       }
       codes_next += kDepth * weights::kChunkBytes;
       scales_next += kDepth * weights::kChunkBytes;
-      b_addr += kDepth * 128u;
+      b_addr += kDepth * kXChunkBytes;
     }
     // The last chunks - kc0 < kDepth chunks, already loaded.
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kDepth - 1; ++i) {
-      if (kc0 + i < chunks) mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * 128u);
+      if (kc0 + i < chunks) mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * kXChunkBytes);
     }
 
     if (splits > 1) {
@@ -279,7 +283,7 @@ Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStre
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): cudaFuncSetAttribute: %s",
                 cudaGetErrorString(e));
   }
-  e = pdl::launch(kernel, dim3(unsigned(sms)), dim3(kThreads), smem, stream, p,
+  e = pdl::launch(kernel, dim3(unsigned(sms)), dim3(kCtaThreads), smem, stream, p,
                   static_cast<const __nv_bfloat16*>(x));
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): launch: %s", cudaGetErrorString(e));
@@ -291,6 +295,9 @@ Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStre
 
 Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream_ptr) noexcept {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (p.splits != 1 && p.splits != 2 && p.splits != 4 && p.splits != 8) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4 (warp kernel): %d splits (1, 2, 4 or 8)", p.splits);
+  }
   const size_t smem = size_t(kXOffset) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
   switch (epilogue) {
     case GemmEpilogue::kPlain: return launch_one<GemmEpilogue::kPlain>(p, x, sms, smem, stream);

@@ -15,9 +15,12 @@ namespace nvfp4moe::gemm::warp {
 
 // At most this many rows in all: every expert's rows are one mma.sync N = 8.
 constexpr int64_t kMaxRows = 8;
-// x is staged whole in shared memory, rows of k * 2 + 16 bytes, after a 4.2 KB expert table:
-// within this bound it fits every sm_90 device's 227 KB per CTA.
-constexpr int64_t kMaxXBytes = 220 * 1024;
+// x is staged whole in shared memory, rows of k * 2 + 16 bytes, after the expert table and the
+// K-split buffers (kTableBytes, checked by the kernel): together within the 227 KB a CTA of any
+// sm_90 device may use (8 rows: K up to 13184).
+constexpr int64_t kSmemLimit = 227 * 1024;
+constexpr int64_t kTableBytes = 20736;
+constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes;
 
 // Whether the kernel can run a launch: at most kMaxRows rows whose x fits, and an epilogue other than
 // SwigluNvfp4 (whose encoder runs on the wgmma tiles' quantizer warps).
@@ -26,23 +29,28 @@ inline bool supports(GemmEpilogue epilogue, int64_t total_rows, int64_t k) noexc
          k <= kMaxXBytes && total_rows * (k * 2 + 16) <= kMaxXBytes;
 }
 
-// Warps per CTA (one CTA per SM).
+// Warps per CTA (one CTA per SM), output features per unit (one mma.sync M).
 constexpr int kWarps = 16;
+constexpr int kUnitFeatures = 16;
 
 // How many warps share each unit's K (1, 2, 4 or 8): the most for which an upper bound of the
 // units (16 features of an expert with rows) still fits the resident warps, each split keeping at
 // least two 64-K chunks. A launch with few units otherwise leaves SMs with too few loads in flight
 // (mixtral-8x7b's L2 at T = 1: 512 units, 4 warps per SM).
-inline int choose_splits(int64_t total_rows, int64_t experts, int64_t n, int64_t k, int sms) noexcept {
-  const int64_t units = (total_rows < experts ? total_rows : experts) * (n / 16);
-  const int64_t chunks = k / 64;
+// `max_splits` (the API's: 0 = the library's choice, 1 = never split) caps it.
+inline int choose_splits(int64_t total_rows, int64_t experts, int64_t n, int64_t k, int sms,
+                         int64_t max_splits) noexcept {
+  const int64_t units = (total_rows < experts ? total_rows : experts) * (n / kUnitFeatures);
+  const int64_t chunks = k / kWeightChunkK;
+  const int64_t cap = max_splits > 0 ? max_splits : 8;
   int s = 1;
-  while (s < 8 && units * s * 2 <= int64_t(sms) * kWarps && chunks >= 4 * s) s *= 2;
+  while (s < 8 && 2 * s <= cap && units * s * 2 <= int64_t(sms) * kWarps && chunks >= 4 * s) s *= 2;
   return s;
 }
 
-// One CTA per SM (`sms`), programmatic dependent launch; p.splits from choose_splits. x: BF16 [p.total_rows, p.k], 16-byte
-// aligned. The caller checked supports().
+// One CTA per SM (`sms`), programmatic dependent launch; p.splits from choose_splits (1, 2, 4 or
+// 8, else kInvalidShape). x: BF16 [p.total_rows, p.k], 16-byte aligned. The caller checked
+// supports().
 Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream) noexcept;
 
 }  // namespace nvfp4moe::gemm::warp

@@ -166,6 +166,11 @@ impl MoeLayer {
         }
         if let Intermediate::Nvfp4 { decode_scale } = opts.intermediate {
             crate::host::validate_decode_scale(decode_scale)?;
+            if opts.tile == GemmTile::WarpM16N8 {
+                return Err(Error::InvalidShape(
+                    "tile WarpM16N8 has no SwigluNvfp4 epilogue: the NVFP4 intermediate needs another tile".into(),
+                ));
+            }
         }
         Ok(MoeLayer { weights, opts })
     }

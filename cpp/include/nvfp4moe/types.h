@@ -215,8 +215,9 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   int64_t num_act_decode_scales NVFP4MOE_INIT();            // kSwigluNvfp4: 1 or E
   NVFP4MOE_ENUM_T(GemmTile) tile NVFP4MOE_INIT();           // the tile configuration (kAuto: choose_gemm_tile)
   NVFP4MOE_ENUM_T(GemmEpilogue) epilogue NVFP4MOE_INIT();   // the SwiGLU ones need kGateUpBands8 weights
-  // Split-K: at most this many CTAs share a tile's K (0: the library's choice, up to 4; 1: never,
-  // so every row's K-sum order, and with it its result, is the same whatever the launch's rows).
+  // Split-K: at most this many CTAs (the warp kernel: warps) share a tile's K (0: the library's
+  // choice, up to 4 CTAs or 8 warps; 1: never, and no warp kernel under kAuto, so every row's K-sum
+  // order, and with it its result, is the same whatever the launch's rows).
   int64_t max_splits NVFP4MOE_INIT();
 };
 

@@ -171,7 +171,7 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
 
     use nvfp4_moe::io as nio;
     use nvfp4_moe::moe::MoeInput;
-    use nvfp4_moe::{GemmTile, MoeLayer, MoeOptions, MoeWeights};
+    use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
     use serde_json::json;
     use tracing::info;
 
@@ -236,10 +236,7 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
     layer.forward(&stream, &moe_input, &mut out_d, &mut ws)?;
     layer.check(&stream, &mut ws, k)?;
     let fwd = t.elapsed();
-    let tile_used = match tile {
-        GemmTile::Auto => GemmTile::choose(tokens * k, e),
-        t => t,
-    };
+    let tile_used = layer.gemm_tiles(tokens, k)?.0;
     let y = stream.clone_dtoh(&out_d)?;
 
     let t = Instant::now();
