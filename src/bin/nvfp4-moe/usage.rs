@@ -179,7 +179,10 @@ mod tests {
             ),
             (&["info", "--verbose"], "error: unknown flag `--verbose` for `info`"),
             (&["check", "--tile", "n16"], "error: unknown flag `--tile` for `check`"),
-            (&["bench", "--tile", "n12"], "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n12`)"),
+            (
+                &["bench", "--tile", "n12"],
+                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n12`)",
+            ),
             (&["bench", "--batch-invariant=yes"], "--batch-invariant"),
             (&["bench", "--intermediate", "fp8"], "error: `--intermediate` is bf16 or nvfp4 (got `fp8`)"),
             (&["check", "--tokens", "0"], "error: invalid value `0` for `--tokens`: must be at least 1"),
@@ -187,7 +190,10 @@ mod tests {
             (&["check", "--preset", "llama"], "error: invalid value `llama` for `--preset`: unknown preset `llama`"),
             (&["bench", "--preset", "kimi-k2,kimi-k2"], "preset `kimi-k2` given twice"),
             (&["bench", "--tokens", "1,,2"], "error: invalid value `1,,2` for `--tokens`"),
-            (&["run", "--tile", "n48"], "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n48`)"),
+            (
+                &["run", "--tile", "n48"],
+                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n48`)",
+            ),
         ];
         for (args, want) in cases {
             let (first, text) = fails(args);
