@@ -112,9 +112,11 @@ pub(crate) mod raw {
             tile: i32,
             total_rows: i64,
             experts: i64,
+            n: i64,
             k: i64,
             epilogue: i32,
             max_splits: i64,
+            sms: i32,
         ) -> i32;
         fn core_scale_bytes(layout: i32, rows: i64, cols: i64) -> u64;
 

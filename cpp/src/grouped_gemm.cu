@@ -61,14 +61,27 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   return GemmTile::kM128N128;
 }
 
-GemmTile launch_gemm_tile(const GroupedGemmArgs& a) noexcept {
+GemmTile launch_gemm_tile(const GroupedGemmArgs& a, int sms) noexcept {
   if (a.tile != GemmTile::kAuto) return a.tile;
   const GemmTile tile = choose_gemm_tile(a.total_rows, a.experts);
-  if (tile == GemmTile::kM128N8 && a.max_splits != 1 && warp_kernel_on() &&
-      gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {
-    return GemmTile::kWarpM16N8;
+  if (tile != GemmTile::kM128N8 || a.max_splits == 1 || !warp_kernel_on() ||
+      !gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {
+    return tile;
   }
-  return tile;
+  if (sms <= 0) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return tile;
+    }
+  }
+  // The N8 tiles (an upper bound: every expert with rows has one row tile) against its CTA slots.
+  const int64_t n8_tiles = (a.n + 127) / 128 * std::min(a.total_rows, a.experts);
+  const int64_t slots = 2 * int64_t(sms);
+  const bool n8_fills_one_round = n8_tiles * 10 >= slots * 9 && n8_tiles <= slots;
+  const bool n8_many_rounds = n8_tiles > 2 * slots;  // (mixtral-8x7b T = 2 and 4: N8 3-4% faster)
+  return n8_fills_one_round || n8_many_rounds ? tile : GemmTile::kWarpM16N8;
 }
 
 Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
@@ -116,7 +129,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  1};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 
-  const GemmTile tile = launch_gemm_tile(a);
+  const GemmTile tile = launch_gemm_tile(a, sms);
   if (tile == GemmTile::kWarpM16N8) {
     p.splits = gemm::warp::choose_splits(a.total_rows, a.experts, a.n, a.k, sms, a.max_splits);
     return gemm::warp::launch(p, a.x, a.epilogue, sms, stream);

@@ -368,7 +368,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// all on [`GemmTile::WarpM16N8`] where that kernel takes them).
     pub fn tile_for(&self, total_rows: usize) -> GemmTile {
         let w = self.weights;
-        launch_tile(self.tile, total_rows, w.experts, w.k, E::KIND, self.batch_invariant)
+        launch_tile(self.tile, total_rows, w.experts, w.n, w.k, E::KIND, self.batch_invariant, 0)
     }
 
     /// The core's `max_splits`: 1 (never split K) when batch invariant, else the library's choice.
@@ -422,25 +422,31 @@ fn max_splits(batch_invariant: bool) -> i64 {
     }
 }
 
-/// The tile a launch runs (the core's `launch_gemm_tile`, host-only): `tile`, or for
-/// [`GemmTile::Auto`] [`GemmTile::choose`]'s, except launches of at most 8 rows in all on
-/// [`GemmTile::WarpM16N8`] where that kernel takes them (not `SwigluNvfp4`, not batch invariant,
-/// x small enough for shared memory).
+/// The tile a launch runs (the core's `launch_gemm_tile`) on a device of `sms` SMs (0: the
+/// current device's): `tile`, or for [`GemmTile::Auto`] [`GemmTile::choose`]'s, except launches of
+/// at most 8 rows in all on [`GemmTile::WarpM16N8`] where that kernel takes them (not
+/// `SwigluNvfp4`, not batch invariant, x small enough for shared memory) and the N8 tile would not
+/// fill one round of its CTA slots (there N8 measured as fast or faster).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_tile(
     tile: GemmTile,
     total_rows: usize,
     experts: usize,
+    n: usize,
     k: usize,
     epilogue: GemmEpilogue,
     batch_invariant: bool,
+    sms: i32,
 ) -> GemmTile {
     let raw_tile = raw::core_launch_gemm_tile(
         tile as i32,
         total_rows as i64,
         experts as i64,
+        n as i64,
         k as i64,
         epilogue as i32,
         max_splits(batch_invariant),
+        sms,
     );
     GemmTile::from_raw(raw_tile).unwrap_or(GemmTile::M128N128)
 }

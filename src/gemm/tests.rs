@@ -37,23 +37,32 @@ fn launch_tile_takes_the_warp_kernel_for_at_most_8_rows() {
         eprintln!("NVFP4MOE_WARP_KERNEL=0: kAuto keeps the N8 tile; not checked");
         return;
     }
-    // deepseek-v3 at T = 1 (8 rows; L1 K = 7168, L2 K = 2048), a lone row, mixtral's L2 K = 14336.
-    for (rows, e, k, ep) in
-        [(8, 256, 7168, SwigluBf16), (8, 256, 2048, Plain), (1, 8, 64, Interleaved), (2, 8, 14336, Plain)]
-    {
-        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, ep, false), warp, "{rows} {e} {k} {ep:?}");
+    let tile = |rows, e, n, k, ep, inv| launch_tile(GemmTile::Auto, rows, e, n, k, ep, inv, 132);
+    // T = 1 on 132 SMs (264 N8 slots): deepseek-v3's L2 (448 N8 tiles), qwen3-30b-a3b's L1 (96),
+    // mixtral-8x7b's L2 (64, K = 14336, 2 rows), a lone row at K = 64.
+    for (rows, e, n, k, ep) in [
+        (8, 256, 7168, 2048, Plain),
+        (8, 128, 1536, 2048, SwigluBf16),
+        (2, 8, 4096, 14336, Plain),
+        (1, 8, 128, 64, Interleaved),
+    ] {
+        assert_eq!(tile(rows, e, n, k, ep, false), warp, "{rows} {e} {n} {k} {ep:?}");
         // Batch-invariant plans and SwigluNvfp4 keep the N8 tile.
-        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, ep, true), GemmTile::M128N8);
-        assert_eq!(launch_tile(GemmTile::Auto, rows, e, k, SwigluNvfp4, false), GemmTile::M128N8);
+        assert_eq!(tile(rows, e, n, k, ep, true), GemmTile::M128N8);
+        assert_eq!(tile(rows, e, n, k, SwigluNvfp4, false), GemmTile::M128N8);
     }
+    // N8 filling one round (deepseek-v3 L1 at T = 1: 256 tiles on 264 slots) or more than two
+    // (mixtral-8x7b L1 at T = 4: 1792) keeps N8; on 160 SMs deepseek-v3's 256 no longer fill a round.
+    assert_eq!(tile(8, 256, 4096, 7168, SwigluBf16, false), GemmTile::M128N8);
+    assert_eq!(tile(8, 8, 28672, 4096, SwigluBf16, false), GemmTile::M128N8);
+    assert_eq!(launch_tile(GemmTile::Auto, 8, 256, 4096, 7168, SwigluBf16, false, 160), warp);
     // x too large for shared memory (8 rows: K up to 13184), or more than 8 rows.
-    assert_eq!(launch_tile(GemmTile::Auto, 8, 8, 13184, Plain, false), warp);
-    assert_eq!(launch_tile(GemmTile::Auto, 8, 8, 13248, Plain, false), GemmTile::M128N8);
-    assert_eq!(launch_tile(GemmTile::Auto, 8, 8, 14336, Plain, false), GemmTile::M128N8);
-    assert_eq!(launch_tile(GemmTile::Auto, 9, 256, 7168, Plain, false), GemmTile::M128N16);
+    assert_eq!(tile(8, 256, 7168, 13184, Plain, false), warp);
+    assert_eq!(tile(8, 256, 7168, 13248, Plain, false), GemmTile::M128N8);
+    assert_eq!(tile(9, 256, 7168, 2048, Plain, false), GemmTile::M128N16);
     // An explicit tile is the launch's tile.
-    assert_eq!(launch_tile(GemmTile::M128N8, 8, 256, 7168, Plain, false), GemmTile::M128N8);
-    assert_eq!(launch_tile(warp, 8, 256, 7168, Plain, true), warp);
+    assert_eq!(launch_tile(GemmTile::M128N8, 8, 256, 7168, 2048, Plain, false, 132), GemmTile::M128N8);
+    assert_eq!(launch_tile(warp, 8, 256, 7168, 2048, Plain, true, 132), warp);
     // The core rejects an explicit warp tile it cannot run, before any launch.
     let args = |rows: i64, k: i64, epilogue| GroupedGemmArgs {
         experts: 8,

@@ -127,12 +127,15 @@ Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexc
 // rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
 GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
-// The tile a grouped_gemm_nvfp4 launch with these arguments runs: args.tile, or for kAuto
-// choose_gemm_tile's, except that at most 8 rows in all run on kWarpM16N8 (one warp per 16
-// features, mma.sync) where it takes the launch: an epilogue other than kSwigluNvfp4, x fitting in
-// shared memory, and max_splits != 1 (its bits may differ from the wgmma tiles'; max_splits == 1
-// asks for one reduction order for every launch). Host-only, no GPU.
-GemmTile launch_gemm_tile(const GroupedGemmArgs& args) noexcept;
+// The tile a grouped_gemm_nvfp4 launch with these arguments runs on a device of `sms` SMs (<= 0:
+// the current device's; with none, as if the warp kernel never took a launch): args.tile, or for
+// kAuto choose_gemm_tile's, except that at most 8 rows in all run on kWarpM16N8 (one warp per 16
+// features, mma.sync) where it takes the launch (an epilogue other than kSwigluNvfp4, x fitting in
+// shared memory, max_splits != 1: its bits may differ from the wgmma tiles') and the N8 tile would
+// not fill one round of its CTA slots (2 per SM) to at least 90%: there N8 was as fast or faster
+// (deepseek-v3 L1 and qwen3-235b-a22b L2 at T = 1, 256 tiles on 264 slots: 3% and 12% faster than
+// the warp kernel; every other T = 1 launch of the presets 0-11% slower, H200 2026-12-03).
+GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noexcept;
 
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
 // inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
