@@ -108,16 +108,7 @@ pub(crate) mod raw {
         fn core_grouped_scale_bytes(rows: i64, experts: i64, cols: i64) -> u64;
         fn core_prepared_weight_bytes(experts: i64, n: i64, k: i64) -> u64;
         fn core_choose_gemm_tile(total_rows: i64, experts: i64) -> i32;
-        fn core_launch_gemm_tile(
-            tile: i32,
-            total_rows: i64,
-            experts: i64,
-            n: i64,
-            k: i64,
-            epilogue: i32,
-            max_splits: i64,
-            sms: i32,
-        ) -> i32;
+        fn core_launch_gemm_tile(args: &GroupedGemmArgs, sms: i32) -> i32;
         fn core_scale_bytes(layout: i32, rows: i64, cols: i64) -> u64;
 
         fn core_build_info() -> CoreBuildInfo;

@@ -87,16 +87,7 @@ uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) {
 int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts) {
   return static_cast<int32_t>(::nvfp4moe::choose_gemm_tile(total_rows, experts));
 }
-int32_t core_launch_gemm_tile(int32_t tile, int64_t total_rows, int64_t experts, int64_t n, int64_t k, int32_t epilogue,
-                              int64_t max_splits, int32_t sms) {
-  GroupedGemmArgs a;
-  a.tile = static_cast<GemmTile>(tile);
-  a.total_rows = total_rows;
-  a.experts = experts;
-  a.k = k;
-  a.epilogue = static_cast<GemmEpilogue>(epilogue);
-  a.max_splits = max_splits;
-  a.n = n;
+int32_t core_launch_gemm_tile(const GroupedGemmArgs& a, int32_t sms) {
   return static_cast<int32_t>(::nvfp4moe::launch_gemm_tile(a, sms));
 }
 uint64_t core_scale_bytes(int32_t layout, int64_t rows, int64_t cols) {

@@ -40,8 +40,7 @@ uint64_t core_permute_workspace_bytes(int64_t pairs, int64_t experts);
 uint64_t core_grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols);
 uint64_t core_prepared_weight_bytes(int64_t experts, int64_t n, int64_t k);
 int32_t core_choose_gemm_tile(int64_t total_rows, int64_t experts);
-int32_t core_launch_gemm_tile(int32_t tile, int64_t total_rows, int64_t experts, int64_t n, int64_t k, int32_t epilogue,
-                              int64_t max_splits, int32_t sms);
+int32_t core_launch_gemm_tile(const GroupedGemmArgs& a, int32_t sms);
 uint64_t core_scale_bytes(int32_t layout, int64_t rows, int64_t cols);
 CoreBuildInfo core_build_info();
 

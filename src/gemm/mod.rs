@@ -438,16 +438,17 @@ pub(crate) fn launch_tile(
     batch_invariant: bool,
     sms: i32,
 ) -> GemmTile {
-    let raw_tile = raw::core_launch_gemm_tile(
-        tile as i32,
-        total_rows as i64,
-        experts as i64,
-        n as i64,
-        k as i64,
-        epilogue as i32,
-        max_splits(batch_invariant),
-        sms,
-    );
+    let args = GroupedGemmArgs {
+        tile,
+        total_rows: total_rows as i64,
+        experts: experts as i64,
+        n: n as i64,
+        k: k as i64,
+        epilogue,
+        max_splits: max_splits(batch_invariant),
+        ..Default::default()
+    };
+    let raw_tile = raw::core_launch_gemm_tile(&args, sms);
     GemmTile::from_raw(raw_tile).unwrap_or(GemmTile::M128N128)
 }
 
