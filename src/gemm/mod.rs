@@ -365,7 +365,8 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
 
     /// The tile a launch over `total_rows` rows uses: the plan's, or for [`GemmTile::Auto`] the
     /// core's choice for this launch ([`GemmTile::choose`], with launches of at most 8 rows in
-    /// all on [`GemmTile::WarpM16N8`] where that kernel takes them).
+    /// all on [`GemmTile::WarpM16N8`] where that kernel takes them, which depends on the SM count
+    /// of the calling thread's current device).
     pub fn tile_for(&self, total_rows: usize) -> GemmTile {
         let w = self.weights;
         launch_tile(self.tile, total_rows, w.experts, w.n, w.k, E::KIND, self.batch_invariant, 0)
@@ -425,8 +426,9 @@ fn max_splits(batch_invariant: bool) -> i64 {
 /// The tile a launch runs (the core's `launch_gemm_tile`) on a device of `sms` SMs (0: the
 /// current device's): `tile`, or for [`GemmTile::Auto`] [`GemmTile::choose`]'s, except launches of
 /// at most 8 rows in all on [`GemmTile::WarpM16N8`] where that kernel takes them (not
-/// `SwigluNvfp4`, not batch invariant, x small enough for shared memory) and the N8 tile would not
-/// fill one round of its CTA slots (there N8 measured as fast or faster).
+/// `SwigluNvfp4`, not batch invariant, x small enough for shared memory) and the N8 tile would
+/// neither fill one round of its CTA slots to 90% nor need more than two rounds (there N8 measured
+/// as fast or faster).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_tile(
     tile: GemmTile,

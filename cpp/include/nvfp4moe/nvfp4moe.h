@@ -132,9 +132,11 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 // kAuto choose_gemm_tile's, except that at most 8 rows in all run on kWarpM16N8 (one warp per 16
 // features, mma.sync) where it takes the launch (an epilogue other than kSwigluNvfp4, x fitting in
 // shared memory, max_splits != 1: its bits may differ from the wgmma tiles') and the N8 tile would
-// not fill one round of its CTA slots (2 per SM) to at least 90%: there N8 was as fast or faster
+// neither fill one round of its CTA slots (2 per SM) to at least 90% nor need more than two rounds
+// (an upper bound of its tiles: ceil(n / 128) x min(total_rows, experts)): there N8 was as fast or faster
 // (deepseek-v3 L1 and qwen3-235b-a22b L2 at T = 1, 256 tiles on 264 slots: 3% and 12% faster than
-// the warp kernel; every other T = 1 launch of the presets 0-11% slower, H200 2026-12-03).
+// the warp kernel; mixtral-8x7b at T = 2 and 4 3-4%; every other T = 1 launch of the presets 0-11%
+// slower on N8, H200 2026-12-03).
 GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noexcept;
 
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
