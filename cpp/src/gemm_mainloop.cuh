@@ -145,20 +145,10 @@ struct MainloopConsumer {
       const uint32_t cw4[4] = {cwds.codes.x, cwds.codes.y, cwds.codes.z, cwds.codes.w};
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < 4; ++kb) {
-        uint32_t sw = kb < 2 ? cwds.scales.x : cwds.scales.y;
-        // Bytes (row m0, row m0 + 8) of this k-block -> BF16 (s_r, s_r8) in one word; each pair
-        // multiplies by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
-        uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-        uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
-        const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-        const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-        const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
-                               weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
+        uint32_t a[4];
+        weights::decode_kblock(cw4[kb], cwds.scales, kb, a);
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
-          a_words((h0 * 4 + kb) * 4 + j) = *reinterpret_cast<uint32_t*>(&prod);
-        }
+        for (int j = 0; j < 4; ++j) a_words((h0 * 4 + kb) * 4 + j) = a[j];
       }
     };
     // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on.

@@ -196,19 +196,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       const uint32_t cw4[4] = {cw.x, cw.y, cw.z, cw.w};
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < 4; ++kb) {
-        const uint32_t sw = kb < 2 ? sw2.x : sw2.y;
-        const uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
-        const uint32_t s_both = weights::scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
-        const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-        const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
-        const uint32_t v[4] = {weights::pair_to_bf16x2_scaled<0>(cw4[kb]), weights::pair_to_bf16x2_scaled<1>(cw4[kb]),
-                               weights::pair_to_bf16x2_scaled<2>(cw4[kb]), weights::pair_to_bf16x2_scaled<3>(cw4[kb])};
         uint32_t a[4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) {
-          __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
-          a[j] = *reinterpret_cast<uint32_t*>(&prod);
-        }
+        weights::decode_kblock(cw4[kb], sw2, kb, a);
         mma_m16n8k16(d, a, b[kb / 2][(kb % 2) * 2], b[kb / 2][(kb % 2) * 2 + 1]);
       }
     };

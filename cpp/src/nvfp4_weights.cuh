@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cuda_bf16.h>
 #include <cutlass/cutlass.h>
 
 namespace nvfp4moe::weights {
@@ -176,6 +177,27 @@ static_assert(nibbles_ok(),
 // Two scale bytes, one in the low byte of each 16-bit lane (high bytes 0) -> BF16 s * 2^118 per lane.
 CUTLASS_DEVICE uint32_t scale_pair_to_bf16x2(uint32_t b_pair) {
   return b_pair * 16u + 0x70007000u;  // == (b_pair << 4) | 0x70007000 (no overlapping bits); one IMAD
+}
+
+// K-block kb (0..3) of a thread's chunk words -> its A fragment for that k-block, exactly: four
+// bf16x2 words, pair j = v1 + 2 v2 (row g + 8 v1, k 2c + 8 v2; the SM90 64x16 RS layout per warp,
+// which is also mma.sync m16n8k16's A), each times its row's scale (scale byte pairs of k-blocks
+// 0-1 in scales.x, 2-3 in scales.y). Shared by the wgmma mainloop and the warp kernel.
+CUTLASS_DEVICE void decode_kblock(uint32_t code_word, uint2 scales, int kb, uint32_t (&a)[4]) {
+  const uint32_t sw = kb < 2 ? scales.x : scales.y;
+  // Bytes (row g, row g + 8) of this k-block -> BF16 (s_g, s_g8) in one word; each pair multiplies
+  // by its row's half broadcast (an HMUL2 operand swizzle, no extra instruction).
+  const uint32_t sel0 = (kb % 2) * 2, sel8 = sel0 + 1;
+  const uint32_t s_both = scale_pair_to_bf16x2(__byte_perm(sw, 0, 0x4040 | sel0 | (sel8 << 8)));
+  const __nv_bfloat162 s_r = __low2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+  const __nv_bfloat162 s_r8 = __high2bfloat162(*reinterpret_cast<const __nv_bfloat162*>(&s_both));
+  const uint32_t v[4] = {pair_to_bf16x2_scaled<0>(code_word), pair_to_bf16x2_scaled<1>(code_word),
+                         pair_to_bf16x2_scaled<2>(code_word), pair_to_bf16x2_scaled<3>(code_word)};
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    __nv_bfloat162 prod = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&v[j]), j % 2 ? s_r8 : s_r);
+    a[j] = *reinterpret_cast<uint32_t*>(&prod);
+  }
 }
 
 }  // namespace nvfp4moe::weights

@@ -9,7 +9,7 @@ use half::bf16;
 
 use super::MoeWeights;
 use crate::error::{Error, Result};
-use crate::gemm::{GemmTile, GroupedGemm, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
+use crate::gemm::{Epilogue, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
 use crate::host::weight_decode_scale;
 use crate::launch::check_len;
 use crate::layout::grouped_scale_len;
@@ -188,22 +188,24 @@ impl MoeLayer {
         MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
     }
 
+    /// The plan of one of the layer's GEMMs over `w` with epilogue `E` (the options' tile and batch
+    /// invariance): what every forward launches and what [`MoeLayer::gemm_tiles`] reports.
+    fn plan<'a, E: Epilogue>(&self, w: &'a Nvfp4Weights) -> Result<GroupedGemm<'a, E>> {
+        Ok(GroupedGemm::<E>::new(w, self.opts.tile)?.batch_invariant(self.opts.batch_invariant))
+    }
+
     /// The tiles of the first and second GEMM of a forward over `tokens` x `top_k` rows (the
     /// option's tile, or the core's choice per launch for [`GemmTile::Auto`]).
     ///
     /// # Errors
     /// None in practice (the plans were checked at construction); the plan constructors' errors.
     pub fn gemm_tiles(&self, tokens: usize, top_k: usize) -> Result<(GemmTile, GemmTile)> {
-        let (rows, tile, inv) = (tokens * top_k, self.opts.tile, self.opts.batch_invariant);
+        let (rows, w) = (tokens * top_k, &self.weights);
         let l1 = match self.opts.intermediate {
-            Intermediate::Bf16 => {
-                GroupedGemm::<SwigluBf16>::new(&self.weights.w13, tile)?.batch_invariant(inv).tile_for(rows)
-            }
-            Intermediate::Nvfp4 { .. } => {
-                GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, tile)?.batch_invariant(inv).tile_for(rows)
-            }
+            Intermediate::Bf16 => self.plan::<SwigluBf16>(&w.w13)?.tile_for(rows),
+            Intermediate::Nvfp4 { .. } => self.plan::<SwigluNvfp4>(&w.w13)?.tile_for(rows),
         };
-        let l2 = GroupedGemm::<PlainBf16>::new(&self.weights.w2, tile)?.batch_invariant(inv).tile_for(rows);
+        let l2 = self.plan::<PlainBf16>(&w.w2)?.tile_for(rows);
         Ok((l1, l2))
     }
 
@@ -231,8 +233,7 @@ impl MoeLayer {
         let pairs = tokens * top_k;
         let MoeWorkspace { perm, act, .. } = ws;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
-        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?
-            .batch_invariant(self.opts.batch_invariant);
+        let l1 = self.plan::<SwigluBf16>(&self.weights.w13)?;
         l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
         let host = stream.clone_dtoh(&act.slice(..pairs * self.weights.intermediate))?;
         weight_decode_scale(&host).map_err(|e| Error::Invalid(format!("calibrating the NVFP4 intermediate: {e}")))
@@ -339,16 +340,13 @@ impl MoeLayer {
         check_len("topk_ids", topk_ids.len(), pairs)?;
         check_len("topk_weights", topk_weights.len(), pairs)?;
         check_len("out", out.len(), tokens * h)?;
-        let l1 = GroupedGemm::<SwigluBf16>::new(&self.weights.w13, self.opts.tile)?
-            .batch_invariant(self.opts.batch_invariant);
-        let l2 =
-            GroupedGemm::<PlainBf16>::new(&self.weights.w2, self.opts.tile)?.batch_invariant(self.opts.batch_invariant);
+        let l1 = self.plan::<SwigluBf16>(&self.weights.w13)?;
+        let l2 = self.plan::<PlainBf16>(&self.weights.w2)?;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
         match fp4 {
             None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
             Some(b) => {
-                let l1 = GroupedGemm::<SwigluNvfp4>::new(&self.weights.w13, self.opts.tile)?
-                    .batch_invariant(self.opts.batch_invariant);
+                let l1 = self.plan::<SwigluNvfp4>(&self.weights.w13)?;
                 let nvfp4 =
                     SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
                 l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
