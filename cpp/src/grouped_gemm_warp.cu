@@ -10,8 +10,8 @@
 // consumer on its own: a unit is one expert's 16 output features over the whole K (the four warps'
 // quarters of a prepared chunk are independent: each thread's A fragment of the SM90 64x16 RS
 // layout is, per warp, exactly the A fragment of mma.sync m16n8k16), the warp streams its unit's
-// code and scale words from global memory straight into registers, eight 64-K chunks in flight,
-// decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
+// code and scale words through its own ring of shared-memory slots (cp.async, six 64-K chunks in
+// flight while it works on a seventh), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
 // m16n8k16 with the expert's rows (<= 8) as N, read with ldmatrix from x staged once per CTA in
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
@@ -33,8 +33,10 @@
 namespace nvfp4moe::gemm::warp {
 namespace {
 
-constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM: 128 registers per thread
-constexpr int kDepth = 8;   // 64-K chunks in flight per warp: 8 x 576 B per warp, ~74 KB per SM
+constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM
+static_assert(kRingBytes == int64_t(kWarps) * kDepth * kSlotBytes, "the host's shared-memory rule");
+static_assert(kSlotBytes == weights::kChunkCodeBytes / 4 + 32 * 8,
+              "a slot holds one warp's quarter of a chunk: 16 code bytes and 8 scale bytes per lane");
 
 struct Smem {
   int count[kMaxExperts / 32];  // active experts per 32-expert slice
@@ -45,23 +47,45 @@ struct Smem {
 static_assert(kCtaThreads * 2 == kMaxExperts, "one pass over the expert offsets: two experts per thread");
 static_assert(kWarps % 8 == 0, "teams of 1, 2, 4 or 8 warps");
 static_assert(kWarps / 2 + 1 <= 16, "a named barrier per team of two or more warps");
-// x rows follow Smem, each k * 2 + 16 bytes: the 16-byte skew puts the 8 rows of an ldmatrix
-// 8x8 matrix in 8 different bank groups.
-constexpr int kXOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
-static_assert(kXOffset <= kTableBytes, "the host's shared-memory rule (supports) counts the table");
+// The warps' weight rings follow Smem (warp w's slot i at kRingOffset + (w * kDepth + i) *
+// kSlotBytes: the lane's 16 code bytes at lane * 16, its 8 scale bytes at 512 + lane * 8), then x, rows of k * 2 +
+// 16 bytes: the 16-byte skew puts the 8 rows of an ldmatrix 8x8 matrix in 8 different bank groups.
+constexpr int kRingOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
+static_assert(kRingOffset <= kTableBytes, "the host's shared-memory rule (supports) counts the table");
+constexpr int kXOffset = kRingOffset + int(kRingBytes);
 static_assert(kWeightChunkK == weights::kChunkK && kTileK == weights::kChunkK, "64-K chunks");
 constexpr uint32_t kXChunkBytes = weights::kChunkK * 2;  // one chunk's K of one x row (BF16)
 
-CUTLASS_DEVICE uint4 load_stream_v4(const void* p) {
+// 16 (8) bytes global -> shared, asynchronously (LDGSTS; the 16-byte copy bypasses L1), where
+// `p` holds.
+CUTLASS_DEVICE void cp_async_16(bool p, uint32_t dst, const void* src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.cg.shared.global [%1], [%2], 16;\n}\n" ::"r"(
+          int(p)),
+      "r"(dst), "l"(src)
+      : "memory");
+}
+CUTLASS_DEVICE void cp_async_8(bool p, uint32_t dst, const void* src) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.ca.shared.global [%1], [%2], 8;\n}\n" ::"r"(
+          int(p)),
+      "r"(dst), "l"(src)
+      : "memory");
+}
+CUTLASS_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Until at most kPending of this thread's most recent groups are in flight.
+template <int kPending>
+CUTLASS_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+CUTLASS_DEVICE uint4 lds128(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
-CUTLASS_DEVICE uint2 load_stream_v2(const void* p) {
+CUTLASS_DEVICE uint2 lds64(uint32_t addr) {
   uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
   return v;
 }
 
@@ -132,8 +156,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   const int teams = kWarps / splits;
   const int kc_begin = split * k_chunks / splits, chunks = (split + 1) * k_chunks / splits - kc_begin;
 
-  // Unit u's weights for this lane: its code words (16 B at (32 wq + lane) * 16 of each chunk)
-  // and scale words (8 B), from chunk kc_begin on; the first kDepth chunks go into the ring.
+  // Unit u's weights for this lane: its 16 code bytes of each chunk (at (32 wq + lane) * 16) and
+  // its row pair's 8 scale bytes (at 2048 + (8 wq + g) * 8), from chunk kc_begin on.
   struct Unit {
     int expert, mt, wq;
     const uint8_t* codes_at;
@@ -146,20 +170,31 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const uint8_t* base = p.prepared + weights::chunk_offset(expert, mt, kc_begin, p.n, k);
     return Unit{expert, mt, wq, base + (wq * 32 + lane) * 16, base + weights::kChunkCodeBytes + (wq * 8 + g) * 8};
   };
-  uint4 ring_codes[kDepth];  // chunk kc in slot kc % kDepth
-  uint2 ring_scales[kDepth];
-  auto fill_ring = [&](const Unit& un) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kDepth; ++i) {
-      if (i < chunks) {
-        ring_codes[i] = load_stream_v4(un.codes_at + i * weights::kChunkBytes);
-        ring_scales[i] = load_stream_v2(un.scales_at + i * weights::kChunkBytes);
-      }
-    }
+  // The warp's ring: slot i holds the chunk it consumes at event i of a round of kDepth events.
+  // Every event commits one cp.async group (empty where nothing is copied), and a slot is refilled
+  // right after it is read, so the group of the chunk an event reads is always the kDepth-th most
+  // recent: cp.async.wait_group(kDepth - 1) before reading it, whatever the units' lengths. Each
+  // lane copies exactly the bytes it reads (the scales once per lane): no barrier between lanes.
+  // (A register ring loaded with ld.global, the kernel's first form, had its loads placed by
+  // ptxas: it issued a round's eight in a cluster after its sixth chunk, leaving two chunks of work
+  // to hide a round's load latency.)
+  const uint32_t ring = uint32_t(__cvta_generic_to_shared(smem_raw)) + uint32_t(kRingOffset) +
+                        uint32_t(warp * kDepth * kSlotBytes);
+  auto copy_chunk = [&](int i, const uint8_t* codes, const uint8_t* scales, bool p) {
+    const uint32_t slot = ring + uint32_t(i * kSlotBytes);
+    cp_async_16(p, slot + uint32_t(lane) * 16u, codes);
+    cp_async_8(p, slot + 512u + uint32_t(lane) * 8u, scales);
   };
   // The first unit's weights are requested before x is staged, so that both latencies overlap.
   const int u0 = team * int(gridDim.x) + int(blockIdx.x);
-  if (u0 < units) fill_ring(unit_at(u0));
+  if (u0 < units) {
+    const Unit un = unit_at(u0);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kDepth; ++i) {
+      copy_chunk(i, un.codes_at + i * weights::kChunkBytes, un.scales_at + i * weights::kChunkBytes, i < chunks);
+      cp_async_commit();
+    }
+  }
 
   // x into shared memory: 16-byte pieces (k % 64 == 0).
   const int pieces_per_row = k / 8;
@@ -179,8 +214,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const int expert = un.expert, mt = un.mt, wq = un.wq;
     const int2 rr = expert_rows(p, expert);
     const int rows = rr.y - rr.x;  // 1..8 (at most total_rows <= 8)
-    const uint8_t* codes_at = un.codes_at;
-    const uint8_t* scales_at = un.scales_at;
     // ldmatrix row addresses: lane l reads row l % 8 of matrix l / 8 (matrices: k-block kb's
     // k 0-7 and 8-15, then kb + 1's); rows past the expert's end repeat its last row (their
     // columns of the product are not stored).
@@ -188,9 +221,14 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     uint32_t b_addr = xs_addr + uint32_t(b_row) * row_bytes + uint32_t(kc_begin) * kXChunkBytes + uint32_t(lane / 8) * 16u;
 
     float d[4] = {0.f, 0.f, 0.f, 0.f};
-    // One 64-K chunk: 4 k-blocks, each decoded to an m16k16 A fragment and multiplied into d.
-    auto mma_chunk = [&](const uint4& cw, const uint2& sw2, uint32_t b_chunk) {
+    // Event i of a round: read slot i (chunk kc0 + i) and multiply it into d.
+    auto consume = [&](int i) {
+      cp_async_wait<kDepth - 1>();
+      const uint32_t slot = ring + uint32_t(i * kSlotBytes);
+      const uint4 cw = lds128(slot + uint32_t(lane) * 16u);
+      const uint2 sw2 = lds64(slot + 512u + uint32_t(lane) * 8u);
       uint32_t b[2][4];  // (k-block pair) x {kb b0, kb b1, kb+1 b0, kb+1 b1}
+      const uint32_t b_chunk = b_addr + uint32_t(i) * kXChunkBytes;
       ldmatrix_x4(b[0], b_chunk);
       ldmatrix_x4(b[1], b_chunk + 64u);
       const uint32_t cw4[4] = {cw.x, cw.y, cw.z, cw.w};
@@ -201,50 +239,42 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
         mma_m16n8k16(d, a, b[kb / 2][(kb % 2) * 2], b[kb / 2][(kb % 2) * 2 + 1]);
       }
     };
-    // Whole rounds of kDepth chunks: slot i is consumed, then refilled with the chunk kDepth
-    // further (addresses as immediate offsets from one pointer per round).
-    const uint8_t* codes_next = codes_at + kDepth * weights::kChunkBytes;
-    const uint8_t* scales_next = scales_at + kDepth * weights::kChunkBytes;
+    // Rounds whose every refill is this unit's chunk kDepth further: addresses as immediate
+    // offsets from one pointer per round.
+    const uint8_t* codes_next = un.codes_at + kDepth * weights::kChunkBytes;
+    const uint8_t* scales_next = un.scales_at + kDepth * weights::kChunkBytes;
     int kc0 = 0;
-    for (; kc0 + kDepth <= chunks; kc0 += kDepth) {
-      const bool next_full = kc0 + 2 * kDepth <= chunks;
+    for (; kc0 + 2 * kDepth <= chunks; kc0 += kDepth) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
-        mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * kXChunkBytes);
-        if (next_full || kc0 + kDepth + i < chunks) {
-          ring_codes[i] = load_stream_v4(codes_next + i * weights::kChunkBytes);
-          ring_scales[i] = load_stream_v2(scales_next + i * weights::kChunkBytes);
-        }
+        consume(i);
+        copy_chunk(i, codes_next + i * weights::kChunkBytes, scales_next + i * weights::kChunkBytes, true);
+        cp_async_commit();
       }
       codes_next += kDepth * weights::kChunkBytes;
       scales_next += kDepth * weights::kChunkBytes;
       b_addr += kDepth * kXChunkBytes;
     }
-    // The last chunks - kc0 < kDepth chunks, already loaded. Slot i takes the warp's next unit's
-    // chunk i as soon as it is free (the slots past the tail at once), so that those loads overlap
-    // this unit's tail, reduction and epilogue (measured against filling the ring when the unit
-    // starts: within 1% either way on the T = 1 launches of the presets, H200 2026-12-03).
-    const bool carry = u + stride < units;
-    Unit next{};
-    if (carry) {
-      next = unit_at(u + stride);
+    // The last one or two rounds: a slot whose next chunk of this unit does not exist takes the
+    // warp's next unit's chunk of the same slot, once, as soon as it is read for the last time (so
+    // that those loads overlap this unit's tail, reduction and epilogue); events past the unit's
+    // last chunk only commit (empty groups keep the count).
+    const bool has_next = u + stride < units;
+    const Unit next = has_next ? unit_at(u + stride) : un;
+    for (; kc0 < chunks; kc0 += kDepth) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
-        if (kc0 + i >= chunks && i < chunks) {
-          ring_codes[i] = load_stream_v4(next.codes_at + i * weights::kChunkBytes);
-          ring_scales[i] = load_stream_v2(next.scales_at + i * weights::kChunkBytes);
-        }
+        const bool real = kc0 + i < chunks;
+        const bool own = kc0 + kDepth + i < chunks;
+        if (real) consume(i);
+        copy_chunk(i, (own ? codes_next : next.codes_at) + i * weights::kChunkBytes,
+                   (own ? scales_next : next.scales_at) + i * weights::kChunkBytes,
+                   own || (real && has_next && i < chunks));
+        cp_async_commit();
       }
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kDepth - 1; ++i) {
-      if (kc0 + i < chunks) {
-        mma_chunk(ring_codes[i], ring_scales[i], b_addr + uint32_t(i) * kXChunkBytes);
-        if (carry) {
-          ring_codes[i] = load_stream_v4(next.codes_at + i * weights::kChunkBytes);
-          ring_scales[i] = load_stream_v2(next.scales_at + i * weights::kChunkBytes);
-        }
-      }
+      codes_next += kDepth * weights::kChunkBytes;
+      scales_next += kDepth * weights::kChunkBytes;
+      b_addr += kDepth * kXChunkBytes;
     }
 
     if (splits > 1) {
@@ -283,6 +313,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       }
     }
   }
+  cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
 }
 
 template <GemmEpilogue kEpilogue>

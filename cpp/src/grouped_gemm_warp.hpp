@@ -15,12 +15,20 @@ namespace nvfp4moe::gemm::warp {
 
 // At most this many rows in all: every expert's rows are one mma.sync N = 8.
 constexpr int64_t kMaxRows = 8;
-// x is staged whole in shared memory, rows of k * 2 + 16 bytes, after the expert table and the
-// K-split buffers (kTableBytes, checked by the kernel): together within the 227 KB a CTA of any
-// sm_90 device may use (8 rows: K up to 13184).
+// Warps per CTA (one CTA per SM), output features per unit (one mma.sync M).
+constexpr int kWarps = 16;
+constexpr int kUnitFeatures = 16;
+// Each warp streams its weights through a ring of kDepth shared-memory slots, one 64-K chunk's
+// quarter each (512 code bytes, and 8 scale bytes per lane), filled with cp.async: 84 KB per CTA.
+constexpr int kDepth = 7;
+constexpr int kSlotBytes = 768;
+constexpr int64_t kRingBytes = int64_t(kWarps) * kDepth * kSlotBytes;
+// x is staged whole in shared memory, rows of k * 2 + 16 bytes, after the expert table with the
+// K-split buffers (kTableBytes, checked by the kernel) and the rings: together within the 227 KB a
+// CTA of any sm_90 device may use (8 rows: K up to 7808).
 constexpr int64_t kSmemLimit = 227 * 1024;
 constexpr int64_t kTableBytes = 20736;
-constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes;
+constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes - kRingBytes;
 
 // Whether the kernel can run a launch: at most kMaxRows rows whose x fits, and an epilogue other than
 // SwigluNvfp4 (whose encoder runs on the wgmma tiles' quantizer warps).
@@ -28,10 +36,6 @@ inline bool supports(GemmEpilogue epilogue, int64_t total_rows, int64_t k) noexc
   return epilogue != GemmEpilogue::kSwigluNvfp4 && total_rows >= 0 && total_rows <= kMaxRows && k > 0 &&
          k <= kMaxXBytes && total_rows * (k * 2 + 16) <= kMaxXBytes;
 }
-
-// Warps per CTA (one CTA per SM), output features per unit (one mma.sync M).
-constexpr int kWarps = 16;
-constexpr int kUnitFeatures = 16;
 
 // How many warps share each unit's K (1, 2, 4 or 8): the most for which an upper bound of the
 // units (16 features of an expert with rows) still fits the resident warps, each split keeping at

@@ -130,11 +130,14 @@ pub(crate) mod grouped {
 
     /// The warp kernel (at most 8 rows in all), every element against the f64 reference, rows
     /// past offsets[E] untouched: as `Auto` runs it (K split over warps where units are few) and
-    /// unsplit (a batch-invariant plan: one warp per unit over the whole K, eight-chunk ring rounds
+    /// unsplit (a batch-invariant plan: one warp per unit over the whole K, seven-slot ring rounds
     /// and a tail), whose bits are compared with the unsplit N8 tile's (reported). Shapes: K at its
-    /// minimum (64), n = 64 (one chunk row), n % 128 == 64, K not a multiple of the ring, the
-    /// largest K of 8 rows (13184), mixtral-8x7b's K = 14336 (fewer rows); rows: one, eight in one
-    /// expert, a random spread with empty experts, rows past offsets[E].
+    /// minimum (64), n = 64 (one chunk row), n % 128 == 64, K of exactly one ring (448), of one
+    /// ring and a few chunks (576, 832), not a multiple of the ring, the largest K of 8 rows
+    /// (7808), a K past it (13184: fewer rows), mixtral-8x7b's K = 14336 (fewer rows), and more
+    /// units than warps (n = 7168 over 8 experts: a warp's next unit is loaded during its tail),
+    /// at K = 2048 and at K = 256 (units shorter than the ring); rows: one, eight in one expert, a
+    /// random spread with empty experts, rows past offsets[E].
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn warp_tile_matches_reference_split_and_unsplit() {
@@ -144,12 +147,17 @@ pub(crate) mod grouped {
         for &(e, n, k) in &[
             (1usize, 64usize, 64usize),
             (3, 192, 448),
+            (2, 128, 576),
+            (5, 448, 832),
             (8, 320, 1600),
             (2, 2880, 2880),
             (128, 1536, 2048),
             (256, 256, 7168),
+            (4, 128, 7808),
             (1, 128, 13184),
             (2, 4096, 14336),
+            (8, 7168, 2048),
+            (8, 7168, 256),
         ] {
             let seed = rng.seed();
             let w = random_weights(&mut rng, e, n, k);
@@ -172,7 +180,9 @@ pub(crate) mod grouped {
                 }
                 let rows = *off.last().unwrap() as usize;
                 let total = if pattern == 3 { 8 } else { rows };
-                if total * (2 * k + 16) > 227 * 1024 - 20736 {
+                // The core's rule (grouped_gemm_warp.hpp): x within 227 KB less the table (20736 B)
+                // and the warps' rings (16 x 7 x 768 B).
+                if total * (2 * k + 16) > 227 * 1024 - 20736 - 16 * 7 * 768 {
                     continue; // x does not fit: the N8 tile's launch
                 }
                 let x = rng.normal_bf16(total * k, 1.0);
