@@ -3,8 +3,11 @@
 //! for every built-in preset (`nvfp4_moe::presets::PRESETS`), T in {1, 16, 128, 1024, 8192}
 //! tokens x top-k rows, balanced routing.
 //!
-//! Timing: a CUDA graph of 10 pairs (a 256 MiB write that flushes L2, then the GEMM) minus a graph
-//! of the 10 flushes alone, divided by 10; the median of 7 replays. The library's split-K, when it
+//! Timing: a CUDA graph of 10 pairs (an L2 flush, then the GEMM) minus a graph of the 10 flushes
+//! alone, divided by 10; the median of 7 replays. The flush reads 256 MiB (`common::ReadFlush`):
+//! a flush that writes leaves 50 MiB of dirty lines whose write-back the difference charges to
+//! the GEMM. `NVFP4MOE_FLUSH=write` flushes with a 256 MiB memset instead (this bench's method
+//! until 2026-12-03). The library's split-K, when it
 //! picks one, happens inside the launch, so its reduction is in the time (the GEMM needs no memset
 //! or workspace). Reports microseconds, TB/s of weight bytes (0.5625 B per weight of the experts
 //! that got rows: min(E, rows)), TFLOP/s, the floor (max of weight bytes / 4.3 TB/s and FLOPs /
@@ -21,7 +24,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, tokens, Row, HBM_TBPS,
+    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, tokens, ReadFlush,
+    Row, HBM_TBPS,
 };
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
@@ -34,14 +38,42 @@ use nvfp4_moe::testing::{random_device_weights, Rng};
 const PAIRS: usize = 10;
 /// Replays of each graph; the table reports the median difference.
 const REPS: usize = 7;
-/// Bytes of the write that flushes L2 (50 MiB on the H200) before each GEMM.
+/// Bytes of the read (or write) that flushes L2 (50 MiB on the H200) before each GEMM.
 const FLUSH_BYTES: usize = 256 << 20;
+
+/// How L2 is flushed before each GEMM: `$NVFP4MOE_FLUSH` = read (the default) or write.
+enum Flush {
+    Read(ReadFlush),
+    Write(CudaSlice<u8>),
+}
+
+impl Flush {
+    fn from_env(s: &Arc<CudaStream>) -> Flush {
+        match std::env::var("NVFP4MOE_FLUSH").as_deref() {
+            Ok("write") => Flush::Write(s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap()),
+            Ok("") | Ok("read") | Err(_) => Flush::Read(ReadFlush::new(s, FLUSH_BYTES)),
+            Ok(other) => panic!("NVFP4MOE_FLUSH={other}: expected read or write"),
+        }
+    }
+    fn launch(&mut self, s: &Arc<CudaStream>) {
+        match self {
+            Flush::Read(r) => r.launch(s),
+            Flush::Write(buf) => s.memset_zeros(buf).unwrap(),
+        }
+    }
+    fn describe(&self) -> &'static str {
+        match self {
+            Flush::Read(_) => "256 MiB read",
+            Flush::Write(_) => "256 MiB write",
+        }
+    }
+}
 
 /// What every case shares.
 struct Bench<'a> {
     c: &'a mut Criterion,
     s: Arc<CudaStream>,
-    flush: CudaSlice<u8>,
+    flush: Flush,
     /// `PAIRS` flushes alone: what is subtracted from a pairs graph.
     flushes: CudaGraph,
     /// Activations for the largest case; a case reads its first rows x k.
@@ -86,7 +118,7 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
         // of the graph.
         plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
         let pairs = capture(&s, PAIRS, || {
-            s.memset_zeros(&mut b.flush).unwrap();
+            b.flush.launch(&s);
             plan.launch(&s, &b.x, rows, &off, &mut out).unwrap();
         });
         // Criterion replays the same graphs (each whole: PAIRS GEMMs), so its numbers and the
@@ -140,8 +172,8 @@ fn benches(c: &mut Criterion) {
     // Its own stream: the legacy default stream cannot be captured.
     let s = ctx.new_stream().unwrap();
     let mut rng = Rng::from_entropy();
-    let mut flush = s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap();
-    let flushes = capture(&s, PAIRS, || s.memset_zeros(&mut flush).unwrap());
+    let mut flush = Flush::from_env(&s);
+    let flushes = capture(&s, PAIRS, || flush.launch(&s));
     let tokens = tokens();
     let max_x = PRESETS.iter().map(|p| tokens.iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
     let x = device_activations(&s, &mut rng, max_x.unwrap());
@@ -161,10 +193,11 @@ fn benches(c: &mut Criterion) {
             layer::<PlainBf16>(&mut b, p, "L2", &w);
         }
     }
+    let flush_kind = b.flush.describe();
     let notes = [
         "L1: n = 2I, k = H, SwigluBf16 epilogue ([rows, I] out); L2: n = H, k = I, PlainBf16; balanced routing".into(),
         format!(
-            "t = (graph of {PAIRS} x (256 MiB L2 flush + GEMM) - graph of {PAIRS} flushes) / {PAIRS}, median of {REPS} \
+            "t = (graph of {PAIRS} x (L2 flush: {flush_kind} + GEMM) - graph of {PAIRS} flushes) / {PAIRS}, median of {REPS} \
              replays; tile = the library's choice (or $NVFP4MOE_GEMM_TILE); its split-K (not reported by the API) is inside the launch"
         ),
         format!("floor = max(weight bytes / {HBM_TBPS} TB/s, FLOPs / {rate:.1} TFLOP/s BF16 ({rate_source}))"),

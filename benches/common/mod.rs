@@ -111,6 +111,111 @@ pub fn flushed_pairs_us(
     median(&mut v)
 }
 
+/// An L2 flush that only reads: a kernel reading all of a 256 MiB buffer (zeros) and writing nothing
+/// (its one store is behind a test no zero buffer passes). A flush that writes (a memset) leaves
+/// L2 full of dirty lines (50 MiB on the H200), whose write-back then runs during the timed kernel
+/// and, in a pairs-minus-flushes difference, is charged to it: for a kernel that streams its
+/// bytes near the HBM limit that is up to 50 MiB of extra DRAM traffic (H200, 2026-12-03: the graph
+/// difference with a memset flush was 2.5-5.5 us above the profiler's kernel duration at T = 1).
+/// After a read flush L2 holds clean lines: the difference is the kernel's own time.
+pub struct ReadFlush {
+    function: cudarc::driver::sys::CUfunction,
+    // The buffers, owned for the process's benches, and their device addresses.
+    _buf: CudaSlice<u8>,
+    _sink: CudaSlice<u32>,
+    buf_ptr: u64,
+    n16: u64,
+    sink_ptr: u64,
+}
+
+/// The read-flush kernel, PTX compiled by the driver at load (no NVRTC needed): 16-byte loads
+/// over a grid-stride loop, xor-folded so that none is dead.
+const READ_FLUSH_PTX: &str = r#"
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry nvfp4moe_bench_read_flush(.param .u64 buf, .param .u64 n16, .param .u64 sink)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<12>;
+    ld.param.u64 %rd1, [buf];
+    ld.param.u64 %rd2, [n16];
+    ld.param.u64 %rd3, [sink];
+    mov.u32 %r1, %ctaid.x;
+    mov.u32 %r2, %ntid.x;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %nctaid.x;
+    cvt.u64.u32 %rd4, %r1;
+    cvt.u64.u32 %rd5, %r2;
+    cvt.u64.u32 %rd6, %r3;
+    cvt.u64.u32 %rd7, %r4;
+    mad.lo.u64 %rd8, %rd4, %rd5, %rd6;
+    mul.lo.u64 %rd9, %rd7, %rd5;
+    mov.u32 %r5, 0;
+LOOP:
+    setp.ge.u64 %p1, %rd8, %rd2;
+    @%p1 bra DONE;
+    shl.b64 %rd10, %rd8, 4;
+    add.u64 %rd11, %rd1, %rd10;
+    ld.global.v4.u32 {%r6, %r7, %r8, %r9}, [%rd11];
+    xor.b32 %r5, %r5, %r6;
+    xor.b32 %r5, %r5, %r7;
+    xor.b32 %r5, %r5, %r8;
+    xor.b32 %r5, %r5, %r9;
+    add.u64 %rd8, %rd8, %rd9;
+    bra LOOP;
+DONE:
+    setp.ne.u32 %p2, %r5, 1234567;
+    @%p2 bra END;
+    st.global.u32 [%rd3], %r5;
+END:
+    ret;
+}
+"#;
+
+impl ReadFlush {
+    /// A read flush of `bytes` (a multiple of 16) on `stream`'s device.
+    pub fn new(stream: &Arc<CudaStream>, bytes: usize) -> Self {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        assert_eq!(bytes % 16, 0);
+        let src = std::ffi::CString::new(READ_FLUSH_PTX).unwrap();
+        let name = std::ffi::CString::new("nvfp4moe_bench_read_flush").unwrap();
+        stream.context().bind_to_thread().unwrap();
+        // SAFETY: a NUL-terminated PTX image; the module lives as long as the process (benches
+        // load it once), so the function handle stays valid.
+        let function = unsafe {
+            let module = cudarc::driver::result::module::load_data(src.as_ptr().cast()).unwrap();
+            cudarc::driver::result::module::get_function(module, name).unwrap()
+        };
+        let buf = stream.alloc_zeros::<u8>(bytes).unwrap();
+        let mut sink = stream.alloc_zeros::<u32>(1).unwrap();
+        let buf_ptr = buf.device_ptr(stream).0;
+        let sink_ptr = sink.device_ptr_mut(stream).0;
+        ReadFlush { function, _buf: buf, _sink: sink, buf_ptr, n16: (bytes / 16) as u64, sink_ptr }
+    }
+
+    /// Enqueues the flush on `stream` (capturable).
+    pub fn launch(&self, stream: &Arc<CudaStream>) {
+        let (mut b, mut n, mut k) = (self.buf_ptr, self.n16, self.sink_ptr);
+        let mut params: [*mut std::ffi::c_void; 3] =
+            [(&mut b as *mut u64).cast(), (&mut n as *mut u64).cast(), (&mut k as *mut u64).cast()];
+        // SAFETY: the parameters match the kernel's (.u64 x 3) and are copied at launch; the
+        // buffers live as long as self.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                self.function,
+                (1056, 1, 1),
+                (512, 1, 1),
+                0,
+                stream.cu_stream(),
+                &mut params,
+            )
+            .unwrap();
+        }
+    }
+}
+
 /// A CUDA graph of `n` copies of the work `f` enqueues on `stream` (captured, instantiated and
 /// uploaded). `stream` must not be the legacy default stream (it cannot be captured), and buffers
 /// `f` uses must not track events (`CudaContext::disable_event_tracking` before allocating them):

@@ -16,9 +16,10 @@
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
 //
-// One accumulator chain per unit (or K split) in K order; the K splits, where there are several,
-// added in split order: bit-identical across runs, but with a split a row's K-sum order depends
-// on the launch (as with the wgmma tiles' split-K); not used for batch-invariant plans.
+// Two accumulator chains per unit (or K split), the even and the odd k-blocks, each in K order and
+// added at the end; the K splits, where there are several, added in split order: bit-identical
+// across runs, but a row's K-sum order differs from the wgmma tiles' one chain and, with a split,
+// depends on the launch (as with the wgmma tiles' split-K); not used for batch-invariant plans.
 #include "grouped_gemm_warp.hpp"
 
 #include "gemm_config.cuh"
@@ -220,7 +221,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const int b_row = rr.x + min(lane % 8, rows - 1);
     uint32_t b_addr = xs_addr + uint32_t(b_row) * row_bytes + uint32_t(kc_begin) * kXChunkBytes + uint32_t(lane / 8) * 16u;
 
+    // Two accumulator chains, the even k-blocks' and the odd ones', added after the unit's K
+    // (half the dependent mma.sync latency per chunk: 1.5-2% faster at T = 1, H200 2026-12-03).
     float d[4] = {0.f, 0.f, 0.f, 0.f};
+    float d1[4] = {0.f, 0.f, 0.f, 0.f};
     // Event i of a round: read slot i (chunk kc0 + i) and multiply it into d.
     auto consume = [&](int i) {
       cp_async_wait<kDepth - 1>();
@@ -236,7 +240,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       for (int kb = 0; kb < 4; ++kb) {
         uint32_t a[4];
         weights::decode_kblock(cw4[kb], sw2, kb, a);
-        mma_m16n8k16(d, a, b[kb / 2][(kb % 2) * 2], b[kb / 2][(kb % 2) * 2 + 1]);
+        mma_m16n8k16(kb % 2 ? d1 : d, a, b[kb / 2][(kb % 2) * 2], b[kb / 2][(kb % 2) * 2 + 1]);
       }
     };
     // Rounds whose every refill is this unit's chunk kDepth further: addresses as immediate
@@ -277,6 +281,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       b_addr += kDepth * kXChunkBytes;
     }
 
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) d[j] += d1[j];
     if (splits > 1) {
       // The team's partial sums meet in shared memory (two buffers by round parity: a split can
       // be at most one round ahead of split 0's reads).
