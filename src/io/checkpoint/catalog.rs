@@ -180,8 +180,10 @@ fn resolve(path: &Path) -> Result<Resolved> {
         let entry = entry.map_err(|e| io_err("list", path, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let p = entry.path();
-        // `is_file` follows symlinks: a cache snapshot's entries are links into ../../blobs.
-        if name.starts_with('.') || !p.is_file() {
+        // Not filtered on the file type: a FIFO, device or directory under a checkpoint file's name
+        // is refused by name when opened (NotRegularFile), rather than reported as no checkpoint.
+        // Opening follows symlinks, as a cache snapshot's entries are links into ../../blobs.
+        if name.starts_with('.') {
             continue;
         }
         if name.ends_with(".index.json") {
