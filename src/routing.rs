@@ -172,10 +172,14 @@ impl PermuteBuffers {
         }
         stream.memcpy_htod(&[u64::MAX], &mut self.error)?;
         let (pair, id) = ((word >> 32) as usize, word as u32 as i32);
+        // The recorded pair is flattened t * k + j: it cannot be placed without k.
+        let (Some(t), Some(j)) = (pair.checked_div(top_k), pair.checked_rem(top_k)) else {
+            return Err(Error::InvalidShape(format!(
+                "top_k must be >= 1 to name the bad expert id {id} recorded at pair {pair}"
+            )));
+        };
         Err(Error::Invalid(format!(
-            "topk_ids[{}, {}] = {id} is not an expert id in [0, {}): that slot was routed nowhere",
-            pair / top_k.max(1),
-            pair % top_k.max(1),
+            "topk_ids[{t}, {j}] = {id} is not an expert id in [0, {}): that slot was routed nowhere",
             self.experts
         )))
     }

@@ -5,7 +5,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{assert_fails, assert_ok, cli, rng, round_trip, write_raw, TmpDir};
+use common::{assert_fails, assert_ok, cli, cli_within, rng, round_trip, write_raw, TmpDir};
 use half::bf16;
 use nvfp4_moe::io::{read_matrix_bf16, read_modelopt, write_bf16};
 use nvfp4_moe::layout::ScaleLayout;
@@ -386,11 +386,15 @@ fn gpu_commands_without_a_gpu_fail_cleanly() {
         return;
     }
     let dir = TmpDir::new("nogpu-cmds");
-    let (w, x, y) = (dir.path("w.safetensors"), dir.path("x.safetensors"), dir.path("y.safetensors"));
+    // `run` checks its files first: good ones, so that the GPU is what is missing.
+    let (w, prefix) = fixture_checkpoint();
+    let hidden = nvfp4_moe::io::load_experts(&w, prefix).unwrap().checkpoint.hidden;
+    let (x, y) = (dir.path("x.safetensors"), dir.path("y.safetensors"));
+    write_run_inputs(&x, &mut rng(), hidden, [0.5; 6], [0, 1, 2, 0, 1, 2]);
     for args in [
         vec!["check", "--tokens", "2"],
         vec!["bench", "--tokens", "1"],
-        vec!["--json", "run", "--weights", &w, "--prefix", "p", "--input", &x, "--output", &y],
+        vec!["--json", "run", "--weights", &w, "--prefix", prefix, "--input", &x, "--output", &y],
     ] {
         let run = cli(&args);
         assert_fails(&run, 1, &["needs a CUDA GPU"]);
@@ -430,4 +434,258 @@ fn output_is_written_safely() {
     let long = dir.path(&format!("{}.safetensors", "q".repeat(250 - ".safetensors".len())));
     assert_ok(&cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &long, "--backend", "cpu"]));
     assert!(read_modelopt(&long, "").is_ok());
+}
+
+/// The ModelOpt checkpoint fixture and its experts' prefix.
+fn fixture_checkpoint() -> (String, &'static str) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/checkpoints/modelopt_w4a4");
+    (dir.to_string_lossy().into_owned(), "model.layers.0.mlp.experts")
+}
+
+/// `run`'s input file: `hidden` random rows (T = 3) routed to `ids` with `weights` (k = 2).
+fn write_run_inputs(path: &str, r: &mut nvfp4_moe::testing::Rng, hidden: usize, weights: [f32; 6], ids: [i32; 6]) {
+    let (t, k) = (3usize, 2usize);
+    let x: Vec<u8> = r.varied_bf16(t * hidden).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    write_raw(
+        path,
+        &[
+            ("hidden_states", Dtype::BF16, vec![t, hidden], x),
+            ("topk_ids", Dtype::I32, vec![t, k], ids.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            ("topk_weights", Dtype::F32, vec![t, k], weights.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        ],
+    );
+}
+
+/// A raw tensor: name, dtype, shape, bytes.
+type Raw = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// Copies the safetensors file `from` to `to` with `edit` applied to its tensors.
+fn rewrite(from: &Path, to: &Path, edit: &dyn Fn(&mut Vec<Raw>)) {
+    let file = nvfp4_moe::io::SafetensorsFile::open(from).unwrap();
+    let mut ts: Vec<Raw> = file
+        .names()
+        .into_iter()
+        .map(|n| {
+            let t = file.get(n).unwrap();
+            (n.to_string(), t.dtype, t.shape.clone(), file.read(n).unwrap())
+        })
+        .collect();
+    edit(&mut ts);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = ts
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, to).unwrap();
+}
+
+/// How long a run on a tiny input may take before it counts as hung.
+const LIMIT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Every CLI input path that is a FIFO, `/dev/zero`, `/dev/null` or a directory (or a checkpoint
+/// directory holding a FIFO) is refused with one `error:` line naming it, exit 1, without hanging,
+/// reading without bound, or writing the output (issue 21).
+#[cfg(unix)]
+#[test]
+fn non_regular_inputs_are_refused_for_every_command() {
+    let mut r = rng();
+    let dir = TmpDir::new("nonreg-cli");
+    let fifo = dir.path("fifo.safetensors");
+    let c = std::ffi::CString::new(fifo.as_str()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {fifo}");
+    let sub = dir.path("subdir");
+    std::fs::create_dir(&sub).unwrap();
+    // A checkpoint directory whose only file is a FIFO.
+    let fifo_dir = dir.path("fifo-model");
+    std::fs::create_dir(&fifo_dir).unwrap();
+    let fifo_model = format!("{fifo_dir}/model.safetensors");
+    let c = std::ffi::CString::new(fifo_model.as_str()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0, "mkfifo {fifo_model}");
+
+    let (ckpt, prefix) = fixture_checkpoint();
+    let hidden = nvfp4_moe::io::load_experts(&ckpt, prefix).unwrap().checkpoint.hidden;
+    let (x, q, inputs) = (dir.path("x.safetensors"), dir.path("q.safetensors"), dir.path("inputs.safetensors"));
+    write_bf16(&x, "w", &r.varied_bf16(4 * 32), 4, 32).unwrap();
+    assert_ok(&cli(&["quantize", "--input", &x, "--tensor", "w", "--output", &q, "--backend", "cpu"]));
+    write_run_inputs(&inputs, &mut r, hidden, [0.5; 6], [0, 1, 2, 0, 1, 2]);
+    let out = dir.path("out.safetensors");
+    let out_dir = dir.path("out-dir");
+
+    let files = [
+        (fifo.as_str(), "a named pipe (FIFO), not a regular file"),
+        ("/dev/zero", "a character device, not a regular file"),
+        ("/dev/null", "a character device, not a regular file"),
+    ];
+    for (bad, what) in files.iter().copied().chain([(sub.as_str(), "a directory, not a regular file")]) {
+        for args in [
+            vec!["quantize", "--input", bad, "--tensor", "w", "--output", &out, "--backend", "cpu"],
+            vec!["dequantize", "--input", bad, "--output", &out, "--backend", "cpu"],
+            vec!["run", "--weights", &ckpt, "--prefix", prefix, "--input", bad, "--output", &out],
+        ] {
+            assert_fails(&cli_within(LIMIT, &args), 1, &[bad, what]);
+        }
+    }
+    // Checkpoint paths: a directory is a checkpoint form, so an empty one is "holds no checkpoint".
+    let fifo_in_dir = (fifo_model.as_str(), "a named pipe (FIFO), not a regular file");
+    let empty_dir = (sub.as_str(), "holds no `.safetensors` file");
+    for (path, (bad, what)) in
+        files.iter().copied().map(|f| (f.0, f)).chain([(fifo_dir.as_str(), fifo_in_dir), (sub.as_str(), empty_dir)])
+    {
+        for args in [
+            vec!["run", "--weights", path, "--prefix", prefix, "--input", &inputs, "--output", &out],
+            vec!["info", "--weights", path, "--prefix", prefix],
+            vec!["convert", "--input", path, "--output", &out_dir, "--device", "cpu"],
+        ] {
+            let run = cli_within(LIMIT, &args);
+            assert_fails(&run, 1, &[bad, what]);
+            assert!(run.stdout.is_empty(), "{}", run.stdout);
+        }
+    }
+    assert!(!Path::new(&out).exists() && !Path::new(&out_dir).exists());
+}
+
+/// `dequantize --name __metadata__` would write a tensor under the header's metadata key: a usage
+/// error before anything is read or written. `quantize --tensor __metadata__` finds no tensor.
+#[test]
+fn the_metadata_key_is_not_a_tensor_name() {
+    let mut r = rng();
+    let dir = TmpDir::new("meta-name");
+    let (x, q, d) = (dir.path("x.safetensors"), dir.path("q.safetensors"), dir.path("d.safetensors"));
+    write_bf16(&x, "w", &r.varied_bf16(2 * 32), 2, 32).unwrap();
+    let run = cli(&["quantize", "--input", &x, "--tensor", "__metadata__", "--output", &q, "--backend", "cpu"]);
+    assert_fails(&run, 1, &["`__metadata__`", "not found"]);
+    assert_ok(&cli(&["quantize", "--input", &x, "--tensor", "w", "--output", &q, "--backend", "cpu"]));
+    let run = cli(&["dequantize", "--input", &q, "--output", &d, "--name", "__metadata__", "--backend", "cpu"]);
+    assert_fails(&run, 2, &["`--name`", "__metadata__", "not a tensor name"]);
+    assert!(!Path::new(&d).exists());
+    assert_ok(&cli(&["dequantize", "--input", &q, "--output", &d, "--name", "__metadata___", "--backend", "cpu"]));
+    assert!(read_matrix_bf16(&d, "__metadata___").is_ok());
+}
+
+/// A zero-sized tensor (K = 0, N = 0) and a finite F32 beyond the BF16 range are errors naming
+/// the tensor (and the element), exit 1, no output (issue 21).
+#[test]
+fn zero_sized_and_out_of_range_tensors_exit_1() {
+    let dir = TmpDir::new("zero-cli");
+    let (input, out) = (dir.path("in.safetensors"), dir.path("out.safetensors"));
+    let g = 0.5f32.to_le_bytes().to_vec();
+    for (w, s) in [(vec![4, 0], vec![4, 0]), (vec![0, 8], vec![0, 1]), (vec![0, 1usize << 62], vec![0, 1usize << 59])] {
+        write_raw(
+            &input,
+            &[
+                ("weight", Dtype::U8, w.clone(), vec![]),
+                ("weight_scale", Dtype::F8_E4M3, s, vec![]),
+                ("weight_scale_2", Dtype::F32, vec![], g.clone()),
+            ],
+        );
+        let shape = format!("[{}, {}]", w[0], w[1]);
+        let run = cli_within(LIMIT, &["dequantize", "--input", &input, "--output", &out, "--backend", "cpu"]);
+        assert_fails(&run, 1, &["`weight`", &shape, "zero-sized"]);
+    }
+    for shape in [vec![0usize, 32], vec![4, 0]] {
+        write_raw(&input, &[("w", Dtype::BF16, shape.clone(), vec![])]);
+        let run = cli(&["quantize", "--input", &input, "--tensor", "w", "--output", &out, "--backend", "cpu"]);
+        assert_fails(&run, 1, &["`w`", "zero-sized"]);
+    }
+    let mut r = rng();
+    let (rows, cols) = (3usize, 16usize);
+    let mut x: Vec<f32> = (0..rows * cols).map(|_| r.normal()).collect();
+    let at = r.range(0, rows * cols);
+    x[at] = -3.4e38;
+    write_raw(&input, &[("w32", Dtype::F32, vec![rows, cols], x.iter().flat_map(|v| v.to_le_bytes()).collect())]);
+    let run = cli(&["quantize", "--input", &input, "--tensor", "w32", "--output", &out, "--backend", "cpu"]);
+    let element = format!("[{}, {}] (index {at})", at / cols, at % cols);
+    assert_fails(&run, 1, &["`w32`", &element, "beyond the BF16 range"]);
+    assert!(!run.stderr.contains("non-finite"), "{}", run.stderr);
+    assert!(!Path::new(&out).exists());
+}
+
+/// `run` checks its input file and the checkpoint before it looks for a GPU: each problem is
+/// reported (naming the tensor) on a machine without one; with good files, the missing GPU is.
+#[test]
+fn run_checks_its_files_before_looking_for_a_gpu() {
+    let mut r = rng();
+    let dir = TmpDir::new("run-order");
+    let (ckpt, prefix) = fixture_checkpoint();
+    let ck = nvfp4_moe::io::load_experts(&ckpt, prefix).unwrap().checkpoint;
+    let (e, h) = (ck.experts as i32, ck.hidden);
+    let (inputs, out) = (dir.path("inputs.safetensors"), dir.path("out.safetensors"));
+    let run =
+        |weights: &str| cli(&["run", "--weights", weights, "--prefix", prefix, "--input", &inputs, "--output", &out]);
+
+    // Bad inputs, good checkpoint.
+    for (w, ids, want) in [
+        ([0.5, f32::NAN, 0.5, 0.5, 0.5, 0.5], [0, 1, 0, 1, 0, 1], "tensor `topk_weights`: [0, 1] is NaN, not finite"),
+        (
+            [0.5, 0.5, 0.5, 0.5, f32::INFINITY, 0.5],
+            [0, 1, 0, 1, 0, 1],
+            "tensor `topk_weights`: [2, 0] is inf, not finite",
+        ),
+        ([0.5; 6], [0, 1, 0, e, 0, 1], &format!("tensor `topk_ids`: [1, 1] = {e} is not an expert id in [0, {e})")),
+        ([0.5; 6], [0, 1, -1, 0, 0, 1], &format!("tensor `topk_ids`: [1, 0] = -1 is not an expert id in [0, {e})")),
+    ] {
+        write_run_inputs(&inputs, &mut r, h, w, ids);
+        assert_fails(&run(&ckpt), 1, &[want]);
+    }
+    write_run_inputs(&inputs, &mut r, h + 16, [0.5; 6], [0, 1, 0, 1, 0, 1]);
+    assert_fails(&run(&ckpt), 1, &["tensor `hidden_states`", &format!("hidden size is {h}")]);
+
+    // Good inputs, a malformed checkpoint.
+    write_run_inputs(&inputs, &mut r, h, [0.5; 6], [0, 1, 2, 0, 1, 2]);
+    let bad = dir.path("bad.safetensors");
+    let scale = format!("{prefix}.1.up_proj.weight_scale");
+    rewrite(&Path::new(&ckpt).join("model.safetensors"), Path::new(&bad), &|ts| {
+        ts.iter_mut().filter(|t| t.0 == scale).for_each(|t| t.1 = Dtype::U8)
+    });
+    assert_fails(&run(&bad), 1, &[&format!("tensor `{scale}`"), "F8_E4M3"]);
+    let two = format!("{prefix}.1.down_proj.weight");
+    let mut header = std::fs::read(Path::new(&ckpt).join("model.safetensors")).unwrap();
+    // The same header with one tensor's name given to another of the same length: named twice.
+    let n = u64::from_le_bytes(header[..8].try_into().unwrap()) as usize;
+    let text = String::from_utf8(header[8..8 + n].to_vec()).unwrap();
+    let other = format!("{prefix}.2.down_proj.weight");
+    let dup = text.replacen(&format!("\"{other}\""), &format!("\"{two}\""), 1);
+    assert_ne!(dup, text);
+    header.splice(8..8 + n, dup.into_bytes());
+    std::fs::write(&bad, &header).unwrap();
+    assert_fails(&run(&bad), 1, &[&format!("names tensor `{two}` twice")]);
+    assert!(!Path::new(&out).exists());
+
+    // Good files: the missing GPU is the error (a visible GPU would run the layer).
+    if !gpu_visible() {
+        assert_fails(&run(&ckpt), 1, &["needs a CUDA GPU"]);
+    }
+}
+
+/// `info --weights W --prefix P` checks a checkpoint's layer on the CPU (no GPU needed) and
+/// reports it; a malformed one is an error.
+#[test]
+fn info_checks_a_checkpoint() {
+    let (ckpt, prefix) = fixture_checkpoint();
+    let loaded = nvfp4_moe::io::load_experts(&ckpt, prefix).unwrap();
+    let ck = &loaded.checkpoint;
+    let run = cli(&["info", "--weights", &ckpt, "--prefix", prefix]);
+    assert_ok(&run);
+    let shape = format!("E={} H={} I={}", ck.experts, ck.hidden, ck.intermediate);
+    assert!(run.stdout.contains("valid") && run.stdout.contains(&shape), "{}", run.stdout);
+    let run = cli(&["--json", "info", "--weights", &ckpt, "--prefix", prefix]);
+    assert_ok(&run);
+    let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    let c = &v["checkpoint"];
+    assert_eq!((c["experts"].as_u64(), c["hidden"].as_u64()), (Some(ck.experts as u64), Some(ck.hidden as u64)));
+    assert_eq!(c["dialect"].as_str(), Some(loaded.format.dialect.to_string().as_str()));
+    assert!(cli(&["--json", "info"]).stdout.find("checkpoint").is_none());
+
+    let dir = TmpDir::new("info-ckpt");
+    let bad = dir.path("bad.safetensors");
+    let name = format!("{prefix}.2.gate_proj.weight_scale_2");
+    rewrite(&Path::new(&ckpt).join("model.safetensors"), Path::new(&bad), &|ts| {
+        ts.iter_mut().filter(|t| t.0 == name).for_each(|t| t.3 = f32::NAN.to_le_bytes().to_vec())
+    });
+    let run = cli(&["info", "--weights", &bad, "--prefix", prefix]);
+    assert_fails(&run, 1, &[&format!("tensor `{name}`"), "finite"]);
+    assert!(run.stdout.is_empty(), "{}", run.stdout);
+    assert_fails(&cli(&["info", "--weights", &ckpt]), 2, &["--prefix"]);
+    assert_fails(&cli(&["info", "--prefix", prefix]), 2, &["--weights"]);
 }

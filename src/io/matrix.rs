@@ -67,6 +67,12 @@ pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>
     let &[rows, cols] = t.shape.as_slice() else {
         return Err(tensor_err(name, format!("shape is {}, expected a 2-D matrix [rows, cols]", shape_str(&t.shape))));
     };
+    if rows == 0 || cols == 0 {
+        return Err(tensor_err(
+            name,
+            format!("shape is {}: a zero-sized matrix has nothing to read", shape_str(&t.shape)),
+        ));
+    }
     let data = file.read(name)?;
     match t.dtype {
         Dtype::BF16 => {
@@ -74,8 +80,25 @@ pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>
             Ok((v, rows, cols, SourceDtype::Bf16))
         }
         _ => {
-            let v =
-                data.chunks_exact(4).map(|c| bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect();
+            let mut v = Vec::with_capacity(data.len() / 4);
+            for (i, c) in data.chunks_exact(4).enumerate() {
+                let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                let b = bf16::from_f32(x);
+                // Rounding a finite value to Inf would pass it off as a non-finite input.
+                if x.is_finite() && b.is_infinite() {
+                    return Err(tensor_err(
+                        name,
+                        format!(
+                            "F32 element [{}, {}] (index {i}) is {x:e}, finite but beyond the BF16 range (largest \
+                             finite BF16: {:e}): it would round to infinity",
+                            i / cols,
+                            i % cols,
+                            bf16::MAX.to_f32()
+                        ),
+                    ));
+                }
+                v.push(b);
+            }
             Ok((v, rows, cols, SourceDtype::F32))
         }
     }
@@ -165,7 +188,20 @@ pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWei
     let &[rows, half_cols] = tw.shape.as_slice() else {
         return Err(tensor_err(&n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(&tw.shape))));
     };
-    let cols = half_cols * 2;
+    if rows == 0 || half_cols == 0 {
+        return Err(tensor_err(
+            &n_w,
+            format!("shape is {}: a zero-sized weight has nothing to read", shape_str(&tw.shape)),
+        ));
+    }
+    // K = 2 x K/2, and the N x K BF16 values it decodes to, must be countable: a header may give
+    // any dimension beside a zero one.
+    let cols = half_cols.checked_mul(2).filter(|&k| rows.checked_mul(k).is_some()).ok_or_else(|| {
+        tensor_err(
+            &n_w,
+            format!("shape is {}: N x K = {rows} x 2 x {half_cols} does not fit in memory", shape_str(&tw.shape)),
+        )
+    })?;
     if cols % 16 != 0 {
         return Err(tensor_err(
             &n_w,
@@ -267,7 +303,7 @@ mod tests {
     #[test]
     fn bf16_round_trip() {
         let mut r = rng();
-        for (rows, cols) in [(1usize, 1usize), (3, 16), (37, 48), (0, 32)] {
+        for (rows, cols) in [(1usize, 1usize), (3, 16), (37, 48)] {
             let x = r.varied_bf16(rows * cols);
             let t = Tmp::new("bf16");
             write_bf16(&t.0, "layer.w", &x, rows, cols).unwrap();
@@ -517,5 +553,98 @@ mod tests {
         assert_tensor_err(write_modelopt(&t.0, "a.", &bad).unwrap_err(), "a.weight", "multiple of 16");
         assert_tensor_err(write_bf16(&t.0, "y", &[bf16::ONE; 5], 2, 3).unwrap_err(), "y", "needs 6");
         assert!(!t.0.exists());
+    }
+
+    /// Zero-sized dimensions (an empty matrix, K = 0) and shapes with no elements but a huge other
+    /// dimension are typed errors naming the tensor, in both readers (issue 21).
+    #[test]
+    fn zero_sized_and_huge_dimensions_are_named() {
+        let t = Tmp::new("zero");
+        let huge = 1usize << 63;
+        write_raw(
+            &t.0,
+            &[
+                ("rows0", Dtype::BF16, vec![0, 32], vec![]),
+                ("cols0", Dtype::BF16, vec![4, 0], vec![]),
+                ("f32", Dtype::F32, vec![0, 0], vec![]),
+                ("huge", Dtype::BF16, vec![0, huge], vec![]),
+            ],
+        );
+        for (name, shape) in
+            [("rows0", "[0, 32]"), ("cols0", "[4, 0]"), ("f32", "[0, 0]"), ("huge", "[0, 9223372036854775808]")]
+        {
+            assert_tensor_err(read_matrix_bf16(&t.0, name).unwrap_err(), name, shape);
+            assert_tensor_err(read_matrix_bf16(&t.0, name).unwrap_err(), name, "zero-sized");
+        }
+        // What the writer accepts (an empty matrix) the reader refuses.
+        write_bf16(&t.0, "w", &[], 0, 32).unwrap();
+        assert_tensor_err(read_matrix_bf16(&t.0, "w").unwrap_err(), "w", "zero-sized");
+
+        // ModelOpt: K = 0, N = 0, and no rows of a K/2 so large that K = 2 x K/2 would overflow.
+        let g = 0.5f32.to_le_bytes().to_vec();
+        for (w, s, want) in [
+            (vec![4, 0], vec![4, 0], "zero-sized"),
+            (vec![0, 8], vec![0, 1], "zero-sized"),
+            (vec![0, huge], vec![0, huge / 8], "zero-sized"),
+            (vec![0, usize::MAX], vec![0, 0], "zero-sized"),
+        ] {
+            let t = Tmp::new("zero-mo");
+            write_raw(
+                &t.0,
+                &[
+                    ("m.weight", Dtype::U8, w.clone(), vec![]),
+                    ("m.weight_scale", Dtype::F8_E4M3, s, vec![]),
+                    ("m.weight_scale_2", Dtype::F32, vec![], g.clone()),
+                ],
+            );
+            let e = read_modelopt(&t.0, "m.").unwrap_err();
+            assert!(e.to_string().contains(&shape_str(&w)), "{e}");
+            assert_tensor_err(e, "m.weight", want);
+        }
+    }
+
+    /// A finite F32 beyond the BF16 range would become Inf: a typed error naming the tensor and
+    /// the first such element. The largest F32 that rounds to BF16's largest finite value is kept.
+    #[test]
+    fn f32_beyond_the_bf16_range_is_named() {
+        let mut r = rng();
+        let (rows, cols) = (7usize, 48usize);
+        // 0x7F7F_7FFF rounds down to BF16::MAX; 0x7F7F_8000 is the tie that rounds up to Inf.
+        let (edge, over) = (f32::from_bits(0x7F7F_7FFF), f32::from_bits(0x7F7F_8000));
+        let mut x: Vec<f32> = (0..rows * cols).map(|_| r.normal()).collect();
+        let first = r.range(1, rows * cols - 1);
+        x[first - 1] = -edge;
+        x[0] = f32::NAN;
+        let t = Tmp::new("f32-range");
+        let bytes = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        write_raw(&t.0, &[("ok", Dtype::F32, vec![rows, cols], bytes(&x))]);
+        let (y, ..) = read_matrix_bf16(&t.0, "ok").unwrap();
+        assert_eq!(y[first - 1], -bf16::MAX);
+        for bad in [over, -over, f32::MAX, -f32::MAX] {
+            let mut x = x.clone();
+            x[first] = bad;
+            // A later offending element and a later Inf do not change which one is named.
+            x[rows * cols - 1] = f32::MAX;
+            write_raw(&t.0, &[("w.f32", Dtype::F32, vec![rows, cols], bytes(&x))]);
+            let e = read_matrix_bf16(&t.0, "w.f32").unwrap_err();
+            let want = format!("element [{}, {}] (index {first}) is {bad:e}", first / cols, first % cols);
+            assert!(e.to_string().contains("beyond the BF16 range"), "{e}");
+            assert_tensor_err(e, "w.f32", &want);
+        }
+    }
+
+    /// `__metadata__` is the header's metadata entry, never a tensor name: writing it is refused and
+    /// nothing is written.
+    #[test]
+    fn the_metadata_key_is_not_a_tensor_name() {
+        let t = Tmp::new("meta");
+        assert_tensor_err(
+            write_bf16(&t.0, "__metadata__", &[bf16::ONE; 16], 1, 16).unwrap_err(),
+            "__metadata__",
+            "reserved",
+        );
+        assert!(!t.0.exists());
+        write_bf16(&t.0, "w", &[bf16::ONE; 16], 1, 16).unwrap();
+        assert_tensor_err(read_matrix_bf16(&t.0, "__metadata__").unwrap_err(), "__metadata__", "not found");
     }
 }

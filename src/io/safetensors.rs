@@ -73,6 +73,119 @@ pub(crate) fn json_problem(e: &serde_json::Error) -> String {
     }
 }
 
+/// A key repeated within one JSON object: the key of the object holding it (`None` at the top
+/// level) and the key itself.
+#[derive(Debug)]
+pub(crate) struct RepeatedKey {
+    pub parent: Option<String>,
+    pub key: String,
+}
+
+/// Why [`parse_json_unique`] failed.
+#[derive(Debug)]
+pub(crate) enum JsonError {
+    /// A key given twice in one object.
+    Repeated(RepeatedKey),
+    /// Not JSON (see [`json_problem`]).
+    Json(serde_json::Error),
+}
+
+/// A JSON value whose objects' keys are checked to be distinct while it is parsed: `serde_json`
+/// keeps the last of repeated keys silently, so a header or index naming a tensor twice would
+/// be read as whichever came last. The first repeat is left in `repeated`.
+struct UniqueKeys<'a> {
+    repeated: &'a std::cell::RefCell<Option<RepeatedKey>>,
+    parent: Option<&'a str>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueKeys<'_> {
+    type Value = serde_json::Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> std::result::Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeys<'_> {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> std::result::Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> std::result::Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> std::result::Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> std::result::Result<Self::Value, E> {
+        // JSON has no NaN or infinity, so the number always exists.
+        Ok(serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, serde_json::Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> std::result::Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_string<E>(self, v: String) -> std::result::Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_unit<E>(self) -> std::result::Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> std::result::Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = a.next_element_seed(UniqueKeys { repeated: self.repeated, parent: self.parent })? {
+            out.push(v);
+        }
+        Ok(serde_json::Value::Array(out))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> std::result::Result<Self::Value, A::Error> {
+        let mut out = serde_json::Map::new();
+        while let Some(key) = a.next_key::<String>()? {
+            if out.contains_key(&key) {
+                *self.repeated.borrow_mut() = Some(RepeatedKey { parent: self.parent.map(str::to_string), key });
+                return Err(serde::de::Error::custom("a repeated key"));
+            }
+            let v = a.next_value_seed(UniqueKeys { repeated: self.repeated, parent: Some(&key) })?;
+            out.insert(key, v);
+        }
+        Ok(serde_json::Value::Object(out))
+    }
+}
+
+/// Parses one JSON object, refusing a key repeated within it or any object inside it. Anything
+/// but an object is "JSON of the wrong shape" (see [`json_problem`]).
+pub(crate) fn parse_json_unique(
+    bytes: &[u8],
+) -> std::result::Result<serde_json::Map<String, serde_json::Value>, JsonError> {
+    use serde::Deserializer;
+    let repeated = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let parsed = (&mut de).deserialize_map(UniqueKeys { repeated: &repeated, parent: None }).and_then(|v| {
+        de.end()?;
+        match v {
+            serde_json::Value::Object(m) => Ok(m),
+            _ => Err(serde::de::Error::custom("not an object")),
+        }
+    });
+    match (parsed, repeated.into_inner()) {
+        (_, Some(r)) => Err(JsonError::Repeated(r)),
+        (Ok(v), None) => Ok(v),
+        (Err(e), None) => Err(JsonError::Json(e)),
+    }
+}
+
 /// A safetensors file, memory-mapped, whose header has been read and checked: every tensor's
 /// dtype, shape and byte range.
 #[derive(Debug)]
@@ -99,8 +212,19 @@ fn byte_len(dtype: Dtype, shape: &[usize]) -> Option<usize> {
 /// known dtype whose byte range matches its shape, the ranges contiguous from 0 and filling the
 /// data exactly. Messages name the tensor (escaped), never quote the JSON.
 fn parse_header(header: &[u8], data_len: usize) -> std::result::Result<HashMap<String, TensorInfo>, String> {
-    let doc: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(header).map_err(|e| format!("its header is {}", json_problem(&e)))?;
+    let doc = match parse_json_unique(header) {
+        Ok(doc) => doc,
+        Err(JsonError::Json(e)) => return Err(format!("its header is {}", json_problem(&e))),
+        Err(JsonError::Repeated(RepeatedKey { parent: None, key })) if key == "__metadata__" => {
+            return Err("its header has `__metadata__` twice".to_string())
+        }
+        Err(JsonError::Repeated(RepeatedKey { parent: None, key })) => {
+            return Err(format!("its header names tensor `{}` twice", shown(&key)))
+        }
+        Err(JsonError::Repeated(RepeatedKey { parent: Some(p), key })) => {
+            return Err(format!("its header has the key `{}` twice in `{}`", shown(&key), shown(&p)))
+        }
+    };
     let mut tensors = HashMap::with_capacity(doc.len());
     for (name, entry) in doc {
         if name == "__metadata__" {
@@ -352,6 +476,11 @@ fn file_metadata() -> Option<HashMap<String, String>> {
 /// is streamed from the views (no second copy of it in memory).
 pub(crate) fn write_tensors(path: &Path, tensors: Vec<(String, TensorView<'_>)>) -> Result<()> {
     let mut tensors = tensors;
+    if let Some((name, _)) = tensors.iter().find(|(n, _)| n == "__metadata__") {
+        // The header's metadata entry has this key: a tensor of that name would make a header
+        // with the key twice, which readers resolve differently (or refuse).
+        return Err(tensor_err(name, "cannot be written: the name is reserved for the header's metadata"));
+    }
     tensors.sort_by(|(ln, lt), (rn, rt)| rt.dtype().cmp(&lt.dtype()).then(ln.cmp(rn)));
     let mut infos = Vec::with_capacity(tensors.len());
     let mut offset = 0usize;

@@ -109,8 +109,12 @@ pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permuta
     Ok(Permutation { expert_offsets, row_of_pair, pair_of_row })
 }
 
-/// The rows of `hidden` (`[T, H]`) in permuted order (`[T * k, H]`).
+/// The rows of `hidden` (`[T, H]`) in permuted order (`[T * k, H]`). `top_k = 0` means no pairs:
+/// the result is empty ([`permute`] refuses it).
 pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_k: usize) -> Vec<bf16> {
+    if top_k == 0 {
+        return Vec::new();
+    }
     let mut out = Vec::with_capacity(perm.pair_of_row.len() * hidden_size);
     for &pair in &perm.pair_of_row {
         let t = pair as usize / top_k;
@@ -120,8 +124,11 @@ pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_
 }
 
 /// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair(t, j)]` over `j = 0..k` in order, in f64.
+/// `top_k = 0` means no pairs: the result is empty ([`permute`] refuses it).
 pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: &[f32], top_k: usize) -> Vec<f64> {
-    let tokens = topk_weights.len() / top_k;
+    let Some(tokens) = topk_weights.len().checked_div(top_k) else {
+        return Vec::new();
+    };
     let mut out = vec![0f64; tokens * hidden_size];
     for t in 0..tokens {
         for j in 0..top_k {
@@ -322,5 +329,46 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// k = 0 is a typed error wherever a count of pairs is taken from it, and never a division
+    /// by zero (issue 21).
+    #[test]
+    fn top_k_zero_is_an_error_not_a_division_by_zero() {
+        assert!(matches!(softmax_topk(&[0.5, 1.0], 1, 2, 0, true), Err(Error::InvalidShape(_))));
+        assert!(matches!(permute(&[], 0, 4), Err(Error::InvalidShape(_))));
+        assert!(matches!(permute(&[1, 2], 0, 4), Err(Error::InvalidShape(_))));
+        let ck = MoeCheckpoint::from_experts(
+            crate::reference::ExpertWeightsHost {
+                experts: 1,
+                n: 32,
+                k: 16,
+                codes: vec![0; 256],
+                scales: vec![0x38; 32],
+                decode_scales: vec![1.0],
+            },
+            vec![1.0],
+            crate::reference::ExpertWeightsHost {
+                experts: 1,
+                n: 16,
+                k: 16,
+                codes: vec![0; 128],
+                scales: vec![0x38; 16],
+                decode_scales: vec![1.0],
+            },
+        );
+        let x = vec![bf16::ONE; 16];
+        assert!(moe_layer(&x, 1, &[0], &[1.0], 1, &ck).is_ok());
+        for tokens in [0, 1] {
+            let e = moe_layer(&x[..16 * tokens], tokens, &[], &[], 0, &ck).unwrap_err();
+            assert!(matches!(&e, Error::InvalidShape(m) if m.contains("k = 0")), "{e}");
+        }
+        // The infallible helpers see no pairs: empty results.
+        let p = Permutation { expert_offsets: vec![0, 0], row_of_pair: vec![], pair_of_row: vec![] };
+        assert!(gather_rows(&x, 16, &p, 0).is_empty());
+        assert!(combine(&[], 16, &p, &[], 0).is_empty());
+        let p = Permutation { expert_offsets: vec![0, 1], row_of_pair: vec![0], pair_of_row: vec![0] };
+        assert!(gather_rows(&x, 16, &p, 0).is_empty());
+        assert!(combine(&[0.0; 16], 16, &p, &[1.0], 0).is_empty());
     }
 }

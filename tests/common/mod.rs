@@ -66,6 +66,49 @@ pub fn cli(args: &[&str]) -> Run {
     r
 }
 
+/// As [`cli`], but a run still going after `limit` is killed and fails the test (an input that
+/// could block, such as a FIFO, must not hang the suite).
+pub fn cli_within(limit: std::time::Duration, args: &[&str]) -> Run {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = Command::new(bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run nvfp4-moe");
+    // Drained on threads, so a full pipe cannot stall the child.
+    let drain = |mut p: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = p.read_to_end(&mut s);
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for nvfp4-moe") {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("nvfp4-moe {} still running after {limit:?}: killed", args.join(" "));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let r = Run {
+        code: status.code().unwrap_or(-1),
+        stdout: out.join().expect("stdout"),
+        stderr: err.join().expect("stderr"),
+    };
+    eprintln!("$ nvfp4-moe {}\n-> exit {}\n{}{}", args.join(" "), r.code, r.stdout, r.stderr);
+    r
+}
+
 pub fn assert_ok(r: &Run) {
     assert_eq!(r.code, 0, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
 }

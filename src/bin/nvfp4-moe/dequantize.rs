@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use clap::builder::NonEmptyStringValueParser;
+use clap::builder::{NonEmptyStringValueParser, TypedValueParser};
 use half::bf16;
 use nvfp4_moe::io::{self as nio, ModelOptWeight};
 use nvfp4_moe::layout::ScaleLayout;
@@ -43,17 +43,35 @@ pub struct DequantizeArgs {
     #[arg(long, value_name = "P")]
     pub prefix: Option<String>,
     /// Name of the BF16 tensor written
-    #[arg(long, value_name = "NAME", default_value = "weight", value_parser = NonEmptyStringValueParser::new())]
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "weight",
+        value_parser = NonEmptyStringValueParser::new().try_map(tensor_name)
+    )]
     pub name: String,
     /// cpu or cuda (GPU 0); default: cuda when a GPU this build supports is visible, else cpu
     #[arg(long, value_enum, value_name = "B")]
     pub backend: Option<Backend>,
 }
 
+/// `--name`: a name a tensor can have. `__metadata__` is the safetensors header's metadata entry:
+/// refused before anything is read or written.
+fn tensor_name(s: String) -> Result<String, String> {
+    if s == "__metadata__" {
+        return Err("it is the safetensors header's metadata entry, not a tensor name".to_string());
+    }
+    Ok(s)
+}
+
 /// The CPU reference dequantizer over row chunks on all cores.
 fn dequantize_cpu(w: &ModelOptWeight) -> nvfp4_moe::Result<Vec<bf16>> {
     let (rows, cols) = (w.rows, w.cols);
-    let mut out = vec![bf16::ZERO; rows * cols];
+    // read_modelopt refuses these; a zero K would make every chunk size below 0.
+    let n = rows.checked_mul(cols).filter(|&n| n > 0).ok_or_else(|| {
+        Error::InvalidShape(format!("cannot dequantize a weight of shape [{rows}, {cols}]: it must be non-empty"))
+    })?;
+    let mut out = vec![bf16::ZERO; n];
     let ch = chunk_rows(cols);
     let items: Vec<_> = w
         .codes

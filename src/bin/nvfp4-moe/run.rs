@@ -4,6 +4,8 @@
 use clap::builder::NonEmptyStringValueParser;
 use clap::ValueEnum;
 use half::bf16;
+use nvfp4_moe::io as nio;
+use nvfp4_moe::Error;
 
 use crate::common::{shape_text, CliResult, Global};
 
@@ -93,6 +95,12 @@ pub struct RunInputs {
     pub top_k: usize,
 }
 
+/// An [`Error::Tensor`] for one of `run`'s input tensors (their names are fixed: nothing to
+/// escape).
+fn input_err(name: &str, what: impl Into<String>) -> Error {
+    Error::Tensor { name: name.to_string(), what: what.into() }
+}
+
 /// Tensor `name` of `st`, of `dtype`, 2-D: `(view, rows, cols)`.
 fn tensor_2d<'a>(
     st: &'a safetensors::SafeTensors<'a>,
@@ -100,7 +108,7 @@ fn tensor_2d<'a>(
     name: &str,
     dtype: safetensors::Dtype,
     dims: &str,
-) -> std::result::Result<(safetensors::tensor::TensorView<'a>, usize, usize), String> {
+) -> nvfp4_moe::Result<(safetensors::tensor::TensorView<'a>, usize, usize)> {
     let t = st.tensor(name).map_err(|_| {
         let mut names = st.names();
         names.sort();
@@ -109,87 +117,102 @@ fn tensor_2d<'a>(
         } else {
             names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
         };
-        format!("`{file}` has no tensor `{name}` (it holds {held})")
+        input_err(name, format!("not found in `{file}` (it holds {held})"))
     })?;
     if t.dtype() != dtype {
-        return Err(format!("tensor `{name}`: dtype is {}, expected {dtype} {dims}", t.dtype()));
+        return Err(input_err(name, format!("dtype is {}, expected {dtype} {dims}", t.dtype())));
     }
     let &[rows, cols] = t.shape() else {
-        return Err(format!("tensor `{name}`: shape is {}, expected 2-D {dims}", shape_text(t.shape())));
+        return Err(input_err(name, format!("shape is {}, expected 2-D {dims}", shape_text(t.shape()))));
     };
     Ok((t, rows, cols))
 }
 
 /// Reads and validates `hidden_states` (BF16 `[T, H]`), `topk_ids` (I32 `[T, k]`) and
-/// `topk_weights` (F32 `[T, k]`) with T, H, k >= 1 and k <= 32.
-pub fn parse_run_inputs(st: &safetensors::SafeTensors<'_>, file: &str) -> std::result::Result<RunInputs, String> {
+/// `topk_weights` (F32 `[T, k]`, finite) with T, H, k >= 1 and k <= 32.
+///
+/// # Errors
+/// [`Error::Tensor`] naming the tensor: missing, of the wrong dtype or shape, or a weight that is
+/// not finite (its index named).
+pub fn parse_run_inputs(st: &safetensors::SafeTensors<'_>, file: &str) -> nvfp4_moe::Result<RunInputs> {
     use safetensors::Dtype;
     let (hs, tokens, hidden_size) = tensor_2d(st, file, "hidden_states", Dtype::BF16, "[T, H]")?;
     if tokens == 0 || hidden_size == 0 {
-        return Err(format!(
-            "tensor `hidden_states`: shape is {}, expected [T, H] with T, H >= 1",
-            shape_text(hs.shape())
+        return Err(input_err(
+            "hidden_states",
+            format!("shape is {}, expected [T, H] with T, H >= 1", shape_text(hs.shape())),
         ));
     }
     let (ti, t2, top_k) = tensor_2d(st, file, "topk_ids", Dtype::I32, "[T, k]")?;
     if t2 != tokens || top_k == 0 || top_k > 32 {
-        return Err(format!(
-            "tensor `topk_ids`: shape is {}, expected [{tokens}, k] with 1 <= k <= 32 (T = {tokens} from `hidden_states`)",
-            shape_text(ti.shape())
+        return Err(input_err(
+            "topk_ids",
+            format!(
+                "shape is {}, expected [{tokens}, k] with 1 <= k <= 32 (T = {tokens} from `hidden_states`)",
+                shape_text(ti.shape())
+            ),
         ));
     }
     let (tw, _, _) = tensor_2d(st, file, "topk_weights", Dtype::F32, "[T, k]")?;
     if tw.shape() != [tokens, top_k] {
-        return Err(format!(
-            "tensor `topk_weights`: shape is {}, expected [{tokens}, {top_k}] (the shape of `topk_ids`)",
-            shape_text(tw.shape())
+        return Err(input_err(
+            "topk_weights",
+            format!("shape is {}, expected [{tokens}, {top_k}] (the shape of `topk_ids`)", shape_text(tw.shape())),
         ));
     }
     let hidden = hs.data().chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect();
     let ids = ti.data().chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-    let weights = tw.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let weights: Vec<f32> = tw.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    // A NaN or Inf weight would make the token's whole output row NaN or Inf.
+    if let Some((i, w)) = weights.iter().enumerate().find(|(_, w)| !w.is_finite()) {
+        return Err(input_err("topk_weights", format!("[{}, {}] is {w}, not finite", i / top_k, i % top_k)));
+    }
     Ok(RunInputs { hidden, ids, weights, tokens, hidden_size, top_k })
 }
 
-/// `run`'s checks of the inputs against the checkpoint's shape.
-pub fn check_run_shape(inp: &RunInputs, experts: usize, hidden: usize) -> std::result::Result<(), String> {
+/// `run`'s checks of the inputs against the checkpoint's shape: H, k <= min(E, 32), and every
+/// expert id in `[0, E)`.
+///
+/// # Errors
+/// [`Error::Tensor`] naming the input tensor that does not fit the checkpoint.
+pub fn check_run_shape(inp: &RunInputs, experts: usize, hidden: usize) -> nvfp4_moe::Result<()> {
     if inp.hidden_size != hidden {
-        return Err(format!(
-            "tensor `hidden_states`: shape is [{}, {}], but the checkpoint's hidden size is {hidden}",
-            inp.tokens, inp.hidden_size
+        return Err(input_err(
+            "hidden_states",
+            format!("shape is [{}, {}], but the checkpoint's hidden size is {hidden}", inp.tokens, inp.hidden_size),
         ));
     }
     if inp.top_k > experts.min(32) {
-        return Err(format!("tensor `topk_ids`: k = {} exceeds min(experts ({experts}), 32)", inp.top_k));
+        return Err(input_err("topk_ids", format!("k = {} exceeds min(experts ({experts}), 32)", inp.top_k)));
+    }
+    if let Some((i, id)) =
+        inp.ids.iter().enumerate().find(|(_, &id)| usize::try_from(id).map_or(true, |e| e >= experts))
+    {
+        return Err(input_err(
+            "topk_ids",
+            format!("[{}, {}] = {id} is not an expert id in [0, {experts})", i / inp.top_k, i % inp.top_k),
+        ));
     }
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
-pub fn run(args: &RunArgs, global: Global) -> CliResult {
+/// Everything `run` checks before it looks for a GPU: the inputs (a regular file, the three
+/// tensors), the checkpoint (every tensor's dtype, shape and scale) and the inputs against it, so
+/// a malformed file is reported on any machine.
+pub fn load_and_validate(args: &RunArgs) -> CliResult<(RunInputs, nio::LoadedExperts)> {
     use std::time::Instant;
 
-    use nvfp4_moe::io as nio;
-    use nvfp4_moe::moe::MoeInput;
-    use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
-    use serde_json::json;
     use tracing::info;
 
-    use crate::common::{fmt_bytes, fmt_dur, out, print_json, spinner, Fail};
-    use crate::gpu::require_gpu;
+    use crate::common::{fmt_dur, spinner, Fail};
 
-    let (weights_path, prefix, input, output) =
-        (args.weights.as_str(), args.prefix.as_str(), args.input.as_str(), args.output.as_str());
-    let tile = args.tile.gemm_tile();
-    let gpu = require_gpu("run")?;
-    let t_all = Instant::now();
-
+    let (weights_path, prefix, input) = (args.weights.as_str(), args.prefix.as_str(), args.input.as_str());
     let t = Instant::now();
     // Mapped, not read whole (a regular file only: /dev/zero or a FIFO is refused up front).
     let file = nio::SafetensorsFile::open(input)?;
     let st = safetensors::SafeTensors::deserialize(file.mapped()?)
         .map_err(|e| Fail::Run(format!("`{input}` is not a valid safetensors file: {e}")))?;
-    let inp = parse_run_inputs(&st, input).map_err(Fail::Run)?;
+    let inp = parse_run_inputs(&st, input)?;
     drop(st);
     drop(file);
     let (tokens, k) = (inp.tokens, inp.top_k);
@@ -201,19 +224,46 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
 
     let t = Instant::now();
     let pb = spinner(&format!("loading `{prefix}` from {weights_path}"));
-    let loaded = nvfp4_moe::io::load_experts(weights_path, prefix)?;
-    let format = loaded.format.clone();
-    let ck = loaded.checkpoint;
+    let loaded = nio::load_experts(weights_path, prefix)?;
     pb.finish_and_clear();
-    let (e, h, i) = (ck.experts, ck.hidden, ck.intermediate);
-    let naming = ck.naming.to_string();
-    check_run_shape(&inp, e, h).map_err(Fail::Run)?;
+    let ck = &loaded.checkpoint;
+    check_run_shape(&inp, ck.experts, ck.hidden)?;
     info!(
-        "loaded `{prefix}` ({}, {}, naming {naming}): E={e} H={h} I={i} ({})",
-        format.dialect,
-        format.scheme,
+        "loaded `{prefix}` ({}, {}, naming {}): E={} H={} I={} ({})",
+        loaded.format.dialect,
+        loaded.format.scheme,
+        ck.naming,
+        ck.experts,
+        ck.hidden,
+        ck.intermediate,
         fmt_dur(t.elapsed())
     );
+    Ok((inp, loaded))
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(args: &RunArgs, global: Global) -> CliResult {
+    use std::time::Instant;
+
+    use nvfp4_moe::moe::MoeInput;
+    use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
+    use serde_json::json;
+    use tracing::info;
+
+    use crate::common::{fmt_bytes, fmt_dur, out, print_json, spinner};
+    use crate::gpu::require_gpu;
+
+    let (weights_path, prefix, input, output) =
+        (args.weights.as_str(), args.prefix.as_str(), args.input.as_str(), args.output.as_str());
+    let tile = args.tile.gemm_tile();
+    let t_all = Instant::now();
+    // The files first: a malformed input or checkpoint is reported whether or not a GPU is here.
+    let (inp, loaded) = load_and_validate(args)?;
+    let gpu = require_gpu("run")?;
+    let (tokens, k) = (inp.tokens, inp.top_k);
+    let ck = loaded.checkpoint;
+    let (e, h, i) = (ck.experts, ck.hidden, ck.intermediate);
+    let naming = ck.naming.to_string();
 
     let t = Instant::now();
     let pb = spinner(&format!("uploading and preparing the weights on GPU 0 ({gpu})"));
@@ -269,9 +319,12 @@ pub fn run(args: &RunArgs, global: Global) -> CliResult {
     Ok(())
 }
 
+/// Without the `cuda` feature: the files are still checked (so a malformed one is reported), then
+/// the GPU is missing.
 #[cfg(not(feature = "cuda"))]
-pub fn run(_: &RunArgs, _: Global) -> CliResult {
-    Err(crate::gpu::require_gpu("run").unwrap_err())
+pub fn run(args: &RunArgs, _: Global) -> CliResult {
+    load_and_validate(args)?;
+    crate::gpu::require_gpu("run").map(|_| ())
 }
 
 #[cfg(test)]
@@ -306,9 +359,9 @@ mod tests {
         assert_eq!(inp.weights, vec![0.5, 0.5, 1.0, 0.0, 0.25, 0.75]);
         assert_eq!(inp.hidden[7].to_f32(), 7.0);
         assert!(check_run_shape(&inp, 8, h).is_ok());
-        let e = check_run_shape(&inp, 8, 128).unwrap_err();
+        let e = check_run_shape(&inp, 8, 128).unwrap_err().to_string();
         assert!(e.contains("`hidden_states`") && e.contains("hidden size is 128"), "{e}");
-        let e = check_run_shape(&inp, 1, h).unwrap_err();
+        let e = check_run_shape(&inp, 1, h).unwrap_err().to_string();
         assert!(e.contains("`topk_ids`") && e.contains("k = 2"), "{e}");
 
         let i64_ids: Vec<u8> = [0i64, 5, 1, 2, 7, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -327,7 +380,7 @@ mod tests {
             (
                 0,
                 ("hidden", Dtype::BF16, vec![t, h], hidden.clone()),
-                "has no tensor `hidden_states` (it holds `hidden`, `topk_ids`, `topk_weights`)",
+                "tensor `hidden_states`: not found in `x.safetensors` (it holds `hidden`, `topk_ids`, `topk_weights`)",
             ),
             (1, ("topk_ids", Dtype::I64, vec![t, k], i64_ids), "tensor `topk_ids`: dtype is I64, expected I32"),
             (
@@ -350,14 +403,14 @@ mod tests {
                 ("topk_weights", Dtype::F32, vec![t * k, 1], w.clone()),
                 "tensor `topk_weights`: shape is [6, 1], expected [3, 2]",
             ),
-            (2, ("weights", Dtype::F32, vec![t, k], w.clone()), "has no tensor `topk_weights`"),
+            (2, ("weights", Dtype::F32, vec![t, k], w.clone()), "tensor `topk_weights`: not found"),
         ];
         for (slot, replace, want) in cases {
             let mut ts = good.clone();
             ts[slot] = replace;
             let bytes = st_bytes(&ts);
             let st = SafeTensors::deserialize(&bytes).unwrap();
-            let e = parse_run_inputs(&st, "x.safetensors").unwrap_err();
+            let e = parse_run_inputs(&st, "x.safetensors").unwrap_err().to_string();
             assert!(e.contains(want), "{e}\nwant: {want}");
         }
         // k above 32 and an empty T.
@@ -366,7 +419,7 @@ mod tests {
         ts[1] = ("topk_ids", Dtype::I32, vec![t, 33], many.clone());
         ts[2] = ("topk_weights", Dtype::F32, vec![t, 33], many);
         let bytes = st_bytes(&ts);
-        let e = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap_err();
+        let e = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap_err().to_string();
         assert!(e.contains("1 <= k <= 32"), "{e}");
         let ts = vec![
             ("hidden_states", Dtype::BF16, vec![0, h], vec![]),
@@ -374,8 +427,61 @@ mod tests {
             ("topk_weights", Dtype::F32, vec![0, k], vec![]),
         ];
         let bytes = st_bytes(&ts);
-        let e = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap_err();
+        let e = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap_err().to_string();
         assert!(e.contains("T, H >= 1"), "{e}");
+    }
+
+    fn assert_input_err(e: Error, tensor: &str, want: &str) {
+        match &e {
+            Error::Tensor { name, what } => assert!(name == tensor && what.contains(want), "{e}\nwant: {want}"),
+            _ => panic!("expected Error::Tensor for `{tensor}`, got {e:?}"),
+        }
+    }
+
+    /// A routing weight that is NaN or infinite, and an expert id outside [0, E), are typed errors
+    /// naming the tensor and the first such [token, slot] (issue 21).
+    #[test]
+    fn bad_routing_values_are_named() {
+        use safetensors::{Dtype, SafeTensors};
+        let (t, h, k) = (3usize, 16usize, 2usize);
+        let hidden: Vec<u8> = vec![0; t * h * 2];
+        let ids = |v: [i32; 6]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let inputs = |ids: Vec<u8>, w: [f32; 6]| {
+            st_bytes(&[
+                ("hidden_states", Dtype::BF16, vec![t, h], hidden.clone()),
+                ("topk_ids", Dtype::I32, vec![t, k], ids),
+                ("topk_weights", Dtype::F32, vec![t, k], w.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            ])
+        };
+        let good = [0.5f32, 0.5, 1.0, 0.0, -0.25, 1.25];
+        for (at, bad) in [(1usize, f32::NAN), (4, f32::INFINITY), (5, f32::NEG_INFINITY)] {
+            let mut w = good;
+            w[at] = bad;
+            // A later bad weight does not change which one is named.
+            if at < 5 {
+                w[5] = f32::NAN;
+            }
+            let bytes = inputs(ids([0, 1, 2, 3, 0, 1]), w);
+            let e = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap_err();
+            assert_input_err(e, "topk_weights", &format!("[{}, {}] is {bad}, not finite", at / k, at % k));
+        }
+        let bytes = inputs(ids([0, 1, 2, 3, 0, 1]), good);
+        let inp = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap();
+        assert_eq!(inp.weights, good);
+        assert!(check_run_shape(&inp, 4, h).is_ok());
+        assert_input_err(
+            check_run_shape(&inp, 3, h).unwrap_err(),
+            "topk_ids",
+            "[1, 1] = 3 is not an expert id in [0, 3)",
+        );
+        for (v, want) in [
+            ([0, 1, 2, -1, 7, 0], "[1, 1] = -1 is not an expert id in [0, 4)"),
+            ([0, 1, 2, 3, i32::MIN, i32::MAX], "[2, 0] = -2147483648 is not"),
+        ] {
+            let bytes = inputs(ids(v), good);
+            let inp = parse_run_inputs(&SafeTensors::deserialize(&bytes).unwrap(), "x").unwrap();
+            assert_input_err(check_run_shape(&inp, 4, h).unwrap_err(), "topk_ids", want);
+        }
     }
 
     #[test]

@@ -10,7 +10,9 @@ use safetensors::tensor::Dtype;
 
 use crate::error::{Error, Result};
 use crate::io::fs::read_small_file;
-use crate::io::safetensors::{io_err, json_problem, tensor_err, SafetensorsFile};
+use crate::io::safetensors::{
+    io_err, json_problem, parse_json_unique, tensor_err, JsonError, RepeatedKey, SafetensorsFile,
+};
 use crate::io::shown::{shown, shown_path};
 
 /// The largest index accepted (DeepSeek-V3's, with 91,991 tensors, has 9 MB).
@@ -68,8 +70,20 @@ fn json_type(v: &serde_json::Value) -> &'static str {
 /// index's directory, checked by [`check_shard_name`]).
 fn read_index(path: &Path) -> Result<Vec<(String, String)>> {
     let bytes = read_small_file(path, MAX_INDEX_BYTES, "checkpoint index")?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| Error::Invalid(format!("checkpoint index `{}` is {}", shown_path(path), json_problem(&e))))?;
+    let v = parse_json_unique(&bytes).map_err(|e| {
+        let what = match e {
+            JsonError::Json(e) => format!("is {}", json_problem(&e)),
+            // Which shard holds a tensor listed twice would be whichever entry came last.
+            JsonError::Repeated(RepeatedKey { parent: Some(p), key }) if p == "weight_map" => {
+                format!("lists tensor `{}` twice in its weight_map", shown(&key))
+            }
+            JsonError::Repeated(RepeatedKey { parent: Some(p), key }) => {
+                format!("has the key `{}` twice in `{}`", shown(&key), shown(&p))
+            }
+            JsonError::Repeated(RepeatedKey { parent: None, key }) => format!("has the key `{}` twice", shown(&key)),
+        };
+        Error::Invalid(format!("checkpoint index `{}` {what}", shown_path(path)))
+    })?;
     let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) else {
         return Err(Error::Invalid(format!(
             "checkpoint index `{}` has no \"weight_map\" object (tensor name -> shard file)",
@@ -166,8 +180,10 @@ fn resolve(path: &Path) -> Result<Resolved> {
         let entry = entry.map_err(|e| io_err("list", path, e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let p = entry.path();
-        // `is_file` follows symlinks: a cache snapshot's entries are links into ../../blobs.
-        if name.starts_with('.') || !p.is_file() {
+        // Not filtered on the file type: a FIFO, device or directory under a checkpoint file's name
+        // is refused by name when opened (NotRegularFile), rather than reported as no checkpoint.
+        // Opening follows symlinks, as a cache snapshot's entries are links into ../../blobs.
+        if name.starts_with('.') {
             continue;
         }
         if name.ends_with(".index.json") {

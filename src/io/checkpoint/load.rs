@@ -155,17 +155,20 @@ fn discover(cat: &Catalog, p: &str, dialect: Dialect) -> Result<Layout> {
     };
     let projections = naming.projections();
 
-    // E, without gaps.
-    let experts = by_expert.keys().next_back().map_or(0, |&last| last + 1);
-    if let Some(gap) = (0..experts).find(|e| !by_expert.contains_key(e)) {
+    // E, without gaps: the experts are numbered 0..E exactly when the last number is E - 1 (never
+    // `last + 1`, which overflows for an expert numbered usize::MAX).
+    let experts = by_expert.len();
+    let last = by_expert.keys().next_back().copied().unwrap_or(0);
+    if last != experts - 1 {
+        // Some number below `last` is missing: there are fewer keys than numbers up to it.
+        let gap = (0..last).find(|e| !by_expert.contains_key(e)).unwrap_or(last);
         let present: Vec<String> = by_expert.keys().take(8).map(|e| e.to_string()).collect();
         let more = if by_expert.len() > 8 { ", ..." } else { "" };
         return Err(cat.not_found(
             &format!("{p}{gap}.{}.{}", projections[0], f.codes),
             format!(
-                " (experts {}{more} are present: expert numbers must run from 0 to {} without gaps)",
-                present.join(", "),
-                experts - 1
+                " (experts {}{more} are present: expert numbers must run from 0 to {last} without gaps)",
+                present.join(", ")
             )
             .as_str(),
         ));
@@ -239,7 +242,13 @@ fn check_shapes(layout: &Layout, p: &str, f: &Fields, metas: &HashMap<String, Me
     let &[rows, half] = m.shape.as_slice() else {
         return Err(tensor_err(&first, format!("shape is {}, expected 2-D [{rows_name}, H/2]", shape_str(&m.shape))));
     };
-    let h = 2 * half;
+    // A header accepts any dimension beside a zero one: `2 * half` must not overflow.
+    let Some(h) = half.checked_mul(2) else {
+        return Err(tensor_err(
+            &first,
+            format!("shape is {}: H = 2 x {half} does not fit in usize", shape_str(&m.shape)),
+        ));
+    };
     if h == 0 || !h.is_multiple_of(16) {
         return Err(tensor_err(
             &first,
@@ -258,6 +267,10 @@ fn check_shapes(layout: &Layout, p: &str, f: &Fields, metas: &HashMap<String, Me
             &first,
             format!("shape is {}: I = {i} is not a positive multiple of 16", shape_str(&m.shape)),
         ));
+    }
+    // Every size derived from H and I below is at most 2 x I x H.
+    if checked_len(&[2, i, h]).is_err() {
+        return Err(tensor_err(&first, format!("shape is {}: 2 x I x H does not fit in usize", shape_str(&m.shape))));
     }
     let from = format!("H = {h}, I = {i} from `{}`", shown(&first));
 
@@ -479,15 +492,16 @@ fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExpert
     let naming = layout.naming;
 
     // Destinations: per expert, gate rows then up rows of w13; down into w2.
-    let w13_codes_e = checked_len(&[2 * i, h / 2])?;
-    let w13_scales_e = 2 * i * (h / 16);
-    let w2_codes_e = h * (i / 2);
-    let w2_scales_e = h * (i / 16);
+    // Every size checked: H and I come from a header, E from tensor names.
+    let w13_codes_e = checked_len(&[2, i, h / 2])?;
+    let w13_scales_e = checked_len(&[2, i, h / 16])?;
+    let w2_codes_e = checked_len(&[h, i / 2])?;
+    let w2_scales_e = checked_len(&[h, i / 16])?;
     let mut bufs = [
         vec![0u8; checked_len(&[experts, w13_codes_e])?],
-        vec![0u8; experts * w13_scales_e],
-        vec![0u8; experts * w2_codes_e],
-        vec![0u8; experts * w2_scales_e],
+        vec![0u8; checked_len(&[experts, w13_scales_e])?],
+        vec![0u8; checked_len(&[experts, w2_codes_e])?],
+        vec![0u8; checked_len(&[experts, w2_scales_e])?],
     ];
     // Per expert: the scalars of the six slots.
     let mut slots = vec![[0f32; 6]; experts];

@@ -9,6 +9,7 @@ use super::*;
 use crate::error::{Error, Result};
 use crate::host::{ExpertWeightsHost, MoeCheckpoint};
 use crate::io::checkpoint::{load_compressed_tensors, load_experts, Dialect, LoadedExperts, QuantScheme};
+use crate::io::safetensors::shape_str;
 use crate::rng::Rng;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -964,4 +965,133 @@ fn header_problems_are_named_without_quoting_the_header() {
     assert!(open_err().contains("JSON of the wrong shape") && !open_err().contains("SECRET"), "{}", open_err());
     write_header(r#"{"__metadata__": {"format": "pt"}}"#, 0);
     assert!(crate::io::SafetensorsFile::open(&path).unwrap().names().is_empty());
+}
+
+/// Renames expert `from`'s tensors to expert `to` (a number written as given).
+fn renumber(ts: &mut [Raw], from: usize, to: &str) {
+    let (old, new) = (format!("{QWEN}.{from}."), format!("{QWEN}.{to}."));
+    for t in ts.iter_mut() {
+        if let Some(rest) = t.0.strip_prefix(&old) {
+            t.0 = format!("{new}{rest}");
+        }
+    }
+}
+
+/// Expert numbers at the end of `usize`'s range (issue 21): a typed error naming the first
+/// missing expert, never an overflow of E = last + 1 or an index past the end.
+#[test]
+fn expert_numbers_near_usize_max_are_named() {
+    let (mut r, seed) = rng();
+    for big in [usize::MAX, usize::MAX - 1] {
+        // Experts 0, 1, 2 and `big`.
+        let res = load_edited(&mut r, &|ts| renumber(ts, 3, &big.to_string()));
+        assert_tensor_err(res, &format!("{QWEN}.3.gate_proj.weight"), &["not found", "without gaps"], &seed);
+        // Expert `big` alone: the naming comes from it, expert 0 is missing.
+        let res = load_edited(&mut r, &|ts| {
+            ts.retain(|t| t.0.starts_with(&format!("{QWEN}.3.")));
+            renumber(ts, 3, &big.to_string());
+        });
+        assert_tensor_err(res, &format!("{QWEN}.0.gate_proj.weight"), &["not found", "without gaps"], &seed);
+    }
+    // One past usize::MAX does not parse as an expert number: an unexpected tensor.
+    let past = format!("{}0", usize::MAX);
+    let res = load_edited(&mut r, &|ts| renumber(ts, 3, &past));
+    // The first such name, sorted.
+    assert_tensor_err(res, &format!("{QWEN}.{past}.down_proj.input_scale"), &["unexpected tensor"], &seed);
+}
+
+/// Zero-sized dimensions and shapes whose element count is 0 but whose other dimension is huge
+/// (accepted by the header: 0 bytes) are typed errors naming the tensor, never an overflow.
+#[test]
+fn zero_sized_and_huge_dimensions_are_named() {
+    let (mut r, seed) = rng();
+    let name = format!("{QWEN}.0.gate_proj.weight");
+    let scale = format!("{QWEN}.0.gate_proj.weight_scale");
+    for (shape, want) in [
+        (vec![32, 0], "H = 2 x 0 = 0 is not a positive multiple of 16"),
+        (vec![0, 32], "I = 0 is not a positive multiple of 16"),
+        (vec![0, 1usize << 63], "H = 2 x 9223372036854775808 does not fit"),
+        (vec![0, usize::MAX], "does not fit"),
+        (vec![0, 0], "is not a positive multiple of 16"),
+    ] {
+        let res = load_edited(&mut r, &|ts| {
+            let j = find(ts, &name);
+            ts[j].2 = shape.clone();
+            ts[j].3 = vec![];
+            let j = find(ts, &scale);
+            ts[j].2 = vec![0, 0];
+            ts[j].3 = vec![];
+        });
+        assert_tensor_err(res, &name, &[&shape_str(&shape), want], &seed);
+    }
+    // Another expert's zero-sized tensor is a shape mismatch.
+    let name = format!("{QWEN}.2.down_proj.weight");
+    let res = load_edited(&mut r, &|ts| {
+        let j = find(ts, &name);
+        ts[j].2 = vec![64, 0];
+        ts[j].3 = vec![];
+    });
+    assert_tensor_err(res, &name, &["[64, 0]", "expected [64, 16]"], &seed);
+}
+
+/// A header that names a tensor twice, or repeats any key at any depth, is refused naming the
+/// key (a JSON parser would silently keep the last one).
+#[test]
+fn repeated_header_keys_are_refused() {
+    let d = TmpDir::new("dup");
+    let path = d.path("h.safetensors");
+    let write_header = |json: &str, data: usize| {
+        let mut b = (json.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(json.as_bytes());
+        b.extend(std::iter::repeat_n(0u8, data));
+        std::fs::write(&path, b).unwrap();
+    };
+    let x = r#""x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}"#;
+    let x2 = r#""x": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
+    let y = r#""y": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
+    for (json, data, want) in [
+        (format!("{{{x}, {x2}}}"), 4, "tensor `x` twice"),
+        (format!("{{{x}, {y}, {x}}}"), 4, "tensor `x` twice"),
+        (format!(r#"{{"__metadata__": {{}}, {x}, "__metadata__": {{}}}}"#), 2, "`__metadata__` twice"),
+        (format!(r#"{{"__metadata__": {{"a": "1", "a": "2"}}, {x}}}"#), 2, "key `a` twice in `__metadata__`"),
+        (
+            r#"{"x": {"dtype": "U8", "dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}"#.into(),
+            2,
+            "key `dtype` twice in `x`",
+        ),
+        (
+            r#"{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2], "shape": [2]}}"#.into(),
+            2,
+            "key `shape` twice in `x`",
+        ),
+    ] {
+        write_header(&json, data);
+        let e = crate::io::SafetensorsFile::open(&path).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(e, Error::Invalid(_)) && m.contains(want) && m.contains("h.safetensors"), "{json}: {m}");
+    }
+    // The same tensors without the repetition are fine.
+    write_header(&format!("{{{x}, {y}}}"), 4);
+    assert_eq!(crate::io::SafetensorsFile::open(&path).unwrap().names(), ["x", "y"]);
+}
+
+/// An index whose weight_map lists a tensor twice is refused naming it.
+#[test]
+fn repeated_index_entries_are_refused() {
+    let (mut r, seed) = rng();
+    let d = TmpDir::new("dup-index");
+    let ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &random_ckpt(&mut r, 2, 64, 32));
+    let index = write_sharded(&d.0, &ts);
+    let text = std::fs::read_to_string(&index).unwrap();
+    let name = format!("{QWEN}.1.up_proj.weight");
+    let entry = format!("\"{name}\":");
+    let at = text.find(&entry).unwrap();
+    let end = at + text[at..].find([',', '\n']).unwrap();
+    // The entry again, naming the other shard: which one holds the tensor would be ambiguous.
+    let other =
+        text[at..end].replace("00001-of", "0000X-of").replace("00002-of", "00001-of").replace("0000X-of", "00002-of");
+    std::fs::write(&index, format!("{}, {other}{}", &text[..end], &text[end..])).unwrap();
+    let e = load_modelopt(&index, QWEN).unwrap_err();
+    let m = e.to_string();
+    assert!(matches!(e, Error::Invalid(_)) && m.contains(&format!("`{name}` twice")), "{m}; {seed}");
 }
