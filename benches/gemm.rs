@@ -61,10 +61,10 @@ impl Flush {
             Flush::Write(buf) => s.memset_zeros(buf).unwrap(),
         }
     }
-    fn describe(&self) -> &'static str {
+    fn describe(&self) -> String {
         match self {
-            Flush::Read(_) => "256 MiB read",
-            Flush::Write(_) => "256 MiB write",
+            Flush::Read(_) => format!("{} MiB read", FLUSH_BYTES >> 20),
+            Flush::Write(_) => format!("{} MiB write", FLUSH_BYTES >> 20),
         }
     }
 }

@@ -117,7 +117,10 @@ pub fn flushed_pairs_us(
 /// and, in a pairs-minus-flushes difference, is charged to it: for a kernel that streams its
 /// bytes near the HBM limit that is up to 50 MiB of extra DRAM traffic (H200, 2026-12-03: the graph
 /// difference with a memset flush was 2.5-5.5 us above the profiler's kernel duration at T = 1).
-/// After a read flush L2 holds clean lines: the difference is the kernel's own time.
+/// After a read flush L2 holds clean lines: the difference is the kernel's own time. (A GEMM
+/// launched with programmatic dependent launch after this kernel node in a graph gets a
+/// programmatic edge, so its launch overlaps the flush's tail, as in the layer's forward; after a
+/// memset node it did not. The GEMM still waits for the flush to finish before its first load.)
 pub struct ReadFlush {
     function: cudarc::driver::sys::CUfunction,
     // The buffers, owned for the process's benches, and their device addresses.
@@ -201,7 +204,8 @@ impl ReadFlush {
         let mut params: [*mut std::ffi::c_void; 3] =
             [(&mut b as *mut u64).cast(), (&mut n as *mut u64).cast(), (&mut k as *mut u64).cast()];
         // SAFETY: the parameters match the kernel's (.u64 x 3) and are copied at launch; the
-        // buffers live as long as self.
+        // buffers live as long as self. 1056 CTAs = 8 per SM of the H200 (132 SMs) with 512
+        // threads each: enough 16-byte loads in flight to read at the HBM limit on any sm_90 part.
         unsafe {
             cudarc::driver::result::launch_kernel(
                 self.function,

@@ -10,8 +10,8 @@
 // consumer on its own: a unit is one expert's 16 output features over the whole K (the four warps'
 // quarters of a prepared chunk are independent: each thread's A fragment of the SM90 64x16 RS
 // layout is, per warp, exactly the A fragment of mma.sync m16n8k16), the warp streams its unit's
-// code and scale words through its own ring of shared-memory slots (cp.async, six 64-K chunks in
-// flight while it works on a seventh), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
+// code and scale words through its own ring of shared-memory slots (cp.async; depth - 1 64-K chunks
+// in flight while it works on one: 6 in the 16-warp CTA, 4 in the 24-warp one), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
 // m16n8k16 with the expert's rows (<= 8) as N, read with ldmatrix from x staged once per CTA in
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
@@ -194,10 +194,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) grouped_gemm_warp_kernel(Param
   // to hide a round's load latency.)
   const uint32_t ring = uint32_t(__cvta_generic_to_shared(smem_raw)) + uint32_t(ring_offset<kWarps>()) +
                         uint32_t(warp * kDepth * kSlotBytes);
-  auto copy_chunk = [&](int i, const uint8_t* codes, const uint8_t* scales, bool p) {
+  auto copy_chunk = [&](int i, const uint8_t* codes, const uint8_t* scales, bool on) {
     const uint32_t slot = ring + uint32_t(i * kSlotBytes);
-    cp_async_16(p, slot + uint32_t(lane) * 16u, codes);
-    cp_async_8(p, slot + 512u + uint32_t(lane) * 8u, scales);
+    cp_async_16(on, slot + uint32_t(lane) * 16u, codes);
+    cp_async_8(on, slot + 512u + uint32_t(lane) * 8u, scales);
   };
   // The first unit's weights are requested before x is staged, so that both latencies overlap.
   const int u0 = team * int(gridDim.x) + int(blockIdx.x);

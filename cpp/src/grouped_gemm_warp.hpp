@@ -29,7 +29,7 @@ constexpr int kTableExperts = 1024;  // the expert table's capacity (gemm_config
 // most room for x: 8 rows up to K = 7808) and 24 warps with 5-slot rings (92160 ring bytes; 8 rows
 // up to K = 6912). The same bytes are in flight per SM (96 chunk quarters); the wide CTA has more
 // warps to hide latency and more slots to spread few units over (a launch picks by balance:
-// choose_shape).
+// plan_launch).
 struct Shape {
   int warps;
   int depth;
@@ -76,7 +76,7 @@ inline int choose_splits(int64_t total_rows, int64_t experts, int64_t n, int64_t
 // where x fits in it. (deepseek-v3's L2 at T = 1: 3584 units fill two rounds of 2112 narrow slots
 // to 85%, of 3168 wide ones to 57%; gpt-oss-120b's L1: 1440 units fill 68% of the narrow slots,
 // split in two 91% of the wide ones.) NVFP4MOE_WARP_SHAPE=narrow|wide in the environment forces one
-// (for A/B measurements; the wide one only where x fits).
+// (for A/B measurements and the tests; the wide one only where x fits; other values: the choice).
 struct Plan {
   Shape shape;
   int splits;

@@ -139,13 +139,15 @@ pub(crate) mod grouped {
     /// at K = 2048 and at K = 256 (units shorter than the ring); rows: one, eight in one expert, a
     /// random spread with empty experts, rows past offsets[E]. `Auto` runs both CTA shapes on a
     /// 132-SM H200 (the wide one where units fill its slots better: n = 1536 over 8 experts, n =
-    /// 2880 over 2); `NVFP4MOE_WARP_SHAPE=narrow|wide` runs every case on one.
+    /// 2880 over 2); `NVFP4MOE_WARP_SHAPE=narrow|wide` runs every case on one (the wide one where x
+    /// fits it: not K = 7808 at 8 rows). scripts/gpu-run.sh runs this test once more per shape.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn warp_tile_matches_reference_split_and_unsplit() {
         let s = stream();
         let mut rng = Rng::from_entropy();
         let (mut cases, mut differing, mut values) = (0, 0usize, 0usize);
+        let mut largest_k_of_8_rows = false;
         for &(e, n, k) in &[
             (1usize, 64usize, 64usize),
             (3, 192, 448),
@@ -223,10 +225,12 @@ pub(crate) mod grouped {
                     unsplit[..written].iter().zip(&n8[..written]).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
                 values += written;
                 cases += 1;
+                largest_k_of_8_rows |= k == 7808 && total == 8;
             }
         }
         eprintln!("{cases} warp-tile cases; unsplit vs the N8 tile: {differing} of {values} values differ");
         assert!(cases >= 28);
+        assert!(largest_k_of_8_rows, "the largest K of 8 rows (7808) ran on the warp kernel");
         // Overlapping offsets (expert e's rows [0, 8) for every other expert: 32 experts with rows
         // where 8 rows allow at most 8): each team walks several units, through both reduction
         // buffers. The rows are written by several experts (undefined values, as the API says);
