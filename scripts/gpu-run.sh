@@ -36,21 +36,6 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
-# The warp kernel's tests once more on each CTA shape forced (Auto runs each only on the cases
-# whose units it fills best; the wide one where x fits it).
-if [ -x "$here/tests/test-gpu" ] && [ -z "${NVFP4MOE_TESTS:-}" ]; then
-  for shape in narrow wide; do
-    log="$out/test-gpu-warp-$shape.log"
-    start=$(date +%s)
-    NVFP4MOE_WARP_SHAPE=$shape timeout "${NVFP4MOE_TEST_TIMEOUT:-300}" "$here/tests/test-gpu" --include-ignored \
-      --test-threads=2 warp >"$log" 2>&1
-    rc=$?
-    secs=$(( $(date +%s) - start ))
-    res=$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')
-    [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked)' "$log" | head -20; }
-    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu warp ($shape)" "$rc" "$secs" "$res")")
-  done
-fi
 # Each example once, as a user runs it (no arguments): its last line goes in the summary.
 # candle_moe loads cuBLAS, cuRAND, NVRTC and the shared runtime: the pip-installed CUDA 13 ones.
 if [ "${NVFP4MOE_EXAMPLES:-all}" != none ]; then

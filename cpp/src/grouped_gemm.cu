@@ -131,9 +131,8 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 
   const GemmTile tile = launch_gemm_tile(a, sms);
   if (tile == GemmTile::kWarpM16N8) {
-    const gemm::warp::Plan plan = gemm::warp::plan_launch(a.total_rows, a.experts, a.n, a.k, sms, a.max_splits);
-    p.splits = plan.splits;
-    return gemm::warp::launch(p, a.x, a.epilogue, plan.shape, sms, stream);
+    p.splits = gemm::warp::choose_splits(a.total_rows, a.experts, a.n, a.k, sms, a.max_splits);
+    return gemm::warp::launch(p, a.x, a.epilogue, sms, stream);
   }
   auto encode = tensor_map_encoder();
   if (!encode) return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled is unavailable");

@@ -10,8 +10,8 @@
 // consumer on its own: a unit is one expert's 16 output features over the whole K (the four warps'
 // quarters of a prepared chunk are independent: each thread's A fragment of the SM90 64x16 RS
 // layout is, per warp, exactly the A fragment of mma.sync m16n8k16), the warp streams its unit's
-// code and scale words through its own ring of shared-memory slots (cp.async; depth - 1 64-K chunks
-// in flight while it works on one: 6 in the 16-warp CTA, 4 in the 24-warp one), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
+// code and scale words through its own ring of shared-memory slots (cp.async; six 64-K chunks in
+// flight while it works on a seventh), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
 // m16n8k16 with the expert's rows (<= 8) as N, read with ldmatrix from x staged once per CTA in
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
@@ -31,9 +31,6 @@
 
 #include <cuda_bf16.h>
 
-#include <cstdlib>
-#include <cstring>
-
 namespace nvfp4moe::gemm::warp {
 namespace {
 
@@ -41,28 +38,23 @@ static_assert(kSlotBytes == weights::kChunkCodeBytes / 4 + 32 * 8,
               "a slot holds one warp's quarter of a chunk: 16 code bytes and 8 scale bytes per lane");
 static_assert(kTableExperts == kMaxExperts, "the host's table size");
 
-template <int kWarps>
 struct Smem {
   int count[2 * kWarps];  // active experts per 32-expert slice
   int active[kMaxExperts];
   int num_active;
   float red[2][kWarps][4][32];  // K-split partial sums: (round parity, warp, accumulator, lane)
 };
-// The warps' weight rings follow Smem (warp w's slot i at ring_offset + (w * depth + i) *
+// The warps' weight rings follow Smem (warp w's slot i at kRingOffset + (w * kDepth + i) *
 // kSlotBytes: the lane's 16 code bytes at lane * 16, its 8 scale bytes at 512 + lane * 8), then x,
 // rows of k * 2 + 16 bytes: the 16-byte skew puts the 8 rows of an ldmatrix 8x8 matrix in 8
 // different bank groups.
-template <int kWarps>
-constexpr int ring_offset() {
-  return (int(sizeof(Smem<kWarps>)) + 127) / 128 * 128;
-}
-static_assert(ring_offset<kNarrow.warps>() == table_bytes(kNarrow.warps) &&
-                  ring_offset<kWide.warps>() == table_bytes(kWide.warps),
-              "the host's shared-memory rule (x_fits) counts the table");
-template <int kWarps, int kDepth>
-constexpr int x_offset() {
-  return ring_offset<kWarps>() + int(ring_bytes(Shape{kWarps, kDepth}));
-}
+constexpr int kRingOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
+static_assert(kRingOffset == kTableBytes, "the host's shared-memory rule (supports) counts the table");
+constexpr int kXOffset = kRingOffset + int(kRingBytes);
+constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM
+static_assert(kCtaThreads * 2 >= kMaxExperts, "one pass over the expert offsets: two experts per thread");
+static_assert(kWarps % 8 == 0, "teams of 1, 2, 4 or 8 warps");
+static_assert(kWarps / 2 + 1 <= 16, "a named barrier per team of two or more warps");
 static_assert(kWeightChunkK == weights::kChunkK && kTileK == weights::kChunkK, "64-K chunks");
 constexpr uint32_t kXChunkBytes = weights::kChunkK * 2;  // one chunk's K of one x row (BF16)
 
@@ -114,16 +106,12 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-template <GemmEpilogue kEpilogue, int kWarps, int kDepth>
-__global__ void __launch_bounds__(kWarps * 32, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
+template <GemmEpilogue kEpilogue>
+__global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
-  constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM
-  static_assert(kCtaThreads * 2 >= kMaxExperts, "one pass over the expert offsets: two experts per thread");
-  static_assert(kWarps % 8 == 0, "teams of 1, 2, 4 or 8 warps");
-  static_assert(kWarps / 2 + 1 <= 16, "a named barrier per team of two or more warps");
   extern __shared__ __align__(128) char smem_raw[];
-  Smem<kWarps>& sm = *reinterpret_cast<Smem<kWarps>*>(smem_raw);
-  char* xs = smem_raw + x_offset<kWarps, kDepth>();  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+  char* xs = smem_raw + kXOffset;  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
 
@@ -192,7 +180,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) grouped_gemm_warp_kernel(Param
   // (A register ring loaded with ld.global, the kernel's first form, had its loads placed by
   // ptxas: it issued a round's eight in a cluster after its sixth chunk, leaving two chunks of work
   // to hide a round's load latency.)
-  const uint32_t ring = uint32_t(__cvta_generic_to_shared(smem_raw)) + uint32_t(ring_offset<kWarps>()) +
+  const uint32_t ring = uint32_t(__cvta_generic_to_shared(smem_raw)) + uint32_t(kRingOffset) +
                         uint32_t(warp * kDepth * kSlotBytes);
   auto copy_chunk = [&](int i, const uint8_t* codes, const uint8_t* scales, bool on) {
     const uint32_t slot = ring + uint32_t(i * kSlotBytes);
@@ -341,16 +329,15 @@ __global__ void __launch_bounds__(kWarps * 32, 1) grouped_gemm_warp_kernel(Param
   cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
 }
 
-template <GemmEpilogue kEpilogue, int kWarps, int kDepth>
-Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) {
-  auto kernel = grouped_gemm_warp_kernel<kEpilogue, kWarps, kDepth>;
-  const size_t smem = size_t(x_offset<kWarps, kDepth>()) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
+template <GemmEpilogue kEpilogue>
+Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStream_t stream) {
+  auto kernel = grouped_gemm_warp_kernel<kEpilogue>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): cudaFuncSetAttribute: %s",
                 cudaGetErrorString(e));
   }
-  e = pdl::launch(kernel, dim3(unsigned(sms)), dim3(kWarps * 32), smem, stream, p,
+  e = pdl::launch(kernel, dim3(unsigned(sms)), dim3(kCtaThreads), smem, stream, p,
                   static_cast<const __nv_bfloat16*>(x));
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): launch: %s", cudaGetErrorString(e));
@@ -358,53 +345,21 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
   return check_launch("grouped_gemm_nvfp4 (warp kernel)");
 }
 
-template <int kWarps, int kDepth>
-Status launch_shape(const Params& p, const void* x, GemmEpilogue epilogue, int sms, cudaStream_t stream) {
+}  // namespace
+
+Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream_ptr) noexcept {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (p.splits != 1 && p.splits != 2 && p.splits != 4 && p.splits != 8) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4 (warp kernel): %d splits (1, 2, 4 or 8)", p.splits);
+  }
+  const size_t smem = size_t(kXOffset) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
   switch (epilogue) {
-    case GemmEpilogue::kPlain: return launch_one<GemmEpilogue::kPlain, kWarps, kDepth>(p, x, sms, stream);
-    case GemmEpilogue::kInterleaved: return launch_one<GemmEpilogue::kInterleaved, kWarps, kDepth>(p, x, sms, stream);
-    case GemmEpilogue::kSwigluBf16: return launch_one<GemmEpilogue::kSwigluBf16, kWarps, kDepth>(p, x, sms, stream);
+    case GemmEpilogue::kPlain: return launch_one<GemmEpilogue::kPlain>(p, x, sms, smem, stream);
+    case GemmEpilogue::kInterleaved: return launch_one<GemmEpilogue::kInterleaved>(p, x, sms, smem, stream);
+    case GemmEpilogue::kSwigluBf16: return launch_one<GemmEpilogue::kSwigluBf16>(p, x, sms, smem, stream);
     default: break;
   }
   return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: the warp kernel does not write SwigluNvfp4");
-}
-
-}  // namespace
-
-Plan plan_launch(int64_t total_rows, int64_t experts, int64_t n, int64_t k, int sms, int64_t max_splits) noexcept {
-  const int64_t units = (total_rows < experts ? total_rows : experts) * (n / kUnitFeatures);
-  auto plan_of = [&](Shape shape) { return Plan{shape, choose_splits(total_rows, experts, n, k, sms, max_splits, shape.warps)}; };
-  // items / (rounds x slots), as a fraction with a common denominator (exact integer compare).
-  auto fill = [&](const Plan& pl, int64_t& num, int64_t& den) {
-    const int64_t items = units * pl.splits, slots = int64_t(sms) * pl.shape.warps;
-    num = items;
-    den = (items + slots - 1) / slots * slots;
-  };
-  const Plan narrow = plan_of(kNarrow);
-  if (!x_fits(kWide, total_rows, k) || units <= 0 || sms <= 0) return narrow;
-  const Plan wide = plan_of(kWide);
-  const char* force = std::getenv("NVFP4MOE_WARP_SHAPE");
-  if (force != nullptr && std::strcmp(force, "narrow") == 0) return narrow;
-  if (force != nullptr && std::strcmp(force, "wide") == 0) return wide;
-  int64_t nn, nd, wn, wd;
-  fill(narrow, nn, nd);
-  fill(wide, wn, wd);
-  return wn * nd > nn * wd ? wide : narrow;
-}
-
-Status launch(const Params& p, const void* x, GemmEpilogue epilogue, Shape shape, int sms, void* stream_ptr) noexcept {
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if ((p.splits != 1 && p.splits != 2 && p.splits != 4 && p.splits != 8) || shape.warps % p.splits != 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4 (warp kernel): %d splits (1, 2, 4 or 8)", p.splits);
-  }
-  if (shape.warps == kWide.warps && shape.depth == kWide.depth && x_fits(kWide, p.total_rows, p.k)) {
-    return launch_shape<kWide.warps, kWide.depth>(p, x, epilogue, sms, stream);
-  }
-  if (shape.warps == kNarrow.warps && shape.depth == kNarrow.depth && x_fits(kNarrow, p.total_rows, p.k)) {
-    return launch_shape<kNarrow.warps, kNarrow.depth>(p, x, epilogue, sms, stream);
-  }
-  return fail(Status::kInvalidShape, "grouped_gemm_nvfp4 (warp kernel): no CTA shape of %d warps x %d slots fits x",
-              shape.warps, shape.depth);
 }
 
 }  // namespace nvfp4moe::gemm::warp

@@ -137,10 +137,7 @@ pub(crate) mod grouped {
     /// (7808), a K past it (13184: fewer rows), mixtral-8x7b's K = 14336 (fewer rows), and more
     /// units than warps (n = 7168 over 8 experts: a warp's next unit is loaded during its tail),
     /// at K = 2048 and at K = 256 (units shorter than the ring); rows: one, eight in one expert, a
-    /// random spread with empty experts, rows past offsets[E]. `Auto` runs both CTA shapes on a
-    /// 132-SM H200 (the wide one where units fill its slots better: n = 1536 over 8 experts, n =
-    /// 2880 over 2); `NVFP4MOE_WARP_SHAPE=narrow|wide` runs every case on one (the wide one where x
-    /// fits it: not K = 7808 at 8 rows). scripts/gpu-run.sh runs this test once more per shape.
+    /// random spread with empty experts, rows past offsets[E].
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn warp_tile_matches_reference_split_and_unsplit() {
