@@ -134,9 +134,9 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 // shared memory, max_splits != 1: its bits may differ from the wgmma tiles') and the N8 tile would
 // neither fill one round of its CTA slots (2 per SM) to at least 90% nor need more than two rounds
 // (an upper bound of its tiles: ceil(n / 128) x min(total_rows, experts)): there N8 was as fast or faster
-// (deepseek-v3 L1 and qwen3-235b-a22b L2 at T = 1, 256 tiles on 264 slots: 3% and 12% faster than
-// the warp kernel; mixtral-8x7b at T = 2 and 4 3-4%; every other T = 1 launch of the presets 0-11%
-// slower on N8, H200 2026-12-03).
+// (deepseek-v3 L1 and qwen3-235b-a22b L2 at T = 1, 256 tiles on 264 slots: 5% and 7% faster than
+// the warp kernel of 2026-12-03, session 9; mixtral-8x7b at T = 2 and 4 3-4%, session 8; every
+// other T = 1 launch of the presets faster on the warp kernel, H200 2026-12-03).
 GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noexcept;
 
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
