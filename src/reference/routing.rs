@@ -338,25 +338,7 @@ mod tests {
         assert!(matches!(softmax_topk(&[0.5, 1.0], 1, 2, 0, true), Err(Error::InvalidShape(_))));
         assert!(matches!(permute(&[], 0, 4), Err(Error::InvalidShape(_))));
         assert!(matches!(permute(&[1, 2], 0, 4), Err(Error::InvalidShape(_))));
-        let ck = MoeCheckpoint::from_experts(
-            crate::reference::ExpertWeightsHost {
-                experts: 1,
-                n: 32,
-                k: 16,
-                codes: vec![0; 256],
-                scales: vec![0x38; 32],
-                decode_scales: vec![1.0],
-            },
-            vec![1.0],
-            crate::reference::ExpertWeightsHost {
-                experts: 1,
-                n: 16,
-                k: 16,
-                codes: vec![0; 128],
-                scales: vec![0x38; 16],
-                decode_scales: vec![1.0],
-            },
-        );
+        let ck = crate::testing::random_moe_checkpoint(&mut Rng::from_entropy(), 1, 16, 16);
         let x = vec![bf16::ONE; 16];
         assert!(moe_layer(&x, 1, &[0], &[1.0], 1, &ck).is_ok());
         for tokens in [0, 1] {

@@ -136,6 +136,15 @@ fn write_raw(path: &Path, tensors: &[Raw]) {
     safetensors::serialize_to_file(views, None, path).unwrap();
 }
 
+/// A safetensors file of exactly this header text (the 8-byte length, the JSON) and `data` zero
+/// bytes: for headers no writer would make.
+fn write_header_file(path: &Path, json: &str, data: usize) {
+    let mut b = (json.len() as u64).to_le_bytes().to_vec();
+    b.extend_from_slice(json.as_bytes());
+    b.extend(std::iter::repeat_n(0u8, data));
+    std::fs::write(path, b).unwrap();
+}
+
 fn find(ts: &[Raw], name: &str) -> usize {
     ts.iter().position(|t| t.0 == name).unwrap_or_else(|| panic!("no `{name}`"))
 }
@@ -938,12 +947,7 @@ fn truncated_files_are_errors_not_crashes() {
 fn header_problems_are_named_without_quoting_the_header() {
     let d = TmpDir::new("header");
     let path = d.path("h.safetensors");
-    let write_header = |json: &str, data: usize| {
-        let mut b = (json.len() as u64).to_le_bytes().to_vec();
-        b.extend_from_slice(json.as_bytes());
-        b.extend(std::iter::repeat_n(0u8, data));
-        std::fs::write(&path, b).unwrap();
-    };
+    let write_header = |json: &str, data: usize| write_header_file(&path, json, data);
     let open_err = || crate::io::SafetensorsFile::open(&path).unwrap_err().to_string();
     write_header(r#"{"a\nb": {"dtype": "SECRET_DTYPE", "shape": [2], "data_offsets": [0, 2]}}"#, 2);
     let m = open_err();
@@ -1040,12 +1044,7 @@ fn zero_sized_and_huge_dimensions_are_named() {
 fn repeated_header_keys_are_refused() {
     let d = TmpDir::new("dup");
     let path = d.path("h.safetensors");
-    let write_header = |json: &str, data: usize| {
-        let mut b = (json.len() as u64).to_le_bytes().to_vec();
-        b.extend_from_slice(json.as_bytes());
-        b.extend(std::iter::repeat_n(0u8, data));
-        std::fs::write(&path, b).unwrap();
-    };
+    let write_header = |json: &str, data: usize| write_header_file(&path, json, data);
     let x = r#""x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}"#;
     let x2 = r#""x": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
     let y = r#""y": {"dtype": "U8", "shape": [2], "data_offsets": [2, 4]}"#;
