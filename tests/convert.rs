@@ -728,3 +728,90 @@ fn a_cancelled_run_stops_and_leaves_nothing() {
     assert_eq!(seen.into_inner(), 11);
     assert_eq!(std::fs::read_dir(&outs).unwrap().count(), 0);
 }
+
+/// A finite F32 beyond the BF16 range would round to infinity: `convert` refuses it as the other
+/// readers do, naming the tensor and its first such element (the lowest index, however the
+/// conversion splits the tensor over threads), per-expert and in a stacked 3-D tensor; the largest
+/// F32 that rounds to BF16's largest finite value converts (issue 21).
+#[test]
+fn convert_names_the_first_f32_beyond_the_bf16_range() {
+    let t = TmpDir::new("f32-range");
+    let out = dir(&t, "out");
+    // 0x7F7F_7FFF rounds down to BF16::MAX; 0x7F7F_8000 is the tie that rounds up to infinity.
+    let (edge, over) = (f32::from_bits(0x7F7F_7FFF), f32::from_bits(0x7F7F_8000));
+    let set = |m: &mut fx::Model, name: &str, index: usize, x: f32| {
+        let t = m.tensors.iter_mut().find(|t| t.name.ends_with(name)).unwrap();
+        assert_eq!(t.dtype, Dtype::F32);
+        t.data[4 * index..4 * index + 4].copy_from_slice(&x.to_le_bytes());
+    };
+    let base = fx::with_dtype(&fx::bf16_model(0x180a), Dtype::F32, 3);
+    let (h, i) = (fx::HIDDEN, fx::INTERMEDIATE);
+
+    // The edge value is in range: the model converts.
+    let mut m = base.clone();
+    set(&mut m, "experts.1.up_proj.weight", 7, -edge);
+    let a = dir(&t, "edge");
+    fx::write_model(&a, &m, 1);
+    cpu_convert(&a, &out, &ConvertOptions::default()).unwrap();
+
+    for bad in [over, -over, f32::MAX, -f32::MAX] {
+        let mut m = base.clone();
+        let first = 3 * h + 17;
+        set(&mut m, "experts.1.up_proj.weight", first, bad);
+        set(&mut m, "experts.1.up_proj.weight", i * h - 1, f32::MAX);
+        let b = dir(&t, &format!("bad-{:08x}", bad.to_bits()));
+        fx::write_model(&b, &m, 2);
+        let e = cpu_convert(&b, &out, &ConvertOptions { force: true, ..Default::default() }).unwrap_err();
+        let want = format!("element [3, 17] (index {first}) is {bad:e}, finite but beyond the BF16 range");
+        match &e {
+            Error::Tensor { name, what } => {
+                assert_eq!(name, &format!("{EXPERTS_PREFIX}.1.up_proj.weight"));
+                assert!(what.contains(&want), "`{what}` lacks `{want}`");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    // Stacked 3-D experts [E, 2I, H]: the element is named in the tensor's own shape.
+    let mut m = fx::with_dtype(&fx::stacked(&fx::bf16_model(0x180b)), Dtype::F32, 4);
+    let at = (2 * (2 * i) + i + 3) * h + 5; // expert 2, up row 3, column 5
+    set(&mut m, "experts.gate_up_proj", at, over);
+    let c = dir(&t, "stacked");
+    fx::write_model(&c, &m, 1);
+    match cpu_convert(&c, &out, &ConvertOptions { force: true, ..Default::default() }).unwrap_err() {
+        Error::Tensor { name, what } => {
+            assert_eq!(name, format!("{EXPERTS_PREFIX}.gate_up_proj"));
+            let want = format!("element [2, {}, 5] (index {at})", i + 3);
+            assert!(what.contains(&want), "`{what}` lacks `{want}`");
+        }
+        other => panic!("{other:?}"),
+    }
+
+    // A tensor converted in several parallel chunks (about 2^20 elements each): the lowest index
+    // is named even when a later chunk holds an offending element too.
+    let (rows, cols) = (8192usize, 256usize);
+    let mut big = vec![0u8; rows * cols * 4];
+    for (j, c) in big.chunks_exact_mut(4).enumerate() {
+        c.copy_from_slice(&((j % 97) as f32 * 1e-3).to_le_bytes());
+    }
+    let name = format!("{EXPERTS_PREFIX}.0.gate_proj.weight");
+    let mut m = fx::Model {
+        tensors: vec![fx::T { name: name.clone(), dtype: Dtype::F32, shape: vec![rows, cols], data: big }],
+        config: base.config.clone(),
+    };
+    let (early, late) = ((1 << 20) - 3, (3 << 19) + 1);
+    set(&mut m, "experts.0.gate_proj.weight", late, f32::MAX);
+    set(&mut m, "experts.0.gate_proj.weight", early, -f32::MAX);
+    let d = dir(&t, "chunks");
+    fx::write_model(&d, &m, 1);
+    for _ in 0..3 {
+        match cpu_convert(&d, &out, &ConvertOptions { force: true, ..Default::default() }).unwrap_err() {
+            Error::Tensor { name: n, what } => {
+                assert_eq!(n, name);
+                let want = format!("element [{}, {}] (index {early})", early / cols, early % cols);
+                assert!(what.contains(&want), "`{what}` lacks `{want}`");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! In: a model directory (one `.safetensors` file or shards with an `*.index.json`), a Hugging
 //! Face cache snapshot or root, or the index itself; weights in BF16, F16 or F32 (F16 and F32 are
 //! rounded to BF16 first, round-to-nearest-even: their bytes are then ModelOpt's applied to that
-//! BF16 tensor), or DeepSeek-V3 / Kimi-K2 FP8 block-scaled weights (E4M3 `weight` with an F32
+//! BF16 tensor; a finite F32 beyond the BF16 range, which would round to infinity, is an
+//! [`Error::Tensor`] naming the tensor and its first such element), or DeepSeek-V3 / Kimi-K2 FP8 block-scaled weights (E4M3 `weight` with an F32
 //! `weight_scale_inv` per 128x128 block, `quantization_config.quant_method` `fp8`), dequantized on
 //! the fly to BF16 as DeepSeek's own `weight_dequant` does (`bf16_rne(f32(e4m3) * scale_inv)`).
 //! Any other quantized input is [`Error::AlreadyQuantized`].

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, sync_channel, Receiver};
 use std::sync::Arc;
 use std::time::Instant;
@@ -21,7 +21,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::format::e4m3_decode;
-use crate::io::{io_err, shown, shown_path, sync_dir, unpredictable_u64, FileKind, SafetensorsFile};
+use crate::io::{
+    beyond_bf16_err, f32_to_bf16, io_err, shown, shown_path, sync_dir, unpredictable_u64, FileKind, SafetensorsFile,
+};
 
 /// Refuses an output path that exists, unless it is a directory and `force` is given.
 pub(super) fn check_output(output: &Path, force: bool) -> Result<()> {
@@ -276,19 +278,37 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
     let rows_per = (1usize << 20).div_ceil(cols).max(1);
     match src.dtype {
         Dtype::BF16 | Dtype::F16 | Dtype::F32 => {
-            let items: Vec<_> = out.chunks_mut(rows_per * cols).zip(bytes.chunks(rows_per * cols * elem)).collect();
+            let items: Vec<_> =
+                out.chunks_mut(rows_per * cols).zip(bytes.chunks(rows_per * cols * elem)).enumerate().collect();
             let dtype = src.dtype;
-            run_parallel(threads, items, |(o, b)| -> Result<()> {
-                for (v, e) in o.iter_mut().zip(b.chunks_exact(elem)) {
+            // The first (lowest) index of a finite F32 beyond the BF16 range, over all chunks
+            // whatever the order they run in, so the error names the same element every time.
+            let first_beyond = AtomicUsize::new(usize::MAX);
+            run_parallel(threads, items, |(i, (o, b))| -> Result<()> {
+                for (j, (v, e)) in o.iter_mut().zip(b.chunks_exact(elem)).enumerate() {
                     *v = match dtype {
                         Dtype::BF16 => bf16::from_le_bytes([e[0], e[1]]),
                         // F16 -> f32 is exact; one rounding to BF16 (nearest-even).
                         Dtype::F16 => bf16::from_f32(f16::from_le_bytes([e[0], e[1]]).to_f32()),
-                        _ => bf16::from_f32(f32::from_le_bytes([e[0], e[1], e[2], e[3]])),
+                        _ => match f32_to_bf16(f32::from_le_bytes([e[0], e[1], e[2], e[3]])) {
+                            Some(b) => b,
+                            None => {
+                                first_beyond.fetch_min(i * rows_per * cols + j, Ordering::Relaxed);
+                                break;
+                            }
+                        },
                     };
                 }
                 Ok(())
             })?;
+            let k = first_beyond.into_inner();
+            if k != usize::MAX {
+                let e = &bytes[k * elem..(k + 1) * elem];
+                let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
+                let shape =
+                    files[src.shard].info(&src.name).map_or_else(|| vec![src.rows, src.cols], |t| t.shape.clone());
+                return Err(beyond_bf16_err(&src.name, &shape, src.first_row * src.cols + k, x));
+            }
         }
         Dtype::F8_E4M3 => {
             let fp8 = src

@@ -83,25 +83,42 @@ pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>
             let mut v = Vec::with_capacity(data.len() / 4);
             for (i, c) in data.chunks_exact(4).enumerate() {
                 let x = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                let b = bf16::from_f32(x);
-                // Rounding a finite value to Inf would pass it off as a non-finite input.
-                if x.is_finite() && b.is_infinite() {
-                    return Err(tensor_err(
-                        name,
-                        format!(
-                            "F32 element [{}, {}] (index {i}) is {x:e}, finite but beyond the BF16 range (largest \
-                             finite BF16: {:e}): it would round to infinity",
-                            i / cols,
-                            i % cols,
-                            bf16::MAX.to_f32()
-                        ),
-                    ));
-                }
-                v.push(b);
+                v.push(f32_to_bf16(x).ok_or_else(|| beyond_bf16_err(name, &t.shape, i, x))?);
             }
             Ok((v, rows, cols, SourceDtype::F32))
         }
     }
+}
+
+/// `x` rounded to BF16 (round-to-nearest-even; NaN and infinities kept), or `None` for a finite
+/// `x` beyond the BF16 range, which would round to infinity and pass itself off as a non-finite
+/// input. Every reader that turns F32 into BF16 uses it, with [`beyond_bf16_err`] for the `None`.
+pub(crate) fn f32_to_bf16(x: f32) -> Option<bf16> {
+    let b = bf16::from_f32(x);
+    (!(x.is_finite() && b.is_infinite())).then_some(b)
+}
+
+/// The typed error for the first F32 element of tensor `name` (of `shape`, at flat index
+/// `index`) that [`f32_to_bf16`] refuses: it names the tensor, the element and its value.
+pub(crate) fn beyond_bf16_err(name: &str, shape: &[usize], index: usize, x: f32) -> crate::error::Error {
+    // The element's multi-index, last dimension fastest (a zero dimension cannot hold an element).
+    let mut at = vec![0usize; shape.len()];
+    let mut rest = index;
+    for (a, &d) in at.iter_mut().zip(shape).rev() {
+        if d > 0 {
+            *a = rest % d;
+            rest /= d;
+        }
+    }
+    tensor_err(
+        name,
+        format!(
+            "F32 element {} (index {index}) is {x:e}, finite but beyond the BF16 range (largest finite BF16: {:e}): \
+             it would round to infinity",
+            shape_str(&at),
+            bf16::MAX.to_f32()
+        ),
+    )
 }
 
 /// The little-endian bytes of `data`: borrowed on a little-endian machine (no copy of what may be
