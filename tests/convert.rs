@@ -483,6 +483,21 @@ fn bad_inputs_give_typed_errors_and_leave_nothing_behind() {
     assert!(matches!(cpu_convert(&mo, &out, &ConvertOptions::default()), Err(Error::AlreadyQuantized { .. })));
     nothing_left();
 
+    // A config.json with a key given twice (serde_json would keep the last one silently): here
+    // the first quantization_config says FP8, which convert would read, the last says nothing.
+    let k = dir(&t, "dup-config");
+    fx::write_model(&k, &m, 1);
+    let config = std::fs::read_to_string(k.join("config.json")).unwrap();
+    let dup =
+        config.replacen('{', r#"{"quantization_config": {"quant_method": "fp8"}, "quantization_config": null,"#, 1);
+    std::fs::write(k.join("config.json"), dup).unwrap();
+    let e = cpu_convert(&k, &out, &ConvertOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid(m) if m.contains("config.json") && m.contains("has the key `quantization_config` twice")),
+        "{e:?}"
+    );
+    nothing_left();
+
     // K not a multiple of 16.
     let mut bad = m.clone();
     let x = bad.tensors.iter_mut().find(|t| t.name.ends_with("experts.0.gate_proj.weight")).unwrap();

@@ -368,9 +368,11 @@ impl Plan {
         let config_path = dir.join("config.json");
         let config = if config_path.exists() {
             let bytes = read_small_file(&config_path, MAX_CONFIG_BYTES, "config")?;
-            Some(serde_json::from_slice::<Value>(&bytes).map_err(|e| {
-                Error::Invalid(format!("`{}` is {}", shown_path(&config_path), crate::io::json_problem(&e)))
-            })?)
+            // An object without repeated keys (serde_json would keep the last of two silently).
+            let v = crate::io::parse_json_unique(&bytes).map_err(|e| {
+                Error::Invalid(format!("`{}` {}", shown_path(&config_path), crate::io::json_unique_problem(&e)))
+            })?;
+            Some(Value::Object(v))
         } else {
             None
         };

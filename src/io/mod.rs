@@ -27,6 +27,6 @@ pub(crate) use self::fs::{io_err, open_regular, read_small_file, sync_dir, unpre
 pub use self::fs::{write_file_atomically, FileKind};
 pub(crate) use self::matrix::{beyond_bf16_err, f32_to_bf16};
 pub use self::matrix::{read_matrix_bf16, read_modelopt, write_bf16, write_modelopt, ModelOptWeight, SourceDtype};
-pub(crate) use self::safetensors::json_problem;
 pub use self::safetensors::SafetensorsFile;
+pub(crate) use self::safetensors::{json_unique_problem, parse_json_unique};
 pub(crate) use self::shown::{shown, shown_path};

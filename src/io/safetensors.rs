@@ -186,6 +186,19 @@ pub(crate) fn parse_json_unique(
     }
 }
 
+/// What [`parse_json_unique`] found wrong, as the predicate of a sentence about the document
+/// ("`config.json` {...}"): "is not valid JSON (at line 1, column 7)", "has the key `a` twice in
+/// `b`". Never quotes a value, only keys (escaped and shortened).
+pub(crate) fn json_unique_problem(e: &JsonError) -> String {
+    match e {
+        JsonError::Json(e) => format!("is {}", json_problem(e)),
+        JsonError::Repeated(RepeatedKey { parent: Some(p), key }) => {
+            format!("has the key `{}` twice in `{}`", shown(key), shown(p))
+        }
+        JsonError::Repeated(RepeatedKey { parent: None, key }) => format!("has the key `{}` twice", shown(key)),
+    }
+}
+
 /// A safetensors file, memory-mapped, whose header has been read and checked: every tensor's
 /// dtype, shape and byte range.
 #[derive(Debug)]

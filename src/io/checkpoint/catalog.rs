@@ -11,7 +11,7 @@ use safetensors::tensor::Dtype;
 use crate::error::{Error, Result};
 use crate::io::fs::read_small_file;
 use crate::io::safetensors::{
-    io_err, json_problem, parse_json_unique, tensor_err, JsonError, RepeatedKey, SafetensorsFile,
+    io_err, json_unique_problem, parse_json_unique, tensor_err, JsonError, RepeatedKey, SafetensorsFile,
 };
 use crate::io::shown::{shown, shown_path};
 
@@ -71,16 +71,12 @@ fn json_type(v: &serde_json::Value) -> &'static str {
 fn read_index(path: &Path) -> Result<Vec<(String, String)>> {
     let bytes = read_small_file(path, MAX_INDEX_BYTES, "checkpoint index")?;
     let v = parse_json_unique(&bytes).map_err(|e| {
-        let what = match e {
-            JsonError::Json(e) => format!("is {}", json_problem(&e)),
+        let what = match &e {
             // Which shard holds a tensor listed twice would be whichever entry came last.
             JsonError::Repeated(RepeatedKey { parent: Some(p), key }) if p == "weight_map" => {
-                format!("lists tensor `{}` twice in its weight_map", shown(&key))
+                format!("lists tensor `{}` twice in its weight_map", shown(key))
             }
-            JsonError::Repeated(RepeatedKey { parent: Some(p), key }) => {
-                format!("has the key `{}` twice in `{}`", shown(&key), shown(&p))
-            }
-            JsonError::Repeated(RepeatedKey { parent: None, key }) => format!("has the key `{}` twice", shown(&key)),
+            _ => json_unique_problem(&e),
         };
         Error::Invalid(format!("checkpoint index `{}` {what}", shown_path(path)))
     })?;

@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use crate::error::{Error, Result};
 use crate::io::fs::read_small_file;
-use crate::io::safetensors::json_problem;
+use crate::io::safetensors::{json_unique_problem, parse_json_unique};
 use crate::io::shown::shown;
 
 /// The largest `config.json` / `hf_quant_config.json` accepted.
@@ -135,16 +135,16 @@ fn dialect_err(path: &Path, what: impl Into<String>) -> Error {
     Error::Dialect { path: path.to_path_buf(), what: what.into() }
 }
 
-/// A JSON config beside the checkpoint, if there is one.
+/// A JSON config beside the checkpoint, if there is one: an object without repeated keys.
 fn read_config(path: &Path) -> Result<Option<Value>> {
     match std::fs::symlink_metadata(path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         _ => {}
     }
     let bytes = read_small_file(path, MAX_CONFIG_BYTES, "config")?;
-    let v: Value =
-        serde_json::from_slice(&bytes).map_err(|e| dialect_err(path, format!("it is {}", json_problem(&e))))?;
-    Ok(Some(v))
+    // A key given twice would be read as whichever came last (serde_json keeps it silently).
+    let v = parse_json_unique(&bytes).map_err(|e| dialect_err(path, format!("it {}", json_unique_problem(&e))))?;
+    Ok(Some(Value::Object(v)))
 }
 
 /// A string field of a JSON object, if it is one.

@@ -407,8 +407,8 @@ pub struct LoadedExperts {
 /// # Errors
 /// An unreadable file ([`Error::Io`]), one that is not a regular file
 /// ([`Error::NotRegularFile`]), a malformed file or index ([`Error::Invalid`]), an index shard
-/// name outside its directory ([`Error::UnsafeShardPath`]), configs that name another method or
-/// disagree with the tensors ([`Error::Dialect`]), no experts under `prefix`, or a tensor missing,
+/// name outside its directory ([`Error::UnsafeShardPath`]), configs that are not a JSON object, give a
+/// key twice, name another method or disagree with the tensors ([`Error::Dialect`]), no experts under `prefix`, or a tensor missing,
 /// of the wrong dtype or shape, or unexpected ([`Error::Tensor`], naming it).
 pub fn load_experts(path: impl AsRef<Path>, prefix: &str) -> Result<LoadedExperts> {
     load(path.as_ref(), prefix, None)

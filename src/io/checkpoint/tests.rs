@@ -1094,3 +1094,48 @@ fn repeated_index_entries_are_refused() {
     let m = e.to_string();
     assert!(matches!(e, Error::Invalid(_)) && m.contains(&format!("`{name}` twice")), "{m}; {seed}");
 }
+
+/// A config (`config.json`, `hf_quant_config.json`) with a key given twice is refused naming the
+/// key and the file: serde_json would keep the last one silently, so a config declaring two
+/// methods (or two group sizes) would be read as whichever came last (issue 21).
+#[test]
+fn repeated_config_keys_are_refused() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 2, 64, 32);
+    let d = TmpDir::new("dup-config");
+    let path = d.path("model.safetensors");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    let config = d.path("config.json");
+    let modelopt = r#"{"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}"#;
+    let ct = serde_json::to_string(&ct_config(true)["quantization_config"]).unwrap();
+    let refused = |file: &str, text: String, want: &str| {
+        let p = d.path(file);
+        std::fs::write(&p, text).unwrap();
+        let e = load_experts(&d.0, QWEN).unwrap_err();
+        let m = e.to_string();
+        assert!(matches!(&e, Error::Dialect { path, .. } if path == Path::new(&p)), "{m}; {seed}");
+        assert!(m.contains(want), "`{m}` lacks `{want}`; {seed}");
+    };
+    // The last of two quantization_configs is the ModelOpt one the tensors agree with.
+    refused(
+        "config.json",
+        format!(r#"{{"quantization_config": {ct}, "model_type": "qwen3_moe", "quantization_config": {modelopt}}}"#),
+        "has the key `quantization_config` twice",
+    );
+    refused(
+        "config.json",
+        r#"{"quantization_config": {"quant_method": "fp8", "quant_algo": "NVFP4", "quant_method": "modelopt"}}"#.into(),
+        "has the key `quant_method` twice in `quantization_config`",
+    );
+    // Without the repetition the config is read.
+    std::fs::write(&config, format!(r#"{{"model_type": "qwen3_moe", "quantization_config": {modelopt}}}"#)).unwrap();
+    let got = load_experts(&d.0, QWEN).unwrap();
+    assert_eq!(got.format.declared_in.as_deref(), Some(Path::new(&config)), "{seed}");
+    // ModelOpt's own record.
+    std::fs::remove_file(&config).unwrap();
+    refused(
+        "hf_quant_config.json",
+        r#"{"quantization": {"quant_algo": "NVFP4", "group_size": 32, "group_size": 16}}"#.into(),
+        "has the key `group_size` twice in `quantization`",
+    );
+}
