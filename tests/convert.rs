@@ -498,6 +498,41 @@ fn bad_inputs_give_typed_errors_and_leave_nothing_behind() {
     );
     nothing_left();
 
+    // Converted tensors with a zero dimension: a header may give any other dimension beside it
+    // (no bytes either way). 2^62 F32 columns overflowed the conversion's chunk size (a panic);
+    // stacked experts with no rows would have made one empty matrix per "expert".
+    for (field, shape, dtype) in [
+        ("experts.0.gate_proj.weight", vec![0, 1usize << 62], Dtype::F32),
+        ("experts.0.gate_proj.weight", vec![fx::INTERMEDIATE, 0], Dtype::BF16),
+        ("experts.0.gate_proj.weight", vec![0, fx::HIDDEN], Dtype::BF16),
+    ] {
+        let mut bad = m.clone();
+        let x = bad.tensors.iter_mut().find(|t| t.name.ends_with(field)).unwrap();
+        (x.shape, x.dtype, x.data) = (shape.clone(), dtype, Vec::new());
+        let z = dir(&t, "zero");
+        fx::write_model(&z, &bad, 1);
+        match cpu_convert(&z, &out, &ConvertOptions::default()) {
+            Err(Error::Tensor { name, what }) => {
+                assert!(name.ends_with(field) && what.contains(&format!("{shape:?}")) && what.contains("zero"), "{what}")
+            }
+            other => panic!("{shape:?}: {other:?}"),
+        }
+        nothing_left();
+        std::fs::remove_dir_all(&z).unwrap();
+    }
+    let mut bad = fx::stacked(&m);
+    let x = bad.tensors.iter_mut().find(|t| t.name.ends_with("experts.down_proj")).unwrap();
+    (x.shape, x.data) = (vec![1 << 40, fx::HIDDEN, 0], Vec::new());
+    let z = dir(&t, "zero-stacked");
+    fx::write_model(&z, &bad, 1);
+    match cpu_convert(&z, &out, &ConvertOptions::default()) {
+        Err(Error::Tensor { name, what }) => {
+            assert!(name.ends_with("experts.down_proj") && what.contains("zero dimension"), "{what}")
+        }
+        other => panic!("{other:?}"),
+    }
+    nothing_left();
+
     // K not a multiple of 16.
     let mut bad = m.clone();
     let x = bad.tensors.iter_mut().find(|t| t.name.ends_with("experts.0.gate_proj.weight")).unwrap();

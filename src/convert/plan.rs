@@ -524,6 +524,7 @@ impl Plan {
                             ),
                         });
                     }
+                    check_not_empty(&name, &t.shape)?;
                     let (e, rows, k) = (t.shape[0], t.shape[1], t.shape[2]);
                     let parts: Vec<(&str, usize, usize)> = if gate_up {
                         if !rows.is_multiple_of(2) {
@@ -566,6 +567,7 @@ impl Plan {
                 let default = is_routed_expert_weight(&name) && t.shape.len() == 2;
                 if is_linear_weight && float_ok && wanted(&name, default) {
                     let (n, k) = (t.shape[0], t.shape[1]);
+                    check_not_empty(&name, &t.shape)?;
                     check_k(&name, k)?;
                     let module = name.strip_suffix(".weight").expect("checked").to_string();
                     let unit = *groups.entry(g_group(&module)).or_insert_with(|| {
@@ -597,6 +599,7 @@ impl Plan {
                     ignore.push(name.strip_suffix(".weight").expect("checked").to_string());
                 }
                 if is_fp8 {
+                    check_not_empty(&name, &t.shape)?;
                     let (n, k) = (t.shape[0], t.shape[1]);
                     items.push(Item::Dequantize {
                         source: Source {
@@ -695,6 +698,19 @@ impl Plan {
     pub fn item(&self, shard: usize, item: usize) -> &Item {
         &self.shards[shard].items[item]
     }
+}
+
+/// A converted (or dequantized) tensor holds something: no zero dimension. A header may give any
+/// size beside a zero one (the byte length is 0 whatever the rest), which would make a huge number
+/// of empty matrices or overflow the conversion's size arithmetic.
+fn check_not_empty(name: &str, shape: &[usize]) -> Result<()> {
+    if shape.contains(&0) {
+        return Err(Error::Tensor {
+            name: shown(name),
+            what: format!("shape {shape:?} has a zero dimension: an empty matrix cannot be converted (--exclude it)"),
+        });
+    }
+    Ok(())
 }
 
 /// A converted matrix needs K (its columns) a positive multiple of 16.
