@@ -141,6 +141,11 @@ pub struct ExpertWeightsHost {
 impl ExpertWeightsHost {
     /// Weight `(e, f, kk)` exactly as the format defines it: e2m1 x e4m3 (f32, exact), without
     /// the expert's decode scale.
+    ///
+    /// # Panics
+    /// If `(e, f, kk)` is outside `[experts, n, k]` or the buffers are shorter than that shape
+    /// needs (an indexing accessor of the oracle, like slice indexing; checked callers such as
+    /// [`crate::reference::routing::moe_layer`] validate the shape first).
     pub fn weight(&self, e: usize, f: usize, kk: usize) -> f32 {
         let row = e * self.n + f;
         let byte = self.codes[row * (self.k / 2) + kk / 2];
@@ -254,7 +259,11 @@ impl MoeCheckpoint {
         if h == 0 || !h.is_multiple_of(16) || i == 0 || !i.is_multiple_of(16) {
             return shape(format!("hidden {h} and intermediate {i} must be positive multiples of 16"));
         }
-        for (what, w, n, k) in [("w13", &self.w13, 2 * i, h), ("w2", &self.w2, h, i)] {
+        // I and H come from the caller: 2I may not fit (every size below is then checked).
+        let Some(two_i) = i.checked_mul(2) else {
+            return shape(format!("intermediate {i}: 2 x I does not fit in usize"));
+        };
+        for (what, w, n, k) in [("w13", &self.w13, two_i, h), ("w2", &self.w2, h, i)] {
             if (w.experts, w.n, w.k) != (e, n, k) {
                 return shape(format!(
                     "{what} is {} experts x [{}, {}], expected {e} x [{n}, {k}]",
@@ -302,4 +311,20 @@ pub(crate) fn checked_len(dims: &[usize]) -> Result<usize> {
         let dims: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
         Error::InvalidShape(format!("[{}] is too large", dims.join(", ")))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hand-made checkpoint whose 2I does not fit in usize is an error, not an overflow panic
+    /// (issue 21).
+    #[test]
+    fn validate_refuses_sizes_that_overflow() {
+        let mut rng = crate::testing::test_rng();
+        let mut ck = crate::testing::random_moe_checkpoint(&mut rng, 1, 16, 16);
+        ck.validate().unwrap();
+        ck.intermediate = 1 << (usize::BITS - 1);
+        assert!(matches!(ck.validate(), Err(Error::InvalidShape(m)) if m.contains("2 x I")));
+    }
 }

@@ -17,6 +17,67 @@ use crate::host::ExpertWeightsHost;
 use crate::host::MoeCheckpoint;
 pub use crate::rng::Rng;
 
+/// The environment variable that fixes the seed of every randomized test: `NVFP4MOE_TEST_SEED=0x1f2e
+/// cargo test name` replays a failing test (decimal or `0x` hex).
+pub const TEST_SEED_ENV: &str = "NVFP4MOE_TEST_SEED";
+
+/// The seed [`TEST_SEED_ENV`] gives, if set.
+///
+/// # Panics
+/// If it is set but not a `u64` in decimal or `0x` hex (a test helper: a mistyped seed must not
+/// silently run a fresh one).
+pub fn test_seed_from_env() -> Option<u64> {
+    let v = std::env::var(TEST_SEED_ENV).ok()?;
+    let t = v.trim();
+    let parsed = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => t.parse(),
+    };
+    match parsed {
+        Ok(seed) => Some(seed),
+        Err(_) => panic!("{TEST_SEED_ENV}={v:?} is not a seed (a u64, decimal or 0x hex)"),
+    }
+}
+
+std::thread_local! {
+    /// This thread's (test's) base seed and how many generators it has handed out.
+    static TEST_SEED: std::cell::Cell<Option<(u64, u64)>> = const { std::cell::Cell::new(None) };
+}
+
+/// The random generator of a randomized test, replayable: the first call on a thread (the test
+/// harness runs each test on its own) takes its seed from [`TEST_SEED_ENV`] if set, else a fresh
+/// one, and prints it to stderr with the line that replays it (the harness shows a failing test's
+/// stderr); later calls on the same thread derive their seeds from that one, so one variable
+/// replays every generator of the test.
+///
+/// # Panics
+/// As [`test_seed_from_env`].
+#[track_caller]
+pub fn test_rng() -> Rng {
+    let at = std::panic::Location::caller();
+    let (base, n) = TEST_SEED.with(|c| {
+        let (base, n) = c.get().unwrap_or_else(|| {
+            let (seed, from) = match test_seed_from_env() {
+                Some(seed) => (seed, TEST_SEED_ENV),
+                None => (Rng::from_entropy().next_u64(), "fresh"),
+            };
+            eprintln!(
+                "test seed {seed:#x} ({from}; replay: {TEST_SEED_ENV}={seed:#x} cargo test ...), first drawn at {}:{}",
+                at.file(),
+                at.line()
+            );
+            (seed, 0)
+        });
+        c.set(Some((base, n + 1)));
+        (base, n)
+    });
+    if n == 0 {
+        // The first generator is `Rng::new(seed)` itself.
+        return Rng::new(base);
+    }
+    Rng::new(Rng::new(base ^ n.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64())
+}
+
 /// Random NVFP4 weights of `experts` experts `[n, k]`: random codes, scale bytes in
 /// `0x20..0x48` (E4M3 0.125 .. 3.75: valid, positive), decode scales in `[1e-3, 1e-2)`.
 fn random_expert_weights(rng: &mut Rng, experts: usize, n: usize, k: usize) -> ExpertWeightsHost {
@@ -92,10 +153,37 @@ pub fn random_device_weights(
 mod tests {
     use super::*;
 
+    /// One seed replays every generator of a test: the first is `Rng::new(seed)`, the later ones
+    /// are derived from it and differ from each other.
+    #[test]
+    fn test_rngs_replay_from_one_seed() {
+        let seed = std::thread::spawn(|| {
+            let mut a = test_rng();
+            let mut b = test_rng();
+            let first = TEST_SEED.with(|c| c.get()).unwrap().0;
+            assert_eq!(a.next_u64(), Rng::new(first).next_u64());
+            assert_ne!(a.next_u64(), b.next_u64());
+            first
+        })
+        .join()
+        .unwrap();
+        // The same base on a fresh thread gives the same generators.
+        let replay = std::thread::spawn(move || {
+            TEST_SEED.with(|c| c.set(Some((seed, 0))));
+            let (mut a, mut b) = (test_rng(), test_rng());
+            (a.next_u64(), b.next_u64())
+        });
+        let again = std::thread::spawn(move || {
+            TEST_SEED.with(|c| c.set(Some((seed, 0))));
+            let (mut a, mut b) = (test_rng(), test_rng());
+            (a.next_u64(), b.next_u64())
+        });
+        assert_eq!(replay.join().unwrap(), again.join().unwrap());
+    }
+
     #[test]
     fn random_checkpoint_is_valid() {
-        let mut rng = Rng::from_entropy();
-        eprintln!("seed = {:#x}", rng.seed());
+        let mut rng = test_rng();
         let (e, h, i) = (3usize, 64usize, 48usize);
         let ck = random_moe_checkpoint(&mut rng, e, h, i);
         assert_eq!((ck.experts, ck.hidden, ck.intermediate), (e, h, i));

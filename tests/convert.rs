@@ -513,7 +513,10 @@ fn bad_inputs_give_typed_errors_and_leave_nothing_behind() {
         fx::write_model(&z, &bad, 1);
         match cpu_convert(&z, &out, &ConvertOptions::default()) {
             Err(Error::Tensor { name, what }) => {
-                assert!(name.ends_with(field) && what.contains(&format!("{shape:?}")) && what.contains("zero"), "{what}")
+                assert!(
+                    name.ends_with(field) && what.contains(&format!("{shape:?}")) && what.contains("zero"),
+                    "{what}"
+                )
             }
             other => panic!("{shape:?}: {other:?}"),
         }

@@ -253,6 +253,10 @@ pub fn quantize_grouped(
 
 /// One element of the grouped GEMM, in f64: `sum_k x[row, k] * w_e[f, k] * g_e` where `e` is the
 /// expert owning `row` (the CPU oracle for the GPU kernel).
+///
+/// # Panics
+/// If `row` is not a row of `x` (`[rows, w.k]`) or `(e, f)` not a row of `w` (an indexing
+/// helper of the GPU tests, like slice indexing).
 pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: usize, f: usize) -> f64 {
     let k = w.k;
     let xr = &x[row * k..(row + 1) * k];
@@ -267,6 +271,9 @@ pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: us
 /// `gate = x[row] . W[e, f] * g_gate` and `up = x[row] . W[e, I + f] * g_up`, where `w` holds per
 /// expert the gate rows `[0, I)` then the up rows `[I, 2I)` (the CPU oracle of the SwiGLU
 /// epilogues). Returns (gate, swiglu).
+///
+/// # Panics
+/// As [`grouped_gemm_element`], for `f` and `I + f`.
 pub fn swiglu_element(
     x: &[bf16],
     w: &ExpertWeightsHost,

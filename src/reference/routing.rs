@@ -30,11 +30,10 @@ pub fn softmax_topk(
     if experts == 0 || top_k == 0 || top_k > experts {
         return Err(Error::InvalidShape(format!("need 1 <= top_k ({top_k}) <= experts ({experts})")));
     }
-    if logits.len() != tokens * experts {
+    if tokens.checked_mul(experts) != Some(logits.len()) {
         return Err(Error::InvalidShape(format!(
-            "router logits hold {} values, expected tokens x experts = {}",
-            logits.len(),
-            tokens * experts
+            "router logits hold {} values, expected tokens x experts = {tokens} x {experts}",
+            logits.len()
         )));
     }
     let mut ids = Vec::with_capacity(tokens * top_k);
@@ -111,6 +110,10 @@ pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permuta
 
 /// The rows of `hidden` (`[T, H]`) in permuted order (`[T * k, H]`). `top_k = 0` means no pairs:
 /// the result is empty ([`permute`] refuses it).
+///
+/// # Panics
+/// If `perm` is not [`permute`]'s for `T x top_k` pairs or `hidden` holds fewer than `T` rows (an
+/// oracle helper: [`moe_layer`] checks its arguments and then calls it).
 pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_k: usize) -> Vec<bf16> {
     if top_k == 0 {
         return Vec::new();
@@ -125,6 +128,10 @@ pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_
 
 /// `out[t] = sum_j topk_weights[t, j] * y[row_of_pair(t, j)]` over `j = 0..k` in order, in f64.
 /// `top_k = 0` means no pairs: the result is empty ([`permute`] refuses it).
+///
+/// # Panics
+/// If `perm` is not [`permute`]'s for the pairs of `topk_weights` or `y` holds fewer rows than
+/// it permutes (an oracle helper: [`moe_layer`] checks its arguments and then calls it).
 pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: &[f32], top_k: usize) -> Vec<f64> {
     let Some(tokens) = topk_weights.len().checked_div(top_k) else {
         return Vec::new();
@@ -164,7 +171,28 @@ pub fn moe_layer(
     if w2.n != h || w2.k != inter || w2.experts != experts || up_decode_scales.len() != experts {
         return Err(Error::InvalidShape("w13, up scales and w2 do not describe one MoE layer".into()));
     }
-    if hidden.len() != tokens * h || topk_ids.len() != tokens * top_k || topk_weights.len() != tokens * top_k {
+    // The buffers must hold what the shapes say (the fields are public: a hand-made checkpoint
+    // may not), so that the weights are read in bounds.
+    for (what, w) in [("w13", w13), ("w2", w2)] {
+        let codes = crate::host::checked_len(&[w.experts, w.n, w.k / 2])?;
+        let scales = crate::host::checked_len(&[w.experts, w.n, w.k / 16])?;
+        if w.k % 16 != 0 || w.codes.len() != codes || w.scales.len() != scales || w.decode_scales.len() != experts {
+            return Err(Error::InvalidShape(format!(
+                "{what}: {} code bytes, {} scale bytes and {} decode scales do not make {} experts x [{}, {}]",
+                w.codes.len(),
+                w.scales.len(),
+                w.decode_scales.len(),
+                w.experts,
+                w.n,
+                w.k
+            )));
+        }
+    }
+    let len_is = |len: usize, a: usize, b: usize| a.checked_mul(b) == Some(len);
+    if !len_is(hidden.len(), tokens, h)
+        || !len_is(topk_ids.len(), tokens, top_k)
+        || !len_is(topk_weights.len(), tokens, top_k)
+    {
         return Err(Error::InvalidShape("hidden, topk_ids or topk_weights has the wrong length".into()));
     }
     let perm = permute(topk_ids, top_k, experts)?;
@@ -197,6 +225,34 @@ pub fn moe_layer(
 mod tests {
     use super::*;
     use crate::rng::Rng;
+
+    /// Sizes whose product overflows, and buffers shorter than a hand-made checkpoint's shape
+    /// says, are errors, not panics (issue 21).
+    #[test]
+    fn oracle_arguments_that_do_not_fit_are_errors() {
+        assert!(matches!(softmax_topk(&[0.0; 4], usize::MAX, 2, 1, false), Err(Error::InvalidShape(_))));
+        let mut rng = crate::testing::test_rng();
+        let ck = crate::testing::random_moe_checkpoint(&mut rng, 2, 32, 16);
+        let hidden = vec![bf16::ONE; 32];
+        assert!(moe_layer(&hidden, 1, &[1], &[1.0], 1, &ck).is_ok());
+        assert!(matches!(moe_layer(&hidden, usize::MAX, &[1], &[1.0], 1, &ck), Err(Error::InvalidShape(_))));
+        for edit in [
+            (|c: &mut MoeCheckpoint| {
+                c.w13.codes.pop();
+            }) as fn(&mut MoeCheckpoint),
+            |c| {
+                c.w2.scales.pop();
+            },
+            |c| {
+                c.w2.decode_scales.pop();
+            },
+            |c| c.w13.k = 24,
+        ] {
+            let mut bad = ck.clone();
+            edit(&mut bad);
+            assert!(matches!(moe_layer(&hidden, 1, &[1], &[1.0], 1, &bad), Err(Error::InvalidShape(_))));
+        }
+    }
 
     #[test]
     fn topk_picks_the_largest_with_low_id_ties() {
