@@ -70,6 +70,10 @@ mod codegen_abi;
 pub mod convert;
 pub mod error;
 pub mod format;
+// Entry points of the fuzz targets (`fuzz/`): not public API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod host;
 pub mod io;
 pub mod layout;

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use half::bf16;
-use safetensors::tensor::Dtype;
+use safetensors::tensor::{Dtype, TensorInfo};
 
 use super::safetensors::{check_dtype, shape_str, tensor_err, view, write_tensors, SafetensorsFile};
 #[cfg(doc)]
@@ -187,6 +187,70 @@ pub fn write_modelopt(path: impl AsRef<Path>, prefix: &str, w: &ModelOptWeight) 
     write_tensors(path.as_ref(), tensors)
 }
 
+/// The dtype and shape checks of one ModelOpt NVFP4 weight (`names`: its `weight`,
+/// `weight_scale` and `weight_scale_2`, whose header entries are `infos`): U8 `[N, K/2]` with N,
+/// K > 0, K a multiple of 16 and N x K countable, F8_E4M3 `[N, K/16]`, F32 `[]` or `[1]`. Returns
+/// `(N, K)`.
+pub(crate) fn check_modelopt_tensors(names: [&str; 3], infos: [&TensorInfo; 3]) -> Result<(usize, usize)> {
+    let [n_w, n_s, n_g] = names;
+    let [tw, ts, tg] = infos;
+    check_dtype(tw, n_w, &[Dtype::U8])?;
+    let &[rows, half_cols] = tw.shape.as_slice() else {
+        return Err(tensor_err(n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(&tw.shape))));
+    };
+    if rows == 0 || half_cols == 0 {
+        return Err(tensor_err(
+            n_w,
+            format!("shape is {}: a zero-sized weight has nothing to read", shape_str(&tw.shape)),
+        ));
+    }
+    // K = 2 x K/2, and the N x K BF16 values it decodes to, must be countable: a header may give
+    // any dimension beside a zero one.
+    let cols = half_cols.checked_mul(2).filter(|&k| rows.checked_mul(k).is_some()).ok_or_else(|| {
+        tensor_err(
+            n_w,
+            format!("shape is {}: N x K = {rows} x 2 x {half_cols} does not fit in memory", shape_str(&tw.shape)),
+        )
+    })?;
+    if cols % 16 != 0 {
+        return Err(tensor_err(
+            n_w,
+            format!("shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16", shape_str(&tw.shape)),
+        ));
+    }
+
+    check_dtype(ts, n_s, &[Dtype::F8_E4M3])?;
+    if ts.shape != [rows, cols / 16] {
+        return Err(tensor_err(
+            n_s,
+            format!(
+                "shape is {}, expected [{rows}, {}] for `{n_w}` of shape {}",
+                shape_str(&ts.shape),
+                cols / 16,
+                shape_str(&tw.shape)
+            ),
+        ));
+    }
+
+    check_dtype(tg, n_g, &[Dtype::F32])?;
+    if !(tg.shape.is_empty() || tg.shape == [1]) {
+        return Err(tensor_err(n_g, format!("shape is {}, expected a scalar ([] or [1])", shape_str(&tg.shape))));
+    }
+    Ok((rows, cols))
+}
+
+/// The decode scale g from the 4 bytes of `weight_scale_2` (named `name`): finite and > 0.
+pub(crate) fn check_weight_scale_2(name: &str, bytes: &[u8]) -> Result<f32> {
+    let Ok(b) = <[u8; 4]>::try_from(bytes) else {
+        return Err(tensor_err(name, format!("holds {} bytes, expected one F32 (4)", bytes.len())));
+    };
+    let g = f32::from_le_bytes(b);
+    if !(g.is_finite() && g > 0.0) {
+        return Err(tensor_err(name, format!("decode scale must be finite and > 0, got {g}")));
+    }
+    Ok(g)
+}
+
 /// Reads one ModelOpt NVFP4 weight `{prefix}weight` / `weight_scale` / `weight_scale_2`, checking
 /// dtypes (U8, F8_E4M3, F32) and shapes (`[N, K/2]`, `[N, K/16]`, scalar or `[1]`) and that the
 /// decode scale is finite and > 0.
@@ -199,58 +263,8 @@ pub fn read_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<ModelOptWei
     let (n_w, n_s, n_g) =
         (format!("{prefix}weight"), format!("{prefix}weight_scale"), format!("{prefix}weight_scale_2"));
     let file = SafetensorsFile::open(path)?;
-
-    let tw = file.get(&n_w)?;
-    check_dtype(tw, &n_w, &[Dtype::U8])?;
-    let &[rows, half_cols] = tw.shape.as_slice() else {
-        return Err(tensor_err(&n_w, format!("shape is {}, expected 2-D [N, K/2]", shape_str(&tw.shape))));
-    };
-    if rows == 0 || half_cols == 0 {
-        return Err(tensor_err(
-            &n_w,
-            format!("shape is {}: a zero-sized weight has nothing to read", shape_str(&tw.shape)),
-        ));
-    }
-    // K = 2 x K/2, and the N x K BF16 values it decodes to, must be countable: a header may give
-    // any dimension beside a zero one.
-    let cols = half_cols.checked_mul(2).filter(|&k| rows.checked_mul(k).is_some()).ok_or_else(|| {
-        tensor_err(
-            &n_w,
-            format!("shape is {}: N x K = {rows} x 2 x {half_cols} does not fit in memory", shape_str(&tw.shape)),
-        )
-    })?;
-    if cols % 16 != 0 {
-        return Err(tensor_err(
-            &n_w,
-            format!("shape is {}: K = 2 x {half_cols} = {cols} is not a multiple of 16", shape_str(&tw.shape)),
-        ));
-    }
-
-    let ts = file.get(&n_s)?;
-    check_dtype(ts, &n_s, &[Dtype::F8_E4M3])?;
-    if ts.shape != [rows, cols / 16] {
-        return Err(tensor_err(
-            &n_s,
-            format!(
-                "shape is {}, expected [{rows}, {}] for `{n_w}` of shape {}",
-                shape_str(&ts.shape),
-                cols / 16,
-                shape_str(&tw.shape)
-            ),
-        ));
-    }
-
-    let tg = file.get(&n_g)?;
-    check_dtype(tg, &n_g, &[Dtype::F32])?;
-    if !(tg.shape.is_empty() || tg.shape == [1]) {
-        return Err(tensor_err(&n_g, format!("shape is {}, expected a scalar ([] or [1])", shape_str(&tg.shape))));
-    }
-    let gb = file.read(&n_g)?;
-    let g = f32::from_le_bytes([gb[0], gb[1], gb[2], gb[3]]);
-    if !(g.is_finite() && g > 0.0) {
-        return Err(tensor_err(&n_g, format!("decode scale must be finite and > 0, got {g}")));
-    }
-
+    let (rows, cols) = check_modelopt_tensors([&n_w, &n_s, &n_g], [file.get(&n_w)?, file.get(&n_s)?, file.get(&n_g)?])?;
+    let g = check_weight_scale_2(&n_g, &file.read(&n_g)?)?;
     Ok(ModelOptWeight { codes: file.read(&n_w)?, scales: file.read(&n_s)?, decode_scale: g, rows, cols })
 }
 

@@ -18,6 +18,8 @@ mod matrix;
 mod safetensors;
 mod shown;
 
+#[cfg(feature = "fuzzing")]
+pub(crate) use self::checkpoint::resolve_in_memory;
 pub(crate) use self::checkpoint::Catalog;
 pub use self::checkpoint::{
     load_compressed_tensors, load_experts, load_modelopt, write_modelopt_experts, CheckpointFormat, Dialect,
@@ -26,7 +28,11 @@ pub use self::checkpoint::{
 pub(crate) use self::fs::{io_err, open_regular, read_small_file, sync_dir, unpredictable_u64};
 pub use self::fs::{write_file_atomically, FileKind};
 pub(crate) use self::matrix::{beyond_bf16_err, f32_to_bf16};
+#[cfg(feature = "fuzzing")]
+pub(crate) use self::matrix::{check_modelopt_tensors, check_weight_scale_2};
 pub use self::matrix::{read_matrix_bf16, read_modelopt, write_bf16, write_modelopt, ModelOptWeight, SourceDtype};
+#[cfg(feature = "fuzzing")]
+pub(crate) use self::safetensors::parse_file_bytes;
 pub use self::safetensors::SafetensorsFile;
 pub(crate) use self::safetensors::{json_unique_problem, parse_json_unique};
 pub(crate) use self::shown::{shown, shown_path};

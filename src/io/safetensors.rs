@@ -293,6 +293,22 @@ fn parse_header(header: &[u8], data_len: usize) -> std::result::Result<HashMap<S
     Ok(tensors)
 }
 
+/// Parses a whole safetensors file's bytes: the 8-byte header length, the header, and its layout
+/// against the data after it ([`parse_header`]). Returns the data's offset and the tensors.
+pub(crate) fn parse_file_bytes(bytes: &[u8]) -> std::result::Result<(usize, HashMap<String, TensorInfo>), String> {
+    let len = bytes.len();
+    let Some((head, rest)) = bytes.split_first_chunk::<8>() else {
+        return Err(format!("it has {len} bytes, too few for a header"));
+    };
+    let n = u64::from_le_bytes(*head);
+    if n > MAX_HEADER || n > rest.len() as u64 {
+        return Err(format!("header length {n} does not fit the file ({len} bytes)"));
+    }
+    let (header, data) = rest.split_at(n as usize);
+    let tensors = parse_header(header, data.len())?;
+    Ok((8 + header.len(), tensors))
+}
+
 impl SafetensorsFile {
     /// Maps `path` and reads and checks its header (no tensor data is read): it must be a regular
     /// file, its header valid JSON describing non-overlapping tensors that exactly fill the rest
@@ -320,15 +336,7 @@ impl SafetensorsFile {
         let len = map.len();
         // The file may have changed between the `metadata` call and the mapping.
         check_len(&file, path, len)?;
-        if len < 8 {
-            return Err(invalid(format!("it has {len} bytes, too few for a header")));
-        }
-        let n = u64::from_le_bytes(map[..8].try_into().expect("8 bytes"));
-        if n > MAX_HEADER || n > (len - 8) as u64 {
-            return Err(invalid(format!("header length {n} does not fit the file ({len} bytes)")));
-        }
-        let data_start = 8 + n as usize;
-        let tensors = parse_header(&map[8..data_start], len - data_start).map_err(invalid)?;
+        let (data_start, tensors) = parse_file_bytes(&map).map_err(invalid)?;
         Ok(SafetensorsFile { path: path.to_path_buf(), file, map, data_start, tensors })
     }
 

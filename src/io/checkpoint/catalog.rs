@@ -266,6 +266,20 @@ impl Catalog {
         }
     }
 
+    /// A catalog of one in-memory shard holding `names` (the fuzz targets' input: no file).
+    #[cfg(feature = "fuzzing")]
+    pub fn in_memory(names: impl IntoIterator<Item = String>) -> Catalog {
+        let file = PathBuf::from("fuzz.safetensors");
+        Catalog {
+            source: file.clone(),
+            is_index: false,
+            dir: PathBuf::from("."),
+            shards: vec![file],
+            shard_of: names.into_iter().map(|n| (n, 0)).collect(),
+            single: None,
+        }
+    }
+
     pub fn not_found(&self, name: &str, hint: &str) -> Error {
         let place = if self.is_index {
             format!("the weight_map of `{}`", shown_path(&self.source))

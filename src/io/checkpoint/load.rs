@@ -300,6 +300,50 @@ fn check_shapes(layout: &Layout, p: &str, f: &Fields, metas: &HashMap<String, Me
     Ok((h, i))
 }
 
+/// The bytes of one expert's w13 codes, w13 scales, w2 codes and w2 scales, and of all E experts'.
+/// Every size checked: H and I come from a header, E from tensor names.
+fn buffer_lens(experts: usize, h: usize, i: usize) -> Result<([usize; 4], [usize; 4])> {
+    let per_expert = [
+        checked_len(&[2, i, h / 2])?,
+        checked_len(&[2, i, h / 16])?,
+        checked_len(&[h, i / 2])?,
+        checked_len(&[h, i / 16])?,
+    ];
+    let mut all = [0usize; 4];
+    for (a, &e) in all.iter_mut().zip(&per_expert) {
+        *a = checked_len(&[experts, e])?;
+    }
+    Ok((per_expert, all))
+}
+
+/// The name resolution and header checks of [`load_experts`] on tensors given as names, dtypes and
+/// shapes (one in-memory shard, no configs, nothing read): the dialect from the field names, the
+/// experts and their naming ([`discover`]), every dtype and shape ([`check_shapes`]) and the
+/// layer's buffer sizes (computed, not allocated). Returns `(E, H, I)`. For the fuzz targets.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn resolve_in_memory(
+    prefix: &str,
+    tensors: &[(String, Dtype, Vec<usize>)],
+) -> Result<(usize, usize, usize)> {
+    let p = expert_prefix(prefix);
+    let cat = Catalog::in_memory(tensors.iter().map(|(n, ..)| n.clone()));
+    let dialect = tensor_dialect(&cat, &p)?.unwrap_or(Dialect::ModelOpt);
+    let f = dialect.fields();
+    let layout = discover(&cat, &p, dialect)?;
+    let names = layout.names(&p, f);
+    let mut metas = HashMap::with_capacity(names.len());
+    for n in &names {
+        // The last of a name given twice, as the catalog keeps one entry per name.
+        let Some((_, dtype, shape)) = tensors.iter().rev().find(|(m, ..)| m == n) else {
+            return Err(cat.not_found(n, ""));
+        };
+        metas.insert(n.clone(), Meta { dtype: *dtype, shape: shape.clone(), shard: 0 });
+    }
+    let (h, i) = check_shapes(&layout, &p, f, &metas)?;
+    buffer_lens(layout.experts, h, i)?;
+    Ok((layout.experts, h, i))
+}
+
 /// Where a tensor's data goes.
 #[derive(Clone, Copy)]
 enum Dest {
@@ -492,17 +536,8 @@ fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExpert
     let naming = layout.naming;
 
     // Destinations: per expert, gate rows then up rows of w13; down into w2.
-    // Every size checked: H and I come from a header, E from tensor names.
-    let w13_codes_e = checked_len(&[2, i, h / 2])?;
-    let w13_scales_e = checked_len(&[2, i, h / 16])?;
-    let w2_codes_e = checked_len(&[h, i / 2])?;
-    let w2_scales_e = checked_len(&[h, i / 16])?;
-    let mut bufs = [
-        vec![0u8; checked_len(&[experts, w13_codes_e])?],
-        vec![0u8; checked_len(&[experts, w13_scales_e])?],
-        vec![0u8; checked_len(&[experts, w2_codes_e])?],
-        vec![0u8; checked_len(&[experts, w2_scales_e])?],
-    ];
+    let ([w13_codes_e, w13_scales_e, w2_codes_e, w2_scales_e], lens) = buffer_lens(experts, h, i)?;
+    let mut bufs = lens.map(|n| vec![0u8; n]);
     // Per expert: the scalars of the six slots.
     let mut slots = vec![[0f32; 6]; experts];
     let mut jobs: Vec<(&String, Dest)> = Vec::with_capacity(names.len());

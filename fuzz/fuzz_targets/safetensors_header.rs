@@ -1,0 +1,8 @@
+#![no_main]
+//! `nvfp4_moe::fuzzing::safetensors_file`: see its docs for the input format and the invariants checked.
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    nvfp4_moe::fuzzing::safetensors_file(data);
+});
