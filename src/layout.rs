@@ -179,8 +179,6 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
 
-    use crate::rng::Rng;
-
     const ODD_ROWS: [usize; 7] = [0, 1, 127, 128, 129, 300, 513];
     const ODD_COLS: [usize; 6] = [16, 48, 64, 80, 144, 7168];
 
@@ -295,7 +293,7 @@ mod tests {
 
     #[test]
     fn grouped_regions_never_overlap() {
-        let mut rng = Rng::from_entropy();
+        let mut rng = crate::testing::test_rng();
         let seed = rng.seed();
         for trial in 0..200 {
             let num_experts = 1 + rng.below(9) as usize;

@@ -93,7 +93,7 @@ fn decode_scales(rng: &mut Rng, n: usize) -> Vec<f32> {
 
 #[test]
 fn fast_codes_equal_the_recipe_for_every_bf16_input() {
-    let mut rng = Rng::from_entropy();
+    let mut rng = nvfp4_moe::testing::test_rng();
     let seed = rng.seed();
     let n_g = if cfg!(debug_assertions) { 24 } else { 400 };
     let (mut vouched, mut offered, mut checked) = (0usize, 0usize, 0u64);
@@ -139,7 +139,7 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
 
 #[test]
 fn fast_scales_equal_the_recipe_for_every_bf16_amax() {
-    let mut rng = Rng::from_entropy();
+    let mut rng = nvfp4_moe::testing::test_rng();
     let seed = rng.seed();
     let n_g = if cfg!(debug_assertions) { 12 } else { 1000 };
     let (mut fast, mut total) = (0usize, 0usize);
@@ -164,7 +164,7 @@ fn fast_scales_equal_the_recipe_for_every_bf16_amax() {
 #[test]
 fn fast_blocks_equal_the_recipe_near_decision_points() {
     const POINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
-    let mut rng = Rng::from_entropy();
+    let mut rng = nvfp4_moe::testing::test_rng();
     let seed = rng.seed();
     let n = if cfg!(debug_assertions) { 20_000 } else { 400_000 };
     let mut fast = 0usize;

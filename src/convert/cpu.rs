@@ -307,8 +307,7 @@ mod tests {
     /// hold exactly (this is the monotonicity the table relies on, checked).
     #[test]
     fn thresholds_give_the_reference_code_for_every_bf16_and_scale() {
-        let mut r = Rng::from_entropy();
-        eprintln!("seed {}", r.seed());
+        let mut r = crate::testing::test_rng();
         // 127 x 65536 inputs per g: a few seconds in all in release, a subset in debug builds.
         let every = if cfg!(debug_assertions) { 16 } else { 1 };
         for g in decode_scales(&mut r, 12).into_iter().step_by(every) {
@@ -340,8 +339,7 @@ mod tests {
     /// finite values, infinities, NaNs, E2M1 ties of the block's d).
     #[test]
     fn blocks_equal_the_reference() {
-        let mut r = Rng::from_entropy();
-        eprintln!("seed {}", r.seed());
+        let mut r = crate::testing::test_rng();
         for _ in 0..8 {
             let x = r.normal_bf16(1 << 14, 0.02);
             let g = crate::host::weight_decode_scale(&x).unwrap();
@@ -390,8 +388,7 @@ mod tests {
 
     #[test]
     fn finite_amax_skips_inf_and_nan() {
-        let mut r = Rng::from_entropy();
-        eprintln!("seed {}", r.seed());
+        let mut r = crate::testing::test_rng();
         for n in [0usize, 1, 31, 32, 33, 1000, 4099] {
             let x: Vec<bf16> = (0..n).map(|_| bf16::from_bits(r.next_u32() as u16)).collect();
             let want = x.iter().map(|v| v.to_bits() & 0x7FFF).filter(|&m| m < INF_BITS).max().unwrap_or(0);

@@ -298,9 +298,7 @@ mod tests {
     }
 
     fn rng() -> Rng {
-        let r = Rng::from_entropy();
-        eprintln!("seed = {:#x}", r.seed());
-        r
+        crate::testing::test_rng()
     }
 
     /// A raw tensor: name, dtype, shape, bytes.

@@ -269,7 +269,7 @@ mod tests {
 
     #[test]
     fn topk_weights_are_softmax_probabilities() {
-        let mut rng = Rng::from_entropy();
+        let mut rng = crate::testing::test_rng();
         let seed = rng.seed();
         let (t, e, k) = (37usize, 64usize, 8usize);
         let logits: Vec<f32> = (0..t * e).map(|_| rng.normal() * 3.0).collect();
@@ -298,7 +298,7 @@ mod tests {
 
     #[test]
     fn permutation_is_a_stable_sort_by_expert() {
-        let mut rng = Rng::from_entropy();
+        let mut rng = crate::testing::test_rng();
         let seed = rng.seed();
         let (t, k, e) = (300usize, 8usize, 16usize);
         // Skewed: experts 0..3 hot, some experts empty.
@@ -329,7 +329,7 @@ mod tests {
 
     #[test]
     fn gather_and_combine_invert_each_other_for_identity_experts() {
-        let mut rng = Rng::from_entropy();
+        let mut rng = crate::testing::test_rng();
         let (t, k, e, h) = (9usize, 2usize, 4usize, 16usize);
         let hidden = rng.normal_bf16(t * h, 1.0);
         let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
@@ -346,7 +346,7 @@ mod tests {
     #[test]
     fn layer_reference_agrees_with_the_element_references() {
         use crate::reference::{swiglu_element, ExpertWeightsHost};
-        let mut rng = Rng::from_entropy();
+        let mut rng = crate::testing::test_rng();
         let seed = rng.seed();
         let (t, e, h, inter, k) = (5usize, 3usize, 32usize, 16usize, 2usize);
         let mk = |rng: &mut Rng, n: usize, kk: usize| ExpertWeightsHost {
@@ -394,7 +394,7 @@ mod tests {
         assert!(matches!(softmax_topk(&[0.5, 1.0], 1, 2, 0, true), Err(Error::InvalidShape(_))));
         assert!(matches!(permute(&[], 0, 4), Err(Error::InvalidShape(_))));
         assert!(matches!(permute(&[1, 2], 0, 4), Err(Error::InvalidShape(_))));
-        let ck = crate::testing::random_moe_checkpoint(&mut Rng::from_entropy(), 1, 16, 16);
+        let ck = crate::testing::random_moe_checkpoint(&mut crate::testing::test_rng(), 1, 16, 16);
         let x = vec![bf16::ONE; 16];
         assert!(moe_layer(&x, 1, &[0], &[1.0], 1, &ck).is_ok());
         for tokens in [0, 1] {

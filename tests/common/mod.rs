@@ -114,9 +114,7 @@ pub fn assert_ok(r: &Run) {
 }
 
 pub fn rng() -> Rng {
-    let r = Rng::from_entropy();
-    eprintln!("seed = {:#x}", r.seed());
-    r
+    nvfp4_moe::testing::test_rng()
 }
 
 /// Exit `code`; a usage error (2) has a first stderr line `error: ...` and a `Usage:` line, a

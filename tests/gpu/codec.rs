@@ -57,7 +57,7 @@ fn check_case(
 #[ignore = "needs a CUDA GPU"]
 fn quantize_matches_reference_on_many_shapes() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     // (rows, cols): 1 row, K = 16, K not a multiple of 64, K = 7168, rows not a multiple of 128,
     // thousands of rows.
     let shapes: [(usize, usize); 24] = [
@@ -130,7 +130,7 @@ fn quantize_edge_blocks() {
     for v in &mut x[6 * cols..7 * cols] {
         *v = bf16::MAX;
     }
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     for v in &mut x[7 * cols..] {
         *v = bf16::from_f32(rng.normal());
     }
@@ -157,7 +157,7 @@ fn quantize_edge_blocks() {
 #[ignore = "needs a CUDA GPU"]
 fn quantize_division_fast_path_is_exact() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let seed = rng.seed();
     let (rows, cols) = (4096usize, 1024usize);
     const POINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
@@ -193,7 +193,7 @@ fn quantize_division_fast_path_is_exact() {
 #[ignore = "needs a CUDA GPU"]
 fn bad_input_is_rejected_before_launch() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let (rows, cols) = (4usize, 64usize);
     let x = s.clone_htod(&rng.normal_bf16(rows * cols + 8, 1.0)).unwrap();
     let mut codes = poisoned_u8(&s, rows * cols / 2 + 8);
@@ -227,7 +227,7 @@ fn bad_input_is_rejected_before_launch() {
 #[ignore = "needs a CUDA GPU"]
 fn host_round_trip_through_device() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let (rows, cols) = (37usize, 96usize);
     let x = rng.varied_bf16(rows * cols);
     let h: Nvfp4Host = reference::quantize(&x, rows, cols, 0.5, ScaleLayout::Swizzled128x4).unwrap();
@@ -305,7 +305,7 @@ mod modelopt {
     #[ignore = "needs a CUDA GPU"]
     fn cuda_quantizers_equal_modelopt_fixtures() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (cases, meta) = fixture();
         let bytes: usize = cases.iter().map(|c| cuda_paths_equal(&s, &mut rng, c)).sum();
         eprintln!("{} ModelOpt fixture cases ({meta:?}): {bytes} bytes compared, 0 differ", cases.len());
@@ -339,7 +339,7 @@ mod modelopt {
     #[ignore = "needs a CUDA GPU, python3 with torch and nvidia-modelopt 0.47"]
     fn modelopt_on_fresh_random_data() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let seed = rng.seed();
         let mut inputs: Vec<OracleInput> = Vec::new();
         for (i, &(rows, cols)) in

@@ -68,7 +68,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn grouped_gemm_matches_reference_per_expert() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let mut cases = 0;
         for &e in &[1usize, 8, 128, 256] {
             for &n in &[128usize, 2880, 4096] {
@@ -142,7 +142,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn warp_tile_matches_reference_split_and_unsplit() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (mut cases, mut differing, mut values) = (0, 0usize, 0usize);
         let mut largest_k_of_8_rows = false;
         for &(e, n, k) in &[
@@ -249,7 +249,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn one_hot_rows_read_weights_exactly() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, n, k) = (3usize, 192usize, 320usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
@@ -293,7 +293,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn results_are_bit_identical_across_runs() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, n, k) = (16usize, 2880usize, 2880usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
@@ -335,7 +335,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn batch_invariant_rows_do_not_depend_on_the_launch() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let seed = rng.seed();
         let (e, n, k, big) = (4usize, 1024usize, 2048usize, 250usize);
         let w = random_weights(&mut rng, e, n, k);
@@ -389,7 +389,7 @@ pub(crate) mod grouped {
     fn gate_up_weights_come_out_interleaved_with_their_scales() {
         use nvfp4_moe::gemm::gate_up_source_row;
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, inter, k) = (4usize, 2880usize, 256usize);
         let n = 2 * inter;
         let w = random_weights(&mut rng, e, n, k);
@@ -433,7 +433,7 @@ pub(crate) mod grouped {
     #[ignore = "needs a CUDA GPU"]
     fn nan_scale_is_rejected_at_preparation() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let mut w = random_weights(&mut rng, 2, 64, 128);
         // Expert 1, row 5, block 3.
         w.scales[(64 + 5) * 8 + 3] = 0x7F;
@@ -458,7 +458,7 @@ mod graph {
         // cudarc's cross-stream event tracking would wait on events recorded outside the capture.
         unsafe { ctx.disable_event_tracking() };
         let s = ctx.new_stream().unwrap();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, n, k) = (32usize, 256usize, 512usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();

@@ -14,7 +14,7 @@ mod routing {
     #[ignore = "needs a CUDA GPU"]
     fn softmax_topk_matches_reference() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         for &(t, e, k, renorm) in
             &[(1usize, 8usize, 2usize, true), (300, 128, 8, false), (1000, 256, 8, true), (7, 1024, 32, true)]
         {
@@ -40,7 +40,7 @@ mod routing {
     #[ignore = "needs a CUDA GPU"]
     fn permutation_and_gather_match_reference() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         for &(t, k, e, h) in &[
             (1usize, 1usize, 4usize, 64usize),
             (3, 2, 16, 128),
@@ -77,7 +77,7 @@ mod routing {
     #[ignore = "needs a CUDA GPU"]
     fn bad_expert_ids_are_reported_not_used() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (t, k, e, h) = (50usize, 4usize, 8usize, 64usize);
         let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
         ids[37] = 9;
@@ -98,7 +98,7 @@ mod routing {
     #[ignore = "needs a CUDA GPU"]
     fn combine_matches_reference_and_is_deterministic() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (t, k, e, h) = (333usize, 8usize, 64usize, 1024usize);
         let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
         let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.0, 1.0)).collect();
@@ -142,7 +142,7 @@ mod moe_layer {
     #[ignore = "needs a CUDA GPU"]
     fn layer_matches_reference() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         for &(e, t, k) in &[(4usize, 1usize, 1usize), (16, 3, 2), (16, 64, 8), (128, 300, 8), (4, 300, 2)] {
             let seed = rng.seed();
             let (h, i) = (256usize, 128usize);
@@ -202,7 +202,7 @@ mod moe_layer {
         use crate::checkpoint_fixture::{unpack, DIALECT_FIXTURES, PREFIX};
         use nvfp4_moe::io::load_experts;
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let seed = rng.seed();
         let dir = crate::common::TmpDir::new("dialects");
         for (name, files) in DIALECT_FIXTURES {
@@ -245,7 +245,7 @@ mod moe_layer {
         use nvfp4_moe::MoeWeightsBf16;
         use nvfp4_moe::{host::weight_decode_scale, reference::quantize};
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let seed = rng.seed();
         let (e, h, i, t, k) = (6usize, 256usize, 192usize, 40usize, 2usize);
         let gate = rng.normal_bf16(e * i * h, 0.05);
@@ -323,7 +323,7 @@ mod moe_layer {
     fn layer_with_nvfp4_intermediate() {
         use nvfp4_moe::Intermediate;
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let seed = rng.seed();
         let (e, h, i, t, k) = (8usize, 256usize, 192usize, 50usize, 2usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
@@ -394,7 +394,7 @@ mod moe_layer {
     #[ignore = "needs a CUDA GPU"]
     fn router_path_and_bad_ids() {
         let s = stream();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, h, i, t, k) = (16usize, 128usize, 64usize, 40usize, 4usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), MoeOptions::new(64, 8)).unwrap();
@@ -465,7 +465,7 @@ mod moe_layer {
         let ctx = CudaContext::new(0).unwrap();
         unsafe { ctx.disable_event_tracking() };
         let s = ctx.new_stream().unwrap();
-        let mut rng = Rng::from_entropy();
+        let mut rng = test_rng();
         let (e, h, i, t, k) = (16usize, 128usize, 64usize, 50usize, 4usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), MoeOptions::new(64, k)).unwrap();

@@ -20,7 +20,7 @@ use nvfp4_moe::layout::{scale_len, ScaleLayout};
 use nvfp4_moe::quantize::{
     dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Desc, Nvfp4Tensor,
 };
-use nvfp4_moe::testing::Rng;
+use nvfp4_moe::testing::{test_rng, Rng};
 use nvfp4_moe::Error;
 use nvfp4_moe::{host, host::Nvfp4Host, reference};
 

@@ -63,7 +63,7 @@ pub fn gate_up_weights(
 #[ignore = "needs a CUDA GPU"]
 fn swiglu_epilogues_match_reference_and_each_other() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let mut warp_cases = 0;
     // The last five shapes have so few tiles that the N16 tile splits K (2, 3 or 4 CTAs per tile,
     // one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64 tiles in clusters
@@ -168,7 +168,7 @@ fn grouped_quantize_matches_reference() {
     use nvfp4_moe::layout::grouped_scale_len;
     use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     for &(e, cols) in &[(1usize, 16usize), (4, 768), (16, 2048), (128, 1536), (8, 2880)] {
         let seed = rng.seed();
         let off = random_offsets(&mut rng, e, 200);
@@ -215,7 +215,7 @@ fn swiglu_quantize_equals_quantize_of_compact() {
     use nvfp4_moe::gemm::PlainBf16;
     use nvfp4_moe::quantize::swiglu_bf16_into;
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let (inter, k, e) = (1536usize, 512usize, 16usize);
     let n = 2 * inter;
     let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
@@ -270,7 +270,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     use nvfp4_moe::gemm::{SwigluNvfp4, SwigluNvfp4Out};
     use nvfp4_moe::layout::grouped_scale_len;
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     for (ci, &(inter, k, e, max_rows)) in [
         (768usize, 256usize, 8usize, 70usize),
         (1536, 128, 4, 300),
@@ -384,7 +384,7 @@ fn grouped_dequantize_matches_reference() {
     use nvfp4_moe::quantize::{dequantize_nvfp4_grouped_into, quantize_nvfp4_grouped_into, GroupedSource};
     use nvfp4_moe::reference::dequantize_element;
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     for &(cols, e, max_rows, shared) in &[(64usize, 3usize, 40usize, true), (2880, 5, 70, false), (768, 16, 9, false)] {
         let seed = rng.seed();
         let off = random_offsets(&mut rng, e, max_rows);
@@ -422,7 +422,7 @@ fn grouped_dequantize_matches_reference() {
 #[ignore = "needs a CUDA GPU"]
 fn swiglu_needs_gate_up_weights() {
     let s = stream();
-    let mut rng = Rng::from_entropy();
+    let mut rng = test_rng();
     let w = random_weights(&mut rng, 2, 128, 64);
     let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
     assert!(GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).is_err());
