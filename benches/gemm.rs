@@ -17,6 +17,9 @@
 //! `cargo bench --bench gemm [-- FILTER]`, e.g. `-- deepseek-v3/L1` or `-- /T16`.
 //! `NVFP4MOE_GEMM_TILE=n8|n16|n32|n64|n128` forces a tile instead of the library's choice;
 //! `NVFP4MOE_BENCH_TOKENS=512,640` benches those token counts instead.
+//! `NVFP4MOE_GEMM_SHAPES="8:256:2048:8;null"` benches those shapes instead of the presets: each
+//! `E:n:k:rows` an L2-like launch (`PlainBf16`, rows balanced over the E experts), `null` a
+//! kernel that reads 16 KiB (what any launch in the graph costs: the fixed part of a small GEMM).
 
 mod common;
 
@@ -150,6 +153,50 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     }
 }
 
+/// `$NVFP4MOE_GEMM_SHAPES`: each `E:n:k:rows` (`PlainBf16`, balanced rows), or `null`, into the table.
+fn custom_shapes(b: &mut Bench<'_>, spec: &str, rng: &mut Rng) {
+    let s = b.s.clone();
+    for item in spec.split(';').map(str::trim).filter(|i| !i.is_empty()) {
+        let (name, us, bytes, flops, tile) = if item == "null" {
+            let k = ReadFlush::new(&s, 16 << 10);
+            let pairs = capture(&s, PAIRS, || {
+                b.flush.launch(&s);
+                k.launch(&s);
+            });
+            (
+                "null (16 KiB read)".to_string(),
+                graph_pairs_us(&s, &pairs, &b.flushes, PAIRS, REPS),
+                16384.0,
+                0.0,
+                String::new(),
+            )
+        } else {
+            let v: Vec<usize> = item.split(':').map(|f| f.parse().expect("E:n:k:rows")).collect();
+            let [e, n, k, rows] = v[..] else { panic!("NVFP4MOE_GEMM_SHAPES: {item}: expected E:n:k:rows") };
+            let w = random_device_weights(&s, rng, e, n, k, false).unwrap();
+            let plan = GroupedGemm::<PlainBf16>::new(&w, forced_tile()).unwrap();
+            let mut out = s.alloc_zeros::<bf16>(rows.max(1) * n).unwrap();
+            let off = s.clone_htod(&balanced_offsets(rows, e)).unwrap();
+            let x = device_activations(&s, rng, rows.max(1) * k);
+            plan.launch(&s, &x, rows, &off, &mut out).unwrap();
+            let pairs = capture(&s, PAIRS, || {
+                b.flush.launch(&s);
+                plan.launch(&s, &x, rows, &off, &mut out).unwrap();
+            });
+            let active = e.min(rows);
+            (
+                format!("shape/E{e}n{n}k{k}/R{rows}"),
+                graph_pairs_us(&s, &pairs, &b.flushes, PAIRS, REPS),
+                active as f64 * n as f64 * k as f64 * 0.5625,
+                2.0 * rows as f64 * n as f64 * k as f64,
+                format!(" ({:?})", plan.tile_for(rows)),
+            )
+        };
+        let floor = (bytes / (HBM_TBPS * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
+        b.table.push(Row { name: format!("{name}{tile}"), us, bytes, flops, floor_us: floor });
+    }
+}
+
 /// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128, warp), else the library's choice.
 fn forced_tile() -> GemmTile {
     match std::env::var("NVFP4MOE_GEMM_TILE").as_deref() {
@@ -181,7 +228,11 @@ fn benches(c: &mut Criterion) {
     let mut b =
         Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, tokens: tokens.clone(), table: Vec::new() };
     let any = |p: &Preset, layer: &str| tokens.iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
-    for p in &PRESETS {
+    let shapes = std::env::var("NVFP4MOE_GEMM_SHAPES").unwrap_or_default();
+    if !shapes.is_empty() {
+        custom_shapes(&mut b, &shapes, &mut rng);
+    }
+    for p in PRESETS.iter().filter(|_| shapes.is_empty()) {
         let (e, h, i) = (p.experts, p.hidden, p.intermediate);
         if any(p, "L1") {
             // Gate/up row order: the SwiGLU epilogue needs each gate row's up partner in its tile.
