@@ -31,6 +31,53 @@
 
 #include <cuda_bf16.h>
 
+// A timeline probe, off unless built with -DNVFP4MOE_WARP_TRACE (the production SASS is unchanged):
+// per CTA, %globaltimer at entry, after the dependency wait, after the expert table, after x is
+// staged, when warp 0's first chunk has arrived, when its first and last warps leave the main loop,
+// and at exit; the last CTA of every 512th launch prints each stage's earliest and latest CTA, in
+// ns after the earliest entry. PERF_NOTES.md (session 10) has what it showed.
+#if defined(NVFP4MOE_WARP_TRACE)
+#include <cstdio>
+namespace nvfp4moe::gemm::warp::trace {
+__device__ unsigned long long g_stamps[1024 * 8];
+__device__ unsigned int g_done, g_launch;
+__device__ __forceinline__ unsigned long long now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Thread 0 of each CTA, after a CTA barrier: publishes the CTA's stamps; the last CTA reports.
+__device__ void publish(const unsigned long long (&tr)[8], const Params& p) {
+  for (int i = 0; i < 8; ++i) g_stamps[blockIdx.x * 8 + i] = tr[i];
+  __threadfence();
+  if (atomicAdd(&g_done, 1u) != gridDim.x - 1) return;
+  __threadfence();
+  const unsigned launch = atomicAdd(&g_launch, 1u);
+  g_done = 0;
+  if (launch % 512 != 5) return;
+  unsigned long long t0 = ~0ull;
+  for (int b = 0; b < int(gridDim.x); ++b) t0 = min(t0, g_stamps[b * 8]);
+  long long lo[8], hi[8];
+  for (int i = 0; i < 8; ++i) lo[i] = 1ll << 60, hi[i] = -1;
+  for (int b = 0; b < int(gridDim.x); ++b) {
+    for (int i = 0; i < 8; ++i) {
+      const unsigned long long v = g_stamps[b * 8 + i];
+      if (v == ~0ull || v == 0) continue;  // a CTA without units
+      lo[i] = min(lo[i], (long long)(v - t0));
+      hi[i] = max(hi[i], (long long)(v - t0));
+    }
+  }
+  printf("TRACE n=%d k=%d rows=%d launch=%u | entry %lld-%lld wait %lld-%lld table %lld-%lld x %lld-%lld "
+         "first %lld-%lld loopend %lld-%lld/%lld-%lld end %lld-%lld\n",
+         p.n, p.k, p.total_rows, launch, lo[0], hi[0], lo[1], hi[1], lo[2], hi[2], lo[3], hi[3], lo[4], hi[4], lo[5],
+         hi[5], lo[6], hi[6], lo[7], hi[7]);
+}
+}  // namespace nvfp4moe::gemm::warp::trace
+#define NVFP4MOE_TRACE(...) __VA_ARGS__
+#else
+#define NVFP4MOE_TRACE(...)
+#endif
+
 namespace nvfp4moe::gemm::warp {
 namespace {
 
@@ -115,7 +162,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
 
+  NVFP4MOE_TRACE(__shared__ unsigned long long tr[8];
+                 if (threadIdx.x == 0) tr[0] = trace::now(), tr[5] = ~0ull, tr[6] = 0;)
   pdl::wait_and_release();
+  NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[1] = trace::now();)
   // The experts with rows, in expert order: two per thread, a ballot per warp, a scan of the
   // 32 warp-slice counts.
   bool has[2];
@@ -146,6 +196,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   }
 
   __syncthreads();  // the expert table is complete
+  NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[2] = trace::now();)
 
   const int k = p.k;
   const int groups = p.n / kUnitFeatures;  // 16-feature units per expert
@@ -208,6 +259,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   }
   __syncthreads();
   const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
+  NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[3] = trace::now();
+                 if (warp == 0 && u0 < units) {
+                   cp_async_wait<kDepth - 1>();
+                   if (lane == 0) tr[4] = trace::now();
+                 })
   int round = 0;
 
   const int stride = int(gridDim.x) * teams;
@@ -326,6 +382,15 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       }
     }
   }
+  NVFP4MOE_TRACE(if (lane == 0 && u0 < units) {
+    const unsigned long long t = trace::now();
+    atomicMin(&tr[5], t);
+    atomicMax(&tr[6], t);
+  } __syncthreads();
+                 if (threadIdx.x == 0) {
+                   tr[7] = trace::now();
+                   trace::publish(tr, p);
+                 })
   cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
 }
 
