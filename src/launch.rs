@@ -150,4 +150,47 @@ mod tests {
         let too_many = GroupedGemmArgs { experts: crate::abi::EXPERT_LIMIT as i64 + 1, ..gemm };
         assert!(matches!(status(raw::grouped_gemm_nvfp4_can_implement(&too_many)), Err(Error::InvalidShape(_))));
     }
+
+    /// Every count is range-checked before a launch narrows it to 32 bits, and no product is formed
+    /// from unbounded factors (issue 21): each case was accepted (or overflowed) before. The launch
+    /// functions run the same checks (the GPU tests' launches go through them).
+    #[test]
+    fn core_range_checks_come_before_any_narrowing() {
+        use crate::abi::{DequantizeGroupedArgs, PermuteArgs, PrepareWeightsArgs, QuantizeGroupedArgs};
+        let shape = |r: i32| matches!(status(r), Err(Error::InvalidShape(_)));
+        // Dense quantizer: rows beyond i32 (and the swizzled layout's cols beyond 2^26).
+        let q = QuantizeNvfp4Args { rows: 3, cols: 32, decode_scale: 1.0, ..Default::default() };
+        assert!(status(raw::quantize_nvfp4_can_implement(&q)).is_ok());
+        assert!(shape(raw::quantize_nvfp4_can_implement(&QuantizeNvfp4Args { rows: 1 << 31, ..q })));
+        assert!(shape(raw::quantize_nvfp4_can_implement(&QuantizeNvfp4Args { cols: 1 << 28, ..q })));
+        // Grouped quantizers: more experts than any layer has.
+        let g = QuantizeGroupedArgs { rows: 4, cols: 32, experts: 2, num_decode_scales: 1, ..Default::default() };
+        assert!(status(raw::quantize_nvfp4_grouped_can_implement(&g)).is_ok());
+        let g_many = QuantizeGroupedArgs { experts: 1 << 40, num_decode_scales: 1 << 40, ..g };
+        assert!(shape(raw::quantize_nvfp4_grouped_can_implement(&g_many)));
+        let d = DequantizeGroupedArgs { rows: 4, cols: 32, experts: 1 << 40, num_decode_scales: 1, ..Default::default() };
+        assert!(shape(raw::dequantize_nvfp4_grouped_can_implement(&d)));
+        // Permutation: tokens x top_k would overflow i64 (and did, before the check).
+        let p = PermuteArgs { tokens: 5, top_k: 2, experts: 4, hidden_size: 64, ..Default::default() };
+        assert!(status(raw::permute_and_gather_can_implement(&p)).is_ok());
+        assert!(shape(raw::permute_and_gather_can_implement(&PermuteArgs { tokens: 1 << 40, top_k: 1 << 40, ..p })));
+        // Weight preparation: n beyond i32, and more chunks than 32-bit block indices reach.
+        let w = PrepareWeightsArgs { experts: 2, n: 128, k: 256, ..Default::default() };
+        assert!(status(raw::prepare_nvfp4_weights_can_implement(&w)).is_ok());
+        assert!(shape(raw::prepare_nvfp4_weights_can_implement(&PrepareWeightsArgs { n: 1 << 32, ..w })));
+        let huge = PrepareWeightsArgs { experts: 1024, n: 1 << 16, k: 1 << 16, ..w };
+        assert!(shape(raw::prepare_nvfp4_weights_can_implement(&huge)));
+        assert!(shape(raw::prepare_nvfp4_weights_can_implement(&PrepareWeightsArgs { experts: 2048, ..w })));
+        // Grouped GEMM: n x total_rows with n unbounded used to overflow inside the guard.
+        let gemm = GroupedGemmArgs { experts: 8, n: 128, k: 256, total_rows: 16, ..Default::default() };
+        assert!(status(raw::grouped_gemm_nvfp4_can_implement(&gemm)).is_ok());
+        assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { n: 1 << 40, ..gemm })));
+        assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { k: 1 << 40, ..gemm })));
+        assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { experts: 1024, n: 1 << 16, k: 1 << 16, ..gemm })));
+        // combine: top_k unbounded (the kernel takes it as an i32). Pointers are never read when
+        // the shape is rejected.
+        // SAFETY: the core rejects the shape before it looks at any pointer or the stream.
+        let r = unsafe { raw::combine(0, 0, 0, 1 << 20, 1 << 40, 64, 0, 0) };
+        assert!(shape(r));
+    }
 }

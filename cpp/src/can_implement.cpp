@@ -11,10 +11,33 @@
 namespace nvfp4moe {
 namespace {
 
+// Every count is range-checked here before any launch narrows it to a 32-bit kernel argument, and
+// no product is formed before its factors are bounded (issue 21).
+constexpr int64_t kMaxInt32 = 0x7FFFFFFF;
+// A prepared weight tensor (E experts of n x k) is at most this many 64 x 64 chunks: its 16-weight
+// blocks (256 per chunk) and prepare's thread count stay below 2^31 (34 G weights; the largest
+// preset, kimi-k2, has 11.3 G per layer).
+constexpr int64_t kMaxWeightChunks = kMaxInt32 / 256;
+
+// experts in [1, kExpertLimit], n and k positive multiples of 64 whose chunks fit kMaxWeightChunks.
+Status check_weights(const char* what, int64_t experts, int64_t n, int64_t k) {
+  if (experts <= 0 || experts > kExpertLimit || n <= 0 || k <= 0 || n % 64 || k % 64 || n > kMaxInt32 ||
+      k > kMaxInt32) {
+    return fail(Status::kInvalidShape, "%s: experts in [1, %lld] and n, k positive multiples of 64 below 2^31 "
+                "(experts=%lld n=%lld k=%lld)", what, (long long)kExpertLimit, (long long)experts, (long long)n,
+                (long long)k);
+  }
+  if (experts * (n / 64) * (k / 64) > kMaxWeightChunks) {  // <= 2^10 * 2^25 * 2^25: no overflow
+    return fail(Status::kInvalidShape, "%s: %lld experts of %lld x %lld weights exceed %lld 64x64 chunks", what,
+                (long long)experts, (long long)n, (long long)k, (long long)kMaxWeightChunks);
+  }
+  return Status::kSuccess;
+}
+
 Status check_dense(const char* what, int64_t rows, int64_t cols, float g, ScaleLayout layout) {
-  if (rows < 0 || cols <= 0 || cols % 16 != 0) {
-    return fail(Status::kInvalidShape, "%s: rows must be >= 0 and cols a positive multiple of 16 (rows=%lld, cols=%lld)",
-                what, (long long)rows, (long long)cols);
+  if (rows < 0 || cols <= 0 || cols % 16 != 0 || rows > kMaxInt32 || cols > (1 << 26)) {
+    return fail(Status::kInvalidShape, "%s: rows must be in [0, 2^31) and cols a positive multiple of 16 up to 2^26 "
+                "(rows=%lld, cols=%lld)", what, (long long)rows, (long long)cols);
   }
   if (!(std::isfinite(g) && g > 0.0f)) {
     return fail(Status::kInvalidDecodeScale, "%s: decode scale must be finite and > 0 (got %g)", what, double(g));
@@ -26,9 +49,11 @@ Status check_dense(const char* what, int64_t rows, int64_t cols, float g, ScaleL
 }
 
 Status check_grouped(const char* what, int64_t rows, int64_t cols, int64_t experts, int64_t num_decode_scales) {
-  if (rows < 0 || cols <= 0 || cols % 16 || experts <= 0 || rows > 0x7FFFFFFF || cols > (1 << 26)) {
-    return fail(Status::kInvalidShape, "%s: rows >= 0, experts > 0, cols a positive multiple of 16 "
-                "(rows=%lld cols=%lld experts=%lld)", what, (long long)rows, (long long)cols, (long long)experts);
+  if (rows < 0 || cols <= 0 || cols % 16 || experts <= 0 || experts > kExpertLimit || rows > kMaxInt32 ||
+      cols > (1 << 26)) {
+    return fail(Status::kInvalidShape, "%s: rows in [0, 2^31), experts in [1, %lld], cols a positive multiple of 16 "
+                "up to 2^26 (rows=%lld cols=%lld experts=%lld)", what, (long long)kExpertLimit, (long long)rows,
+                (long long)cols, (long long)experts);
   }
   if (num_decode_scales != 1 && num_decode_scales != experts) {
     return fail(Status::kInvalidShape, "%s: 1 or E = %lld decode scales (got %lld)", what, (long long)experts,
@@ -64,7 +89,7 @@ Status dequantize_nvfp4_grouped_can_implement(const DequantizeGroupedArgs& a) no
 
 Status permute_and_gather_can_implement(const PermuteArgs& a) noexcept {
   if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kExpertLimit || a.hidden_size <= 0 ||
-      a.hidden_size % 8 || a.tokens * a.top_k > 0x7FFFFFFF) {
+      a.hidden_size % 8 || a.tokens > kMaxInt32 || a.top_k > kMaxInt32 || a.tokens * a.top_k > kMaxInt32) {
     return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %lld, "
                 "hidden_size a positive multiple of 8 (tokens=%lld top_k=%lld experts=%lld hidden_size=%lld)",
                 (long long)kExpertLimit, (long long)a.tokens, (long long)a.top_k, (long long)a.experts,
@@ -74,10 +99,7 @@ Status permute_and_gather_can_implement(const PermuteArgs& a) noexcept {
 }
 
 Status prepare_nvfp4_weights_can_implement(const PrepareWeightsArgs& a) noexcept {
-  if (a.experts <= 0 || a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64) {
-    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: experts > 0 and n, k positive multiples of 64 "
-                "(experts=%lld n=%lld k=%lld)", (long long)a.experts, (long long)a.n, (long long)a.k);
-  }
+  if (Status s = check_weights("prepare_nvfp4_weights", a.experts, a.n, a.k); s != Status::kSuccess) return s;
   if (a.row_order != RowOrder::kIdentity && a.row_order != RowOrder::kGateUpBands8) {
     return fail(Status::kInvalidShape, "prepare_nvfp4_weights: unknown row order %d", int(a.row_order));
   }
@@ -93,11 +115,8 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
       a.epilogue != GemmEpilogue::kSwigluBf16 && a.epilogue != GemmEpilogue::kSwigluNvfp4) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
   }
-  if (a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64 || a.total_rows < 0) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: n and k must be positive multiples of 64 (n=%lld k=%lld)",
-                (long long)a.n, (long long)a.k);
-  }
-  if (a.total_rows > (int64_t(1) << 31) - 1 || a.n * a.total_rows > (int64_t(1) << 62)) {
+  if (Status s = check_weights("grouped_gemm_nvfp4", a.experts, a.n, a.k); s != Status::kSuccess) return s;
+  if (a.total_rows < 0 || a.total_rows > kMaxInt32) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
   }
   if (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&

@@ -47,7 +47,9 @@ __device__ __forceinline__ unsigned long long now() {
   return t;
 }
 // Thread 0 of each CTA, after a CTA barrier: publishes the CTA's stamps; the last CTA reports.
+// (g_stamps holds 1024 CTAs: the grid is one CTA per SM.)
 __device__ void publish(const unsigned long long (&tr)[8], const Params& p) {
+  if (gridDim.x > 1024) return;
   for (int i = 0; i < 8; ++i) g_stamps[blockIdx.x * 8 + i] = tr[i];
   __threadfence();
   if (atomicAdd(&g_done, 1u) != gridDim.x - 1) return;
@@ -163,7 +165,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   const int g = lane / 4, c = lane % 4;
 
   NVFP4MOE_TRACE(__shared__ unsigned long long tr[8];
-                 if (threadIdx.x == 0) tr[0] = trace::now(), tr[5] = ~0ull, tr[6] = 0;)
+                 if (threadIdx.x == 0) tr[0] = trace::now(), tr[4] = ~0ull, tr[5] = ~0ull, tr[6] = 0;)
   pdl::wait_and_release();
   NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[1] = trace::now();)
   // The experts with rows, in expert order: two per thread, a ballot per warp, a scan of the

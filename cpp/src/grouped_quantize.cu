@@ -169,17 +169,8 @@ size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept
 }
 
 Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexcept {
-  if (a.rows < 0 || a.cols <= 0 || a.cols % 16 || a.experts <= 0 || a.rows > 0x7FFFFFFF || a.cols > (1 << 26)) {
-    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: rows >= 0, experts > 0, cols a positive multiple of 16 "
-                "(rows=%lld cols=%lld experts=%lld)", (long long)a.rows, (long long)a.cols, (long long)a.experts);
-  }
-  if (a.num_decode_scales != 1 && a.num_decode_scales != a.experts) {
-    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: 1 or E decode scales (got %lld)",
-                (long long)a.num_decode_scales);
-  }
-  if (a.source != GroupedSource::kContiguous && a.source != GroupedSource::kInterleavedSwiglu) {
-    return fail(Status::kInvalidShape, "quantize_nvfp4_grouped: unknown source %d", int(a.source));
-  }
+  // Shapes, counts and the source: the rules live in can_implement.cpp only.
+  if (Status s = quantize_nvfp4_grouped_can_implement(a); s != Status::kSuccess) return s;
   if (!a.x || !a.expert_offsets || !a.decode_scales || !a.codes || !a.scales) {
     return fail(Status::kNullPointer, "quantize_nvfp4_grouped: null pointer");
   }
@@ -206,14 +197,7 @@ Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexce
 }
 
 Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, void* stream) noexcept {
-  if (a.rows < 0 || a.cols <= 0 || a.cols % 16 || a.experts <= 0 || a.rows > 0x7FFFFFFF || a.cols > (1 << 26)) {
-    return fail(Status::kInvalidShape, "dequantize_nvfp4_grouped: rows >= 0, experts > 0, cols a positive multiple of "
-                "16 (rows=%lld cols=%lld experts=%lld)", (long long)a.rows, (long long)a.cols, (long long)a.experts);
-  }
-  if (a.num_decode_scales != 1 && a.num_decode_scales != a.experts) {
-    return fail(Status::kInvalidShape, "dequantize_nvfp4_grouped: 1 or E decode scales (got %lld)",
-                (long long)a.num_decode_scales);
-  }
+  if (Status s = dequantize_nvfp4_grouped_can_implement(a); s != Status::kSuccess) return s;
   if (a.rows == 0) return Status::kSuccess;
   if (!a.codes || !a.scales || !a.expert_offsets || !a.decode_scales || !a.out) {
     return fail(Status::kNullPointer, "dequantize_nvfp4_grouped: null pointer");

@@ -113,13 +113,9 @@ size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept {
 }
 
 Status prepare_nvfp4_weights(const PrepareWeightsArgs& a, void* stream) noexcept {
-  if (a.experts <= 0 || a.n <= 0 || a.k <= 0 || a.n % 64 || a.k % 64) {
-    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: experts > 0 and n, k positive multiples of 64 "
-                "(experts=%lld n=%lld k=%lld)", (long long)a.experts, (long long)a.n, (long long)a.k);
-  }
-  if (a.row_order != RowOrder::kIdentity && a.row_order != RowOrder::kGateUpBands8) {
-    return fail(Status::kInvalidShape, "prepare_nvfp4_weights: unknown row order %d", int(a.row_order));
-  }
+  // Shapes (at most 2^31 / 256 chunks: the grid and every block index fit 32 bits) and the row
+  // order: the rules live in can_implement.cpp only.
+  if (Status s = prepare_nvfp4_weights_can_implement(a); s != Status::kSuccess) return s;
   if (!a.codes || !a.scales || !a.prepared || !a.error) {
     return fail(Status::kNullPointer, "prepare_nvfp4_weights: null pointer");
   }

@@ -155,19 +155,6 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(
                             reinterpret_cast<uint4*>(out) + int64_t(block) * 2);
 }
 
-Status check_common(int64_t rows, int64_t cols, float g, ScaleLayout layout) {
-  if (rows < 0 || cols <= 0 || cols % 16 != 0) {
-    return fail(Status::kInvalidShape, "rows must be >= 0 and cols a positive multiple of 16 (rows=%lld, cols=%lld)",
-                (long long)rows, (long long)cols);
-  }
-  if (!(std::isfinite(g) && g > 0.0f)) {
-    return fail(Status::kInvalidDecodeScale, "decode scale must be finite and > 0 (got %g)", double(g));
-  }
-  if (layout != ScaleLayout::kLinear && layout != ScaleLayout::kSwizzled128x4) {
-    return fail(Status::kUnsupportedLayout, "unknown scale layout %d", int(layout));
-  }
-  return Status::kSuccess;
-}
 
 bool aligned(const void* p, uintptr_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
@@ -181,7 +168,8 @@ size_t scale_bytes(ScaleLayout layout, int64_t rows, int64_t cols) noexcept {
 }
 
 Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
-  if (Status s = check_common(a.rows, a.cols, a.decode_scale, a.layout); s != Status::kSuccess) return s;
+  // Shapes, the decode scale and the layout: the rules live in can_implement.cpp only.
+  if (Status s = quantize_nvfp4_can_implement(a); s != Status::kSuccess) return s;
   Geometry geo = geometry(a.layout, a.rows, a.cols);
   if (geo.rows_pad == 0) return Status::kSuccess;
   if (!a.x || !a.codes || !a.scales) return fail(Status::kNullPointer, "quantize_nvfp4: null pointer");
@@ -224,7 +212,7 @@ Status quantize_nvfp4(const QuantizeNvfp4Args& a, void* stream) noexcept {
 }
 
 Status dequantize_nvfp4(const DequantizeNvfp4Args& a, void* stream) noexcept {
-  if (Status s = check_common(a.rows, a.cols, a.decode_scale, a.layout); s != Status::kSuccess) return s;
+  if (Status s = dequantize_nvfp4_can_implement(a); s != Status::kSuccess) return s;
   Geometry geo = geometry(a.layout, a.rows, a.cols);
   if (a.rows == 0) return Status::kSuccess;
   if (!a.codes || !a.scales || !a.out) return fail(Status::kNullPointer, "dequantize_nvfp4: null pointer");

@@ -369,12 +369,14 @@ size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
 }
 
 Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
-  const int64_t pairs = a.tokens * a.top_k;
+  // (The product is formed once both factors are bounded.)
   if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kMaxExperts || a.hidden_size <= 0 ||
-      a.hidden_size % 8 || a.hidden_size > kMaxHidden || pairs > 0x7FFFFFFF) {
+      a.hidden_size % 8 || a.hidden_size > kMaxHidden || a.tokens > 0x7FFFFFFF || a.top_k > 0x7FFFFFFF ||
+      a.tokens * a.top_k > 0x7FFFFFFF) {
     return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %d, "
                 "hidden_size a positive multiple of 8 up to %lld", kMaxExperts, (long long)kMaxHidden);
   }
+  const int64_t pairs = a.tokens * a.top_k;
   if (!a.topk_ids || !a.hidden || !a.expert_offsets || !a.row_of_pair || !a.pair_of_row || !a.x_perm || !a.error ||
       (pairs > 0 && !a.workspace)) {
     return fail(Status::kNullPointer, "permute_and_gather: null pointer");
@@ -415,9 +417,9 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
 Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
                int64_t hidden_size, void* out, void* stream) noexcept {
   if (tokens < 0 || top_k <= 0 || hidden_size <= 0 || hidden_size % 8 || hidden_size > kMaxHidden ||
-      tokens > 0x7FFFFFFF) {
-    return fail(Status::kInvalidShape, "combine: need tokens >= 0, top_k > 0, hidden_size a positive multiple of 8 up to %lld",
-                (long long)kMaxHidden);
+      tokens > 0x7FFFFFFF || top_k > 0x7FFFFFFF || tokens * top_k > 0x7FFFFFFF) {
+    return fail(Status::kInvalidShape, "combine: need tokens >= 0, 0 < top_k, tokens x top_k < 2^31, hidden_size a "
+                "positive multiple of 8 up to %lld", (long long)kMaxHidden);
   }
   if (tokens == 0) return Status::kSuccess;
   if (!y || !row_of_pair || !topk_weights || !out) return fail(Status::kNullPointer, "combine: null pointer");

@@ -145,7 +145,7 @@ NVFP4MOE_STRUCT(QuantizeGroupedArgs) {
   int64_t rows NVFP4MOE_INIT();                             // rows of x (>= expert_offsets[E]; later rows are ignored)
   int64_t cols NVFP4MOE_INIT();                             // quantized columns, multiple of 16
   const int* expert_offsets NVFP4MOE_INIT();                // device i32 [E+1]
-  int64_t experts NVFP4MOE_INIT();                          // E > 0
+  int64_t experts NVFP4MOE_INIT();                          // in [1, kExpertLimit]
   const float* decode_scales NVFP4MOE_INIT();               // device f32 [num_decode_scales]: g per expert, or one
   int64_t num_decode_scales NVFP4MOE_INIT();                // 1 or E
   void* codes NVFP4MOE_INIT();                              // u8 [rows, cols/2], 8-byte aligned
@@ -159,7 +159,7 @@ NVFP4MOE_STRUCT(DequantizeGroupedArgs) {
   int64_t rows NVFP4MOE_INIT();                             // >= 0
   int64_t cols NVFP4MOE_INIT();                             // multiple of 16
   const int* expert_offsets NVFP4MOE_INIT();                // device i32 [E+1]
-  int64_t experts NVFP4MOE_INIT();                          // E > 0
+  int64_t experts NVFP4MOE_INIT();                          // in [1, kExpertLimit]
   const float* decode_scales NVFP4MOE_INIT();               // device f32 [num_decode_scales]
   int64_t num_decode_scales NVFP4MOE_INIT();                // 1 or E
   void* out NVFP4MOE_INIT();                                // bf16 [rows, cols], 16-byte aligned
@@ -187,7 +187,7 @@ NVFP4MOE_STRUCT(PermuteArgs) {
 NVFP4MOE_STRUCT(PrepareWeightsArgs) {
   const void* codes NVFP4MOE_INIT();                        // u8 [E, n, k/2], ModelOpt packing (element 2j in the low nibble)
   const void* scales NVFP4MOE_INIT();                       // e4m3 [E, n, k/16], linear (checkpoint layout)
-  int64_t experts NVFP4MOE_INIT();                          // E > 0
+  int64_t experts NVFP4MOE_INIT();                          // in [1, kExpertLimit]; E x n/64 x k/64 < 2^23
   int64_t n NVFP4MOE_INIT();                                // output features, multiple of 64
   int64_t k NVFP4MOE_INIT();                                // reduction size, multiple of 64
   NVFP4MOE_ENUM_T(RowOrder) row_order NVFP4MOE_INIT();      // order of the prepared rows
