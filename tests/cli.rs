@@ -1,5 +1,5 @@
 //! The `nvfp4-moe` binary end to end, on small safetensors files written here with random data.
-//! Every test prints its seed (`Rng::new(seed)` replays it).
+//! Every test prints its seed (`NVFP4MOE_TEST_SEED=0x... cargo test NAME` replays it).
 
 mod common;
 

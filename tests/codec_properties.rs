@@ -115,6 +115,8 @@ fn decode_with_d(q: &BlockQuant, i: usize, g: f32) -> f64 {
 fn check_error_bound(x: &[f32; 16], g: f32) -> Result<(), TestCaseError> {
     let q = quantize_block(x, g);
     let d = e4m3_decode(q.scale) * g;
+    // (A decode scale that overflows FP32 would make every bound infinite: such blocks say nothing.)
+    prop_assume!(d.is_finite());
     for (i, &v) in x.iter().enumerate() {
         let r = f64::from(v).abs() / f64::from(d);
         // Saturation (recipe step 4; with d = 0 a quotient is infinite, or 0/0, which the recipe
