@@ -168,7 +168,8 @@ mod tests {
         assert!(status(raw::quantize_nvfp4_grouped_can_implement(&g)).is_ok());
         let g_many = QuantizeGroupedArgs { experts: 1 << 40, num_decode_scales: 1 << 40, ..g };
         assert!(shape(raw::quantize_nvfp4_grouped_can_implement(&g_many)));
-        let d = DequantizeGroupedArgs { rows: 4, cols: 32, experts: 1 << 40, num_decode_scales: 1, ..Default::default() };
+        let d =
+            DequantizeGroupedArgs { rows: 4, cols: 32, experts: 1 << 40, num_decode_scales: 1, ..Default::default() };
         assert!(shape(raw::dequantize_nvfp4_grouped_can_implement(&d)));
         // Permutation: tokens x top_k would overflow i64 (and did, before the check).
         let p = PermuteArgs { tokens: 5, top_k: 2, experts: 4, hidden_size: 64, ..Default::default() };
@@ -186,7 +187,12 @@ mod tests {
         assert!(status(raw::grouped_gemm_nvfp4_can_implement(&gemm)).is_ok());
         assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { n: 1 << 40, ..gemm })));
         assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { k: 1 << 40, ..gemm })));
-        assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs { experts: 1024, n: 1 << 16, k: 1 << 16, ..gemm })));
+        assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&GroupedGemmArgs {
+            experts: 1024,
+            n: 1 << 16,
+            k: 1 << 16,
+            ..gemm
+        })));
         // combine: top_k unbounded (the kernel takes it as an i32). Pointers are never read when
         // the shape is rejected.
         // SAFETY: the core rejects the shape before it looks at any pointer or the stream.
