@@ -305,8 +305,10 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
             if k != usize::MAX {
                 let e = &bytes[k * elem..(k + 1) * elem];
                 let x = f32::from_le_bytes([e[0], e[1], e[2], e[3]]);
-                let shape =
-                    files[src.shard].info(&src.name).map_or_else(|| vec![src.rows, src.cols], |t| t.shape.clone());
+                // (The index is tensor-relative: without the header's shape, rows up to this piece's end.)
+                let shape = files[src.shard]
+                    .info(&src.name)
+                    .map_or_else(|| vec![src.first_row + src.rows, src.cols], |t| t.shape.clone());
                 return Err(beyond_bf16_err(&src.name, &shape, src.first_row * src.cols + k, x));
             }
         }

@@ -297,6 +297,7 @@ mod tests {
         }
     }
 
+    #[track_caller]
     fn rng() -> Rng {
         crate::testing::test_rng()
     }

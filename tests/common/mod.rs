@@ -113,6 +113,7 @@ pub fn assert_ok(r: &Run) {
     assert_eq!(r.code, 0, "stdout:\n{}\nstderr:\n{}", r.stdout, r.stderr);
 }
 
+#[track_caller]
 pub fn rng() -> Rng {
     nvfp4_moe::testing::test_rng()
 }

@@ -38,6 +38,7 @@ impl Drop for TmpDir {
     }
 }
 
+#[track_caller]
 fn rng() -> (Rng, String) {
     let r = crate::testing::test_rng();
     let seed = format!("seed = {:#x}", r.seed());
@@ -1127,6 +1128,8 @@ fn repeated_config_keys_are_refused() {
         r#"{"quantization_config": {"quant_method": "fp8", "quant_algo": "NVFP4", "quant_method": "modelopt"}}"#.into(),
         "has the key `quant_method` twice in `quantization_config`",
     );
+    // A config that is not a JSON object (an array here) is refused too.
+    refused("config.json", "[1, 2]".into(), "wrong shape");
     // Without the repetition the config is read.
     std::fs::write(&config, format!(r#"{{"model_type": "qwen3_moe", "quantization_config": {modelopt}}}"#)).unwrap();
     let got = load_experts(&d.0, QWEN).unwrap();
