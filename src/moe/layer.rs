@@ -138,6 +138,8 @@ pub struct MoeWorkspace {
     weights: CudaSlice<f32>,
     fp4: Option<Fp4Buffers>,
     max_pairs: usize,
+    /// (E, H, I) of the layer that allocated it: a forward checks them against its own.
+    shape: (usize, usize, usize),
 }
 
 /// One MoE feed-forward layer over prepared NVFP4 weights.
@@ -263,6 +265,7 @@ impl MoeLayer {
             ids: stream.alloc_zeros::<i32>(pairs.max(1))?,
             weights: stream.alloc_zeros::<f32>(pairs.max(1))?,
             max_pairs: pairs,
+            shape: (self.weights.experts, h, i),
         })
     }
 
@@ -275,6 +278,17 @@ impl MoeLayer {
         }
         if tokens * top_k > ws.max_pairs {
             return Err(Error::InvalidShape("the workspace is smaller than this forward needs".into()));
+        }
+        let w = &self.weights;
+        if ws.shape != (w.experts, w.hidden, w.intermediate) {
+            // Its buffers are sized and strided for another (E, H, I): the permutation would
+            // write rows of one width that the GEMM reads at another.
+            return Err(Error::Invalid(format!(
+                "the workspace was made for a layer of (experts, hidden, intermediate) = {:?}, this layer is {:?}: \
+                 allocate it with this layer's MoeLayer::workspace",
+                ws.shape,
+                (w.experts, w.hidden, w.intermediate)
+            )));
         }
         // The forward takes its path from the workspace's buffers: they must be this layer's.
         let matches = match (self.opts.intermediate, &ws.fp4) {

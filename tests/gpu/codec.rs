@@ -5,7 +5,7 @@ use super::*;
 
 /// Quantizes on the GPU into poisoned buffers and compares every byte (padding included) with
 /// the CPU reference; then dequantizes on the GPU and compares every bf16 with the reference.
-fn check_case(
+pub(crate) fn check_case(
     s: &Arc<CudaStream>,
     rng: &mut Rng,
     rows: usize,

@@ -13,7 +13,7 @@ pub(crate) mod grouped {
         reference::{dequantize_element, grouped_gemm_element},
     };
 
-    const OUT_POISON: u16 = 0x7FBF; // a NaN payload the kernel never produces
+    pub(crate) const OUT_POISON: u16 = 0x7FBF; // a NaN payload the kernel never produces
 
     /// Random checkpoint-layout weights: random codes, scales mostly in [2^-3, 2^2] with some
     /// subnormal and zero blocks, decode scales per expert in [1e-3, 1e-2].
@@ -44,7 +44,7 @@ pub(crate) mod grouped {
         off
     }
 
-    fn expert_of(off: &[i32], row: usize) -> usize {
+    pub(crate) fn expert_of(off: &[i32], row: usize) -> usize {
         off.partition_point(|&o| o as usize <= row) - 1
     }
 

@@ -125,14 +125,15 @@ mod routing {
 // ------------------------------------------------------------------------------------------------
 // The MoE layer (issue 5)
 
-mod moe_layer {
+pub(crate) mod moe_layer {
     use super::*;
     use crate::gemm::grouped::random_weights;
     use nvfp4_moe::host::MoeCheckpoint;
     use nvfp4_moe::moe::{MoeInput, RouterInput};
     use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
 
-    fn random_checkpoint(rng: &mut Rng, e: usize, h: usize, i: usize) -> MoeCheckpoint {
+    /// Random layer weights: W13 `[E, 2I, H]` (up decode scales 10x the gate's), W2 `[E, H, I]`.
+    pub(crate) fn random_checkpoint(rng: &mut Rng, e: usize, h: usize, i: usize) -> MoeCheckpoint {
         let w13 = random_weights(rng, e, 2 * i, h);
         let up = w13.decode_scales.iter().map(|g| g * 10.0).collect();
         MoeCheckpoint::from_experts(w13, up, random_weights(rng, e, h, i))

@@ -6,7 +6,12 @@
 //! - [`gemm`]: the grouped GEMM, its epilogues, the grouped quantizers, graph capture;
 //! - [`layer`]: routing, permutation, combine and the MoE layer;
 //! - [`cli`]: the `nvfp4-moe` commands that need a GPU;
-//! - [`convert`]: `convert` on the GPU writes the CPU path's bytes.
+//! - [`convert`]: `convert` on the GPU writes the CPU path's bytes;
+//! - [`sweep`]: a randomized shape sweep of the quantizers, GEMMs and layer (`NVFP4MOE_SWEEP_SIZE`,
+//!   `NVFP4MOE_SWEEP_CASES`; small and medium sizes run under compute-sanitizer, see
+//!   `scripts/gpu-sanitize.sh`);
+//! - [`faults`]: bad expert ids, forwards after rejected ones, drop orders, concurrent streams and
+//!   the NaN-isolation policy.
 //!
 //! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
 //! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
@@ -33,10 +38,12 @@ mod common;
 mod convert;
 #[path = "../convert_fixture/mod.rs"]
 mod convert_fixture;
+mod faults;
 mod gemm;
 mod layer;
 #[path = "../modelopt_fixture/mod.rs"]
 mod modelopt_fixture;
+mod sweep;
 
 const POISON: u8 = 0xA5;
 

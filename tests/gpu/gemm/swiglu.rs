@@ -8,7 +8,7 @@ use nvfp4_moe::{host::ExpertWeightsHost, reference::swiglu_element};
 /// one (poisoned outputs first), on the host: `[(codes, scales) compact, (codes, scales)
 /// interleaved]`.
 #[allow(clippy::too_many_arguments)]
-fn quantize_compact_and_interleaved(
+pub(crate) fn quantize_compact_and_interleaved(
     s: &Arc<CudaStream>,
     compact: &CudaSlice<bf16>,
     interleaved: &CudaSlice<bf16>,
