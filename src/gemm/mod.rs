@@ -22,6 +22,10 @@ use crate::launch::{self, check_align, check_len, BufferInfo, Launch};
 ///
 /// The weight chunks are contiguous, so the kernel moves them with bulk copies and needs no tensor
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
+///
+/// `Send + Sync`, read-only once prepared: launches from several threads and streams may read the
+/// same weights at once. Dropping them while a launch that reads them still runs is safe (cudarc
+/// frees device memory stream-ordered).
 #[derive(Debug)]
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,
@@ -326,6 +330,9 @@ impl Epilogue for SwigluNvfp4 {
 }
 
 /// A launch plan for one weight set: validated once, launched many times.
+///
+/// `Send + Sync` (a borrow of the weights and two settings): one plan may launch on several
+/// threads and streams at once, each launch with its own outputs.
 #[derive(Debug)]
 pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,

@@ -128,7 +128,13 @@ struct Fp4Buffers {
     decode_scale_host: f32,
 }
 
-/// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`].
+/// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`] for that layer's shape
+/// and intermediate format (a forward given another layer's workspace is refused).
+///
+/// `Send + Sync`. Every forward writes it (it is taken `&mut`), so one workspace serves one
+/// forward at a time: concurrent forwards need one workspace each. It may move between threads and
+/// streams; cudarc's stream-ordering events (on by default) order its next use after its last
+/// one (with event tracking disabled, e.g. for graph capture, the caller orders the streams).
 #[derive(Debug)]
 pub struct MoeWorkspace {
     perm: PermuteBuffers,
@@ -143,6 +149,26 @@ pub struct MoeWorkspace {
 }
 
 /// One MoE feed-forward layer over prepared NVFP4 weights.
+///
+/// # Threads and streams
+/// `MoeLayer` (like its [`MoeWeights`]) is `Send + Sync`, and nothing in it is written after
+/// construction: one layer may serve forwards on several threads and streams at once, each forward
+/// with its own [`MoeWorkspace`]; concurrent forwards give the bytes serial ones do. A forward's
+/// result does not depend on the stream it runs on. Dropping a layer, its workspace or a forward's
+/// buffers while the forward is still running on the GPU is safe: cudarc frees device memory
+/// stream-ordered, after the work that uses it.
+///
+/// # Non-finite input
+/// A NaN or Inf in one token's hidden state, in one token's routing weight ([`MoeLayer::forward`])
+/// or in one token's router logits ([`MoeLayer::forward_with_router`]) changes only that token's
+/// output row: every other row is bit-identical to the same forward without it. Nothing is shared
+/// across tokens (no amax over the batch: the NVFP4 intermediate's decode scale is fixed by the
+/// options; tiles and split-K are chosen from the token count, not the values), and a row's
+/// result does not depend on where the permutation puts it. The faulted row itself is not
+/// specified beyond this: a NaN or Inf in the hidden state or a routing weight makes it non-finite
+/// in practice; NaN logits rank last in the top-k choice (a token whose logits are all NaN gets
+/// NaN weights), a +Inf logit gives NaN weights. Nothing is sticky: the next forward is as if the
+/// faulted one had not run. (Tested by the GPU suite's `faults::nan_in_one_token_changes_only_its_row`.)
 #[derive(Debug)]
 pub struct MoeLayer {
     weights: MoeWeights,
@@ -311,9 +337,15 @@ impl MoeLayer {
     /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
     /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
     ///
+    /// Argument errors are returned before anything is enqueued: `out` is untouched and the next
+    /// forward is unaffected. A bad expert id is not an argument error (the ids are on the
+    /// device): its slot contributes nothing (a token whose slots are all bad gets a zero row) and
+    /// the forward's other tokens are computed as usual. See the type's docs for non-finite
+    /// input.
+    ///
     /// # Errors
-    /// More tokens or a larger top-k than the layer was made for, a workspace of another layer,
-    /// a buffer too small, or a failed launch.
+    /// More tokens or a larger top-k than the layer was made for, a workspace of another layer
+    /// (another shape or intermediate format), a buffer too small, or a failed launch.
     pub fn forward<H, I, W, O>(
         &self,
         stream: &CudaStream,

@@ -19,6 +19,8 @@ use crate::quantize::quantize_nvfp4;
 
 /// The prepared weights of one MoE layer: W13 (gate and up, interleaved for the SwiGLU epilogue,
 /// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
+///
+/// `Send + Sync`, read-only once prepared: shared by threads and streams like [`super::MoeLayer`].
 #[derive(Debug)]
 pub struct MoeWeights {
     /// Gate and up, `[E, 2I, H]`, prepared in [`crate::RowOrder::GateUpBands8`] order.
