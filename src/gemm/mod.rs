@@ -24,8 +24,8 @@ use crate::launch::{self, check_align, check_len, BufferInfo, Launch};
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
 ///
 /// `Send + Sync`, read-only once prepared: launches from several threads and streams may read the
-/// same weights at once. Dropping them while a launch that reads them still runs is safe (cudarc
-/// frees device memory stream-ordered).
+/// same weights at once. Dropping them while a launch that reads them still runs is safe (with
+/// cudarc's event tracking, on by default, device memory is freed after the work that uses it).
 #[derive(Debug)]
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,

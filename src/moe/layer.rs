@@ -155,8 +155,9 @@ pub struct MoeWorkspace {
 /// construction: one layer may serve forwards on several threads and streams at once, each forward
 /// with its own [`MoeWorkspace`]; concurrent forwards give the bytes serial ones do. A forward's
 /// result does not depend on the stream it runs on. Dropping a layer, its workspace or a forward's
-/// buffers while the forward is still running on the GPU is safe: cudarc frees device memory
-/// stream-ordered, after the work that uses it.
+/// buffers (or the caller's stream and context handles) while the forward still runs on the GPU
+/// is safe: each buffer keeps its stream alive, and with cudarc's event tracking (on by default)
+/// its memory is freed stream-ordered after the work that uses it.
 ///
 /// # Non-finite input
 /// A NaN or Inf in one token's hidden state, in one token's routing weight ([`MoeLayer::forward`])
