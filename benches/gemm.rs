@@ -19,7 +19,8 @@
 //! `NVFP4MOE_BENCH_TOKENS=512,640` benches those token counts instead.
 //! `NVFP4MOE_GEMM_SHAPES="8:256:2048:8;null"` benches those shapes instead of the presets: each
 //! `E:n:k:rows` an L2-like launch (`PlainBf16`, rows balanced over the E experts), `null` a
-//! kernel that reads 16 KiB (what any launch in the graph costs: the fixed part of a small GEMM).
+//! kernel that reads 16 KiB (what any launch in the graph costs: the fixed part of a small GEMM),
+//! `read:66.06` a plain streaming read of that many MB (what a launch of those bytes costs at best).
 
 mod common;
 
@@ -153,11 +154,29 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
     }
 }
 
-/// `$NVFP4MOE_GEMM_SHAPES`: each `E:n:k:rows` (`PlainBf16`, balanced rows), or `null`, into the table.
+/// `$NVFP4MOE_GEMM_SHAPES`: each `E:n:k:rows` (`PlainBf16`, balanced rows), `read:MB` or `null`,
+/// into the table.
 fn custom_shapes(b: &mut Bench<'_>, spec: &str, rng: &mut Rng) {
     let s = b.s.clone();
     for item in spec.split(';').map(str::trim).filter(|i| !i.is_empty()) {
-        let (name, us, bytes, flops, tile) = if item == "null" {
+        let (name, us, bytes, flops, tile) = if let Some(mb) = item.strip_prefix("read:") {
+            // A plain streaming read of that many MB (the flush kernel: 16-byte loads, 8 CTAs of
+            // 512 threads per SM): what one launch of those bytes costs at best, timed the same way.
+            let mb: f64 = mb.parse().expect("read:MB");
+            let bytes = ((mb * 1e6) as usize).max(16) / 16 * 16;
+            let k = ReadFlush::new(&s, bytes);
+            let pairs = capture(&s, PAIRS, || {
+                b.flush.launch(&s);
+                k.launch(&s);
+            });
+            (
+                format!("read/{mb}MB"),
+                graph_pairs_us(&s, &pairs, &b.flushes, PAIRS, REPS),
+                bytes as f64,
+                0.0,
+                String::new(),
+            )
+        } else if item == "null" {
             let k = ReadFlush::new(&s, 16 << 10);
             let pairs = capture(&s, PAIRS, || {
                 b.flush.launch(&s);

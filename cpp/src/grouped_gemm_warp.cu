@@ -10,8 +10,8 @@
 // consumer on its own: a unit is one expert's 16 output features over the whole K (the four warps'
 // quarters of a prepared chunk are independent: each thread's A fragment of the SM90 64x16 RS
 // layout is, per warp, exactly the A fragment of mma.sync m16n8k16), the warp streams its unit's
-// code and scale words through its own ring of shared-memory slots (cp.async; six 64-K chunks in
-// flight while it works on a seventh), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
+// code and scale words through its own ring of shared-memory slots (cp.async; four 64-K chunks in
+// flight while it works on a fifth), decodes them exactly as the wgmma mainloop does (nvfp4_weights.cuh) and issues mma.sync
 // m16n8k16 with the expert's rows (<= 8) as N, read with ldmatrix from x staged once per CTA in
 // shared memory. No barrier after the prologue, no pipeline hand-off; units are dealt round-robin
 // over the CTAs so that every SM gets the same number within one.
@@ -30,6 +30,9 @@
 #include "status.hpp"
 
 #include <cuda_bf16.h>
+
+#include <cstdlib>
+#include <string>
 
 // A timeline probe, off unless built with -DNVFP4MOE_WARP_TRACE (the production SASS is unchanged):
 // per CTA, %globaltimer at entry, after the dependency wait, after the expert table, after x is
@@ -99,7 +102,9 @@ struct Smem {
 // different bank groups.
 constexpr int kRingOffset = (int(sizeof(Smem)) + 127) / 128 * 128;
 static_assert(kRingOffset == kTableBytes, "the host's shared-memory rule (supports) counts the table");
-constexpr int kXOffset = kRingOffset + int(kRingBytes);
+template <int kSlots>
+constexpr int kXOffset = kRingOffset + kWarps * kSlots * kSlotBytes;
+static_assert(kXOffset<kDepth> == kRingOffset + kRingBytes, "the host's rule counts the shipped ring");
 constexpr int kCtaThreads = kWarps * 32;  // one CTA per SM
 static_assert(kCtaThreads * 2 >= kMaxExperts, "one pass over the expert offsets: two experts per thread");
 static_assert(kWarps % 8 == 0, "teams of 1, 2, 4 or 8 warps");
@@ -155,12 +160,15 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-template <GemmEpilogue kEpilogue>
+// kDepth: the ring's slots per warp (the shipped kDepth; others for A/B). kXFirst: x is copied
+// (cp.async, one group) before the expert table is read, so that its latency overlaps the
+// table's and x is not queued behind the ring's first loads.
+template <GemmEpilogue kEpilogue, int kDepth, bool kXFirst>
 __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
   extern __shared__ __align__(128) char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
-  char* xs = smem_raw + kXOffset;  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
+  char* xs = smem_raw + kXOffset<kDepth>;  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, c = lane % 4;
 
@@ -168,6 +176,17 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
                  if (threadIdx.x == 0) tr[0] = trace::now(), tr[4] = ~0ull, tr[5] = ~0ull, tr[6] = 0;)
   pdl::wait_and_release();
   NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[1] = trace::now();)
+  if constexpr (kXFirst) {
+    const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
+    // x into shared memory: 16-byte pieces (k % 64 == 0).
+    const int pieces_per_row = p.k / 8;
+    const uint32_t row_bytes = uint32_t(p.k) * 2u + 16u;
+    for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kCtaThreads) {
+      const int r = i / pieces_per_row, q = i % pieces_per_row;
+      cp_async_16(true, xs_addr + uint32_t(r) * row_bytes + uint32_t(q) * 16u, x + int64_t(r) * p.k + q * 8);
+    }
+    cp_async_commit();
+  }
   // The experts with rows, in expert order: two per thread, a ballot per warp, a scan of the
   // 32 warp-slice counts.
   bool has[2];
@@ -254,10 +273,19 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   // x into shared memory: 16-byte pieces (k % 64 == 0).
   const int pieces_per_row = k / 8;
   const uint32_t row_bytes = uint32_t(k) * 2u + 16u;
-  for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kCtaThreads) {
-    const int r = i / pieces_per_row, q = i % pieces_per_row;
-    *reinterpret_cast<uint4*>(xs + r * row_bytes + q * 16) =
-        *reinterpret_cast<const uint4*>(x + int64_t(r) * k + q * 8);
+  if constexpr (kXFirst) {
+    // x's group is older than the ring's kDepth groups (or, without a unit, the only one).
+    if (u0 < units) {
+      cp_async_wait<kDepth>();
+    } else {
+      cp_async_wait<0>();
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.total_rows * pieces_per_row; i += kCtaThreads) {
+      const int r = i / pieces_per_row, q = i % pieces_per_row;
+      *reinterpret_cast<uint4*>(xs + r * row_bytes + q * 16) =
+          *reinterpret_cast<const uint4*>(x + int64_t(r) * k + q * 8);
+    }
   }
   __syncthreads();
   const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
@@ -396,9 +424,10 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
 }
 
-template <GemmEpilogue kEpilogue>
-Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStream_t stream) {
-  auto kernel = grouped_gemm_warp_kernel<kEpilogue>;
+template <GemmEpilogue kEpilogue, int kDepth, bool kXFirst>
+Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) {
+  const size_t smem = size_t(kXOffset<kDepth>) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
+  auto kernel = grouped_gemm_warp_kernel<kEpilogue, kDepth, kXFirst>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): cudaFuncSetAttribute: %s",
@@ -412,6 +441,41 @@ Status launch_one(const Params& p, const void* x, int sms, size_t smem, cudaStre
   return check_launch("grouped_gemm_nvfp4 (warp kernel)");
 }
 
+// NVFP4MOE_WARP_VARIANT (read once; for A/B timing, PERF_NOTES.md session 11): d7, d4 or d3 (a
+// ring of that many slots where x fits beside it, else the shipped one), x (x staged first).
+// Unset or anything else: the shipped kernel.
+enum class Variant { kShipped, kDepth7, kDepth4, kDepth3, kXFirst };
+Variant variant() {
+  static const Variant v = [] {
+    const char* e = std::getenv("NVFP4MOE_WARP_VARIANT");
+    const std::string s(e ? e : "");
+    return s == "d7"  ? Variant::kDepth7
+           : s == "d4" ? Variant::kDepth4
+           : s == "d3" ? Variant::kDepth3
+           : s == "x"  ? Variant::kXFirst
+                       : Variant::kShipped;
+  }();
+  return v;
+}
+
+template <GemmEpilogue kEpilogue>
+Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
+  const auto fits = [&](int slots) {
+    return int64_t(kRingOffset) + int64_t(kWarps) * slots * kSlotBytes + p.total_rows * int64_t(p.k * 2 + 16) <=
+           kSmemLimit;
+  };
+  switch (variant()) {
+    case Variant::kDepth7:
+      if (fits(7)) return launch_one<kEpilogue, 7, false>(p, x, sms, stream);
+      break;
+    case Variant::kDepth4: return launch_one<kEpilogue, 4, false>(p, x, sms, stream);
+    case Variant::kDepth3: return launch_one<kEpilogue, 3, false>(p, x, sms, stream);
+    case Variant::kXFirst: return launch_one<kEpilogue, kDepth, true>(p, x, sms, stream);
+    default: break;
+  }
+  return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
+}
+
 }  // namespace
 
 Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, void* stream_ptr) noexcept {
@@ -419,11 +483,10 @@ Status launch(const Params& p, const void* x, GemmEpilogue epilogue, int sms, vo
   if (p.splits != 1 && p.splits != 2 && p.splits != 4 && p.splits != 8) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4 (warp kernel): %d splits (1, 2, 4 or 8)", p.splits);
   }
-  const size_t smem = size_t(kXOffset) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
   switch (epilogue) {
-    case GemmEpilogue::kPlain: return launch_one<GemmEpilogue::kPlain>(p, x, sms, smem, stream);
-    case GemmEpilogue::kInterleaved: return launch_one<GemmEpilogue::kInterleaved>(p, x, sms, smem, stream);
-    case GemmEpilogue::kSwigluBf16: return launch_one<GemmEpilogue::kSwigluBf16>(p, x, sms, smem, stream);
+    case GemmEpilogue::kPlain: return launch_variant<GemmEpilogue::kPlain>(p, x, sms, stream);
+    case GemmEpilogue::kInterleaved: return launch_variant<GemmEpilogue::kInterleaved>(p, x, sms, stream);
+    case GemmEpilogue::kSwigluBf16: return launch_variant<GemmEpilogue::kSwigluBf16>(p, x, sms, stream);
     default: break;
   }
   return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: the warp kernel does not write SwigluNvfp4");

@@ -25,18 +25,19 @@ constexpr int kSlotBytes = 768;
 constexpr int64_t kSmemLimit = 227 * 1024;
 constexpr int kTableExperts = 1024;  // the expert table's capacity (gemm_config.cuh's kMaxExperts)
 
-// The CTA: 16 warps (one CTA per SM), each with a 7-slot ring: 6 chunk quarters in flight per warp
-// while it works on one, 96 per SM. (A 24-warp CTA with 5-slot rings, the same bytes in flight and
-// more warps to spread few units over, was slower on every T = 1 launch but mixtral-8x7b's L2, by
-// 1.5%: H200 2026-12-03, PERF_NOTES.md session 9.)
+// The CTA: 16 warps (one CTA per SM), each with a 5-slot ring: 4 chunk quarters in flight per warp
+// while it works on one, 64 per SM (37 KB). Fewer bytes in flight were faster: 5 slots beat 7 on
+// every T = 1 launch by 1-5%, and 12 slots lost 3-13% (H200 2026-12-03, PERF_NOTES.md session 11).
+// (A 24-warp CTA with 5-slot rings was slower than 16 warps with 7 on every T = 1 launch but
+// mixtral-8x7b's L2, by 1.5%: session 9.)
 constexpr int kWarps = 16;
-constexpr int kDepth = 7;
+constexpr int kDepth = 5;
 // The expert table and the K-split buffers (the kernel's Smem, which checks this), the rings.
 constexpr int64_t kTableBytes =
     (int64_t(2 * kWarps + kTableExperts + 1) * 4 + int64_t(2 * kWarps) * 4 * 32 * 4 + 127) / 128 * 128;
 constexpr int64_t kRingBytes = int64_t(kWarps) * kDepth * kSlotBytes;
-static_assert(kTableBytes == 20736 && kRingBytes == 86016, "the layout the kernel checks");
-// What x may use (8 rows: K up to 7808).
+static_assert(kTableBytes == 20736 && kRingBytes == 61440, "the layout the kernel checks");
+// What x may use (8 rows: K up to 9344).
 constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes - kRingBytes;
 
 // Whether the kernel can run a launch: at most kMaxRows rows whose x fits, and an epilogue other than

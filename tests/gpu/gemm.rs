@@ -130,11 +130,11 @@ pub(crate) mod grouped {
 
     /// The warp kernel (at most 8 rows in all), every element against the f64 reference, rows
     /// past offsets[E] untouched: as `Auto` runs it (K split over warps where units are few) and
-    /// unsplit (a batch-invariant plan: one warp per unit over the whole K, seven-slot ring rounds
+    /// unsplit (a batch-invariant plan: one warp per unit over the whole K, five-slot ring rounds
     /// and a tail), whose bits are compared with the unsplit N8 tile's (reported). Shapes: K at its
-    /// minimum (64), n = 64 (one chunk row), n % 128 == 64, K of exactly one ring (448), of one
-    /// ring and a few chunks (576, 832), not a multiple of the ring, the largest K of 8 rows
-    /// (7808), a K past it (13184: fewer rows), mixtral-8x7b's K = 14336 (fewer rows), and more
+    /// minimum (64), n = 64 (one chunk row), n % 128 == 64, K of exactly one ring (320) and two
+    /// (640), of one ring and a few chunks (448, 576, 832), not a multiple of the ring, the largest
+    /// K of 8 rows (9344), a K past it (13184: fewer rows), mixtral-8x7b's K = 14336 (fewer rows), and more
     /// units than warps (n = 7168 over 8 experts: a warp's next unit is loaded during its tail),
     /// at K = 2048 and at K = 256 (units shorter than the ring); rows: one, eight in one expert, a
     /// random spread with empty experts, rows past offsets[E].
@@ -147,14 +147,16 @@ pub(crate) mod grouped {
         let mut largest_k_of_8_rows = false;
         for &(e, n, k) in &[
             (1usize, 64usize, 64usize),
+            (3, 192, 320),
             (3, 192, 448),
+            (2, 128, 640),
             (2, 128, 576),
             (5, 448, 832),
             (8, 320, 1600),
             (2, 2880, 2880),
             (128, 1536, 2048),
             (256, 256, 7168),
-            (4, 128, 7808),
+            (4, 128, 9344),
             (1, 128, 13184),
             (2, 4096, 14336),
             (8, 7168, 2048),
@@ -222,12 +224,12 @@ pub(crate) mod grouped {
                     unsplit[..written].iter().zip(&n8[..written]).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
                 values += written;
                 cases += 1;
-                largest_k_of_8_rows |= k == 7808 && total == 8;
+                largest_k_of_8_rows |= k == 9344 && total == 8;
             }
         }
         eprintln!("{cases} warp-tile cases; unsplit vs the N8 tile: {differing} of {values} values differ");
         assert!(cases >= 28);
-        assert!(largest_k_of_8_rows, "the largest K of 8 rows (7808) ran on the warp kernel");
+        assert!(largest_k_of_8_rows, "the largest K of 8 rows (9344) ran on the warp kernel");
         // Overlapping offsets (expert e's rows [0, 8) for every other expert: 32 experts with rows
         // where 8 rows allow at most 8): each team walks several units, through both reduction
         // buffers. The rows are written by several experts (undefined values, as the API says);
