@@ -66,7 +66,13 @@ common=(--include-ignored --test-threads=1)
 step memcheck-small "$t_small" NVFP4MOE_SWEEP_SIZE=small -- "${cs[@]}" memcheck "$bin" "${common[@]}" sweep::
 step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memcheck "$bin" "${common[@]}" sweep::
 # (`layer_` would also match sweep::sweep_layer_..., which the memcheck steps cover.)
-step racecheck "$t_race" -- "${cs[@]}" racecheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep::
+# racecheck does not model bar.arrive's ordering: it reports SwigluNvfp4's named-barrier hand-over
+# (consumers write the staged tile, bar.arrive; quantizer warps bar.sync, read) as a race, as it
+# does for a minimal kernel with that pattern and not for the same kernel with __syncthreads
+# (scripts/racecheck-probe.cu). Those GEMM kernels (GemmEpilogue 3) are excluded here; every other
+# kernel the tests launch is checked.
+step racecheck "$t_race" -- "${cs[@]}" racecheck --kernel-name-exclude kns=GemmEpilogueE3 "$bin" "${common[@]}" \
+  layer_ swiglu faults:: --skip sweep::
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
 
