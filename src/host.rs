@@ -139,18 +139,59 @@ pub struct ExpertWeightsHost {
 }
 
 impl ExpertWeightsHost {
+    /// Checks that the buffers hold `[experts, n, k]` (codes, scales, one decode scale per expert)
+    /// and that `k` is a multiple of 16.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a `k` that is not a positive multiple of 16 or a shape whose
+    /// sizes overflow, [`Error::BufferTooSmall`] for a buffer shorter than the shape needs.
+    pub fn validate(&self) -> Result<()> {
+        let rows = self.experts.checked_mul(self.n).ok_or_else(|| {
+            Error::InvalidShape(format!("expert weights: {} x {} rows overflow", self.experts, self.n))
+        })?;
+        validate_quantize_shape(rows, self.k)?;
+        let elements = checked_elements(rows, self.k)?;
+        let need = |name: &'static str, needed: usize, actual: usize| {
+            if actual < needed {
+                Err(Error::BufferTooSmall { name, needed, actual })
+            } else {
+                Ok(())
+            }
+        };
+        need("codes", elements / 2, self.codes.len())?;
+        need("scales", elements / BLOCK_SIZE, self.scales.len())?;
+        need("decode_scales", self.experts, self.decode_scales.len())
+    }
+
     /// Weight `(e, f, kk)` exactly as the format defines it: e2m1 x e4m3 (f32, exact), without
     /// the expert's decode scale.
     ///
     /// # Panics
     /// If `(e, f, kk)` is outside `[experts, n, k]` or the buffers are shorter than that shape
-    /// needs (an indexing accessor of the oracle, like slice indexing; checked callers such as
-    /// [`crate::reference::routing::moe_layer`] validate the shape first).
+    /// needs (an indexing accessor of the oracle, like slice indexing, for loops over a shape
+    /// checked once); [`ExpertWeightsHost::try_weight`] returns an error instead.
     pub fn weight(&self, e: usize, f: usize, kk: usize) -> f32 {
         let row = e * self.n + f;
         let byte = self.codes[row * (self.k / 2) + kk / 2];
         let code = if kk.is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
         e2m1_decode(code) * e4m3_decode(self.scales[row * (self.k / 16) + kk / 16])
+    }
+
+    /// [`ExpertWeightsHost::weight`] that checks the buffers ([`ExpertWeightsHost::validate`])
+    /// and the index first.
+    ///
+    /// # Errors
+    /// As [`ExpertWeightsHost::validate`], and [`Error::InvalidShape`] for `(e, f, kk)` outside
+    /// `[experts, n, k]`.
+    pub fn try_weight(&self, e: usize, f: usize, kk: usize) -> Result<f32> {
+        self.validate()?;
+        if e >= self.experts || f >= self.n || kk >= self.k {
+            return Err(Error::InvalidShape(format!(
+                "weight ({e}, {f}, {kk}) is outside [{}, {}, {}]",
+                self.experts, self.n, self.k
+            )));
+        }
+        Ok(self.weight(e, f, kk))
     }
 }
 

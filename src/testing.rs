@@ -25,18 +25,25 @@ pub const TEST_SEED_ENV: &str = "NVFP4MOE_TEST_SEED";
 ///
 /// # Panics
 /// If it is set but not a `u64` in decimal or `0x` hex (a test helper: a mistyped seed must not
-/// silently run a fresh one).
+/// silently run a fresh one); [`try_test_seed_from_env`] returns an error instead.
 pub fn test_seed_from_env() -> Option<u64> {
-    let v = std::env::var(TEST_SEED_ENV).ok()?;
+    try_test_seed_from_env().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The seed [`TEST_SEED_ENV`] gives, if set.
+///
+/// # Errors
+/// [`crate::Error::Invalid`] if it is set but not a `u64` in decimal or `0x` hex.
+pub fn try_test_seed_from_env() -> crate::Result<Option<u64>> {
+    let Ok(v) = std::env::var(TEST_SEED_ENV) else { return Ok(None) };
     let t = v.trim();
     let parsed = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
         Some(hex) => u64::from_str_radix(hex, 16),
         None => t.parse(),
     };
-    match parsed {
-        Ok(seed) => Some(seed),
-        Err(_) => panic!("{TEST_SEED_ENV}={v:?} is not a seed (a u64, decimal or 0x hex)"),
-    }
+    parsed
+        .map(Some)
+        .map_err(|_| crate::Error::Invalid(format!("{TEST_SEED_ENV}={v:?} is not a seed (a u64, decimal or 0x hex)")))
 }
 
 std::thread_local! {

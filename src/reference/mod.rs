@@ -256,7 +256,8 @@ pub fn quantize_grouped(
 ///
 /// # Panics
 /// If `row` is not a row of `x` (`[rows, w.k]`) or `(e, f)` not a row of `w` (an indexing
-/// helper of the GPU tests, like slice indexing).
+/// helper of the GPU tests, like slice indexing, for loops over a shape checked once);
+/// [`try_grouped_gemm_element`] returns an error instead.
 pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: usize, f: usize) -> f64 {
     let k = w.k;
     let xr = &x[row * k..(row + 1) * k];
@@ -273,7 +274,8 @@ pub fn grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: us
 /// epilogues). Returns (gate, swiglu).
 ///
 /// # Panics
-/// As [`grouped_gemm_element`], for `f` and `I + f`.
+/// As [`grouped_gemm_element`], for `f` and `I + f`; [`try_swiglu_element`] returns an error
+/// instead.
 pub fn swiglu_element(
     x: &[bf16],
     w: &ExpertWeightsHost,
@@ -293,6 +295,59 @@ pub fn swiglu_element(
     }
     let (g, u) = (g * f64::from(gate_scale), u * f64::from(up_scale));
     (g, g / (1.0 + (-g).exp()) * u)
+}
+
+/// Checks what [`grouped_gemm_element`] and [`swiglu_element`] index: `w`'s buffers, expert
+/// `e`, output rows `fs` of `w`, and row `row` of `x` (`[rows, w.k]`).
+fn check_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: usize, fs: &[usize]) -> Result<()> {
+    w.validate()?;
+    if e >= w.experts || w.decode_scales.len() <= e {
+        return Err(Error::InvalidShape(format!("expert {e} of {} experts", w.experts)));
+    }
+    if let Some(f) = fs.iter().find(|&&f| f >= w.n) {
+        return Err(Error::InvalidShape(format!("feature {f} of {} (expert {e})", w.n)));
+    }
+    let end = row.checked_add(1).and_then(|r| r.checked_mul(w.k));
+    match end {
+        Some(end) if end <= x.len() => Ok(()),
+        _ => Err(Error::InvalidShape(format!("row {row} of x is past its {} elements ([rows, {}])", x.len(), w.k))),
+    }
+}
+
+/// [`grouped_gemm_element`] that checks its arguments first.
+///
+/// # Errors
+/// [`Error::InvalidShape`] or [`Error::BufferTooSmall`] for weights whose buffers do not hold
+/// their shape (see [`ExpertWeightsHost::validate`]), an expert or feature outside `w`, or a row
+/// outside `x`.
+pub fn try_grouped_gemm_element(x: &[bf16], w: &ExpertWeightsHost, e: usize, row: usize, f: usize) -> Result<f64> {
+    check_element(x, w, e, row, &[f])?;
+    Ok(grouped_gemm_element(x, w, e, row, f))
+}
+
+/// [`swiglu_element`] that checks its arguments first (`w.n` even, `f` and `w.n / 2 + f` rows of
+/// `w`).
+///
+/// # Errors
+/// As [`try_grouped_gemm_element`], and [`Error::InvalidShape`] for an odd `w.n` or `f` not in
+/// `[0, w.n / 2)`.
+pub fn try_swiglu_element(
+    x: &[bf16],
+    w: &ExpertWeightsHost,
+    e: usize,
+    row: usize,
+    f: usize,
+    gate_scale: f32,
+    up_scale: f32,
+) -> Result<(f64, f64)> {
+    if !w.n.is_multiple_of(2) || f >= w.n / 2 {
+        return Err(Error::InvalidShape(format!(
+            "SwiGLU feature {f} of gate/up weights with {} rows (gate rows [0, n/2), up rows [n/2, n))",
+            w.n
+        )));
+    }
+    check_element(x, w, e, row, &[f, w.n / 2 + f])?;
+    Ok(swiglu_element(x, w, e, row, f, gate_scale, up_scale))
 }
 
 #[cfg(test)]

@@ -113,7 +113,8 @@ pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permuta
 ///
 /// # Panics
 /// If `perm` is not [`permute`]'s for `T x top_k` pairs or `hidden` holds fewer than `T` rows (an
-/// oracle helper: [`moe_layer`] checks its arguments and then calls it).
+/// oracle helper: [`moe_layer`] checks its arguments and then calls it); [`try_gather_rows`]
+/// returns an error instead.
 pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_k: usize) -> Vec<bf16> {
     if top_k == 0 {
         return Vec::new();
@@ -131,7 +132,8 @@ pub fn gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_
 ///
 /// # Panics
 /// If `perm` is not [`permute`]'s for the pairs of `topk_weights` or `y` holds fewer rows than
-/// it permutes (an oracle helper: [`moe_layer`] checks its arguments and then calls it).
+/// it permutes (an oracle helper: [`moe_layer`] checks its arguments and then calls it);
+/// [`try_combine`] returns an error instead.
 pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: &[f32], top_k: usize) -> Vec<f64> {
     let Some(tokens) = topk_weights.len().checked_div(top_k) else {
         return Vec::new();
@@ -147,6 +149,64 @@ pub fn combine(y: &[f64], hidden_size: usize, perm: &Permutation, topk_weights: 
         }
     }
     out
+}
+
+/// Checks that `perm` permutes `pairs` pairs: both maps hold `pairs` entries in `[0, pairs)`.
+fn check_permutation(perm: &Permutation, pairs: usize) -> Result<()> {
+    let in_range = |v: &[i32]| v.len() == pairs && v.iter().all(|&i| i >= 0 && (i as usize) < pairs);
+    if in_range(&perm.row_of_pair) && in_range(&perm.pair_of_row) {
+        Ok(())
+    } else {
+        Err(Error::InvalidShape(format!(
+            "the permutation does not map {pairs} pairs (row_of_pair: {}, pair_of_row: {} entries, or one out of range)",
+            perm.row_of_pair.len(),
+            perm.pair_of_row.len()
+        )))
+    }
+}
+
+/// [`gather_rows`] that checks its arguments first: `perm` maps `T x top_k` pairs for the `T`
+/// rows of `hidden` (`[T, hidden_size]`).
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a `hidden_size` of 0, a `hidden` that is not whole rows, or a
+/// permutation of another number of pairs.
+pub fn try_gather_rows(hidden: &[bf16], hidden_size: usize, perm: &Permutation, top_k: usize) -> Result<Vec<bf16>> {
+    if hidden_size == 0 || !hidden.len().is_multiple_of(hidden_size) {
+        return Err(Error::InvalidShape(format!("hidden holds {} elements, not rows of {hidden_size}", hidden.len())));
+    }
+    let pairs = (hidden.len() / hidden_size).checked_mul(top_k).ok_or_else(|| {
+        Error::InvalidShape(format!("T x top_k = {} x {top_k} overflows", hidden.len() / hidden_size))
+    })?;
+    check_permutation(perm, pairs)?;
+    Ok(gather_rows(hidden, hidden_size, perm, top_k))
+}
+
+/// [`combine`] that checks its arguments first: `perm` maps the pairs of `topk_weights`
+/// (`[T, top_k]`) and `y` holds a row of `hidden_size` for each.
+///
+/// # Errors
+/// [`Error::InvalidShape`] for a `topk_weights` length not a multiple of `top_k`, a permutation of
+/// another number of pairs, or a `y` of another number of rows.
+pub fn try_combine(
+    y: &[f64],
+    hidden_size: usize,
+    perm: &Permutation,
+    topk_weights: &[f32],
+    top_k: usize,
+) -> Result<Vec<f64>> {
+    let pairs = topk_weights.len();
+    if (top_k == 0 && pairs != 0) || (top_k != 0 && !pairs.is_multiple_of(top_k)) {
+        return Err(Error::InvalidShape(format!("topk_weights has {pairs} entries, not a multiple of k = {top_k}")));
+    }
+    check_permutation(perm, pairs)?;
+    if pairs.checked_mul(hidden_size) != Some(y.len()) {
+        return Err(Error::InvalidShape(format!(
+            "y holds {} elements, the {pairs} pairs need rows of {hidden_size}",
+            y.len()
+        )));
+    }
+    Ok(combine(y, hidden_size, perm, topk_weights, top_k))
 }
 
 /// One MoE feed-forward layer in f64: route, `silu(x W_gate^T g_gate) * (x W_up^T g_up)` per
@@ -225,6 +285,45 @@ pub fn moe_layer(
 mod tests {
     use super::*;
     use crate::rng::Rng;
+
+    /// The checked forms of the oracle's indexing helpers: the same result on valid arguments,
+    /// an error (not a panic) on each kind of bad one (issue 21's no-panic rule).
+    #[test]
+    fn try_forms_of_the_routing_helpers_check_their_arguments() {
+        let mut rng = crate::testing::test_rng();
+        let (tokens, top_k, experts, h) = (5usize, 3usize, 4usize, 8usize);
+        let ids: Vec<i32> = (0..tokens * top_k).map(|_| rng.below(experts as u64) as i32).collect();
+        let perm = permute(&ids, top_k, experts).unwrap();
+        let hidden = rng.normal_bf16(tokens * h, 1.0);
+        let weights: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform(0.0, 1.0)).collect();
+        let y: Vec<f64> = (0..tokens * top_k * h).map(|i| i as f64 * 0.5 - 3.0).collect();
+
+        let g = try_gather_rows(&hidden, h, &perm, top_k).unwrap();
+        assert!(g.iter().zip(gather_rows(&hidden, h, &perm, top_k)).all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert_eq!(try_combine(&y, h, &perm, &weights, top_k).unwrap(), combine(&y, h, &perm, &weights, top_k));
+
+        let bad = |r: Result<Vec<bf16>>| assert!(matches!(r, Err(Error::InvalidShape(_))), "{r:?}");
+        bad(try_gather_rows(&hidden, 0, &perm, top_k));
+        bad(try_gather_rows(&hidden[..h * tokens - 1], h, &perm, top_k));
+        bad(try_gather_rows(&hidden[..h * (tokens - 1)], h, &perm, top_k)); // a token short
+        bad(try_gather_rows(&hidden, h, &perm, top_k + 1));
+        let mut out_of_range = perm.clone();
+        out_of_range.pair_of_row[2] = (tokens * top_k) as i32;
+        bad(try_gather_rows(&hidden, h, &out_of_range, top_k));
+        let mut short = perm.clone();
+        short.row_of_pair.pop();
+        bad(try_gather_rows(&hidden, h, &short, top_k));
+
+        let bad = |r: Result<Vec<f64>>| assert!(matches!(r, Err(Error::InvalidShape(_))), "{r:?}");
+        bad(try_combine(&y[..y.len() - h], h, &perm, &weights, top_k)); // a row short
+        bad(try_combine(&y, h + 1, &perm, &weights, top_k));
+        bad(try_combine(&y, h, &perm, &weights[1..], top_k));
+        bad(try_combine(&y, h, &perm, &weights, 0));
+        let mut negative = perm.clone();
+        negative.row_of_pair[0] = -1;
+        bad(try_combine(&y, h, &negative, &weights, top_k));
+        assert_eq!(try_combine(&[], h, &permute(&[], 1, experts).unwrap(), &[], 1).unwrap(), Vec::<f64>::new());
+    }
 
     /// Sizes whose product overflows, and buffers shorter than a hand-made checkpoint's shape
     /// says, are errors, not panics (issue 21).

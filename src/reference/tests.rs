@@ -687,3 +687,53 @@ fn grouped_rejects_bad_input() {
     assert!(c.is_empty());
     assert_eq!(s, vec![0u8; grouped_scale_len(0, 2, 32)]);
 }
+
+/// The checked forms of the oracle's element helpers: the same value on valid arguments, an
+/// error (not a panic) on each kind of bad one (issue 21's no-panic rule).
+#[test]
+fn try_forms_of_the_element_helpers_check_their_arguments() {
+    let mut rng = crate::testing::test_rng();
+    let ck = crate::testing::random_moe_checkpoint(&mut rng, 3, 32, 16);
+    let w = &ck.w13; // [3, 32, 32]: gate rows [0, 16), up rows [16, 32)
+    let rows = 4;
+    let x = rng.normal_bf16(rows * w.k, 1.0);
+    for (e, row, f) in [(0, 0, 0), (2, 3, 31), (1, 2, 7)] {
+        assert_eq!(w.try_weight(e, f, w.k - 1).unwrap().to_bits(), w.weight(e, f, w.k - 1).to_bits());
+        let want = grouped_gemm_element(&x, w, e, row, f);
+        assert_eq!(try_grouped_gemm_element(&x, w, e, row, f).unwrap().to_bits(), want.to_bits());
+    }
+    let sw = try_swiglu_element(&x, w, 1, 2, 15, 0.5, 2.0).unwrap();
+    let want = swiglu_element(&x, w, 1, 2, 15, 0.5, 2.0);
+    assert_eq!((sw.0.to_bits(), sw.1.to_bits()), (want.0.to_bits(), want.1.to_bits()));
+
+    let shape = |r: Result<f64>| assert!(matches!(r, Err(Error::InvalidShape(_))), "{r:?}");
+    shape(try_grouped_gemm_element(&x, w, 3, 0, 0)); // expert
+    shape(try_grouped_gemm_element(&x, w, 0, 0, 32)); // feature
+    shape(try_grouped_gemm_element(&x, w, 0, rows, 0)); // row of x
+    shape(try_grouped_gemm_element(&x, w, 0, usize::MAX, 0)); // row whose end overflows
+    shape(w.try_weight(0, 0, w.k).map(f64::from));
+    for (f, n) in [(16, 32), (0, 31)] {
+        let mut odd = w.clone();
+        odd.n = n;
+        let r = try_swiglu_element(&x, &odd, 0, 0, f, 1.0, 1.0);
+        assert!(matches!(r, Err(Error::InvalidShape(_))), "f = {f}, n = {n}: {r:?}");
+    }
+    // Buffers shorter than the shape: each named.
+    for (name, edit) in [
+        ("codes", (|w: &mut ExpertWeightsHost| w.codes.truncate(w.codes.len() - 1)) as fn(&mut ExpertWeightsHost)),
+        ("scales", |w| w.scales.truncate(w.scales.len() - 1)),
+        ("decode_scales", |w| w.decode_scales.truncate(w.decode_scales.len() - 1)),
+    ] {
+        let mut short = w.clone();
+        edit(&mut short);
+        let r = try_grouped_gemm_element(&x, &short, 0, 0, 0);
+        assert!(matches!(r, Err(Error::BufferTooSmall { name: n, .. }) if n == name), "{name}: {r:?}");
+        assert!(matches!(short.try_weight(0, 0, 0), Err(Error::BufferTooSmall { .. })));
+    }
+    let mut bad_k = w.clone();
+    bad_k.k = 24;
+    assert!(matches!(bad_k.try_weight(0, 0, 0), Err(Error::InvalidShape(_))));
+    let mut huge = w.clone();
+    huge.experts = usize::MAX;
+    assert!(matches!(huge.validate(), Err(Error::InvalidShape(_))));
+}
