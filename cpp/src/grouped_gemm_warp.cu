@@ -426,7 +426,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
 
 template <GemmEpilogue kEpilogue, int kDepth, bool kXFirst>
 Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) {
-  const size_t smem = size_t(kXOffset<kDepth>) + size_t(p.total_rows) * size_t(p.k * 2 + 16);
+  static_assert(kXOffset<kDepth> == kTableBytes + kWarps * kDepth * kSlotBytes, "smem_bytes's layout");
+  const size_t smem = size_t(smem_bytes(kDepth, p.total_rows, p.k));
   auto kernel = grouped_gemm_warp_kernel<kEpilogue, kDepth, kXFirst>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) {
@@ -441,9 +442,12 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
   return check_launch("grouped_gemm_nvfp4 (warp kernel)");
 }
 
-// NVFP4MOE_WARP_VARIANT (read once; for A/B timing, PERF_NOTES.md session 11): d7, d4 or d3 (a
-// ring of that many slots where x fits beside it, else the shipped one), x (x staged first).
-// Unset or anything else: the shipped kernel.
+// A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (like the trace probe: the
+// default build has the shipped kernel alone, the only one its GPU tests run): then
+// NVFP4MOE_WARP_VARIANT (read once; PERF_NOTES.md session 11) = d7, d4 or d3 (a ring of that many
+// slots where x fits beside it, else the shipped one) or x (x staged first); unset or anything
+// else: the shipped kernel.
+#if defined(NVFP4MOE_WARP_VARIANTS)
 enum class Variant { kShipped, kDepth7, kDepth4, kDepth3, kXFirst };
 Variant variant() {
   static const Variant v = [] {
@@ -460,13 +464,9 @@ Variant variant() {
 
 template <GemmEpilogue kEpilogue>
 Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
-  const auto fits = [&](int slots) {
-    return int64_t(kRingOffset) + int64_t(kWarps) * slots * kSlotBytes + p.total_rows * int64_t(p.k * 2 + 16) <=
-           kSmemLimit;
-  };
   switch (variant()) {
     case Variant::kDepth7:
-      if (fits(7)) return launch_one<kEpilogue, 7, false>(p, x, sms, stream);
+      if (smem_bytes(7, p.total_rows, p.k) <= kSmemLimit) return launch_one<kEpilogue, 7, false>(p, x, sms, stream);
       break;
     case Variant::kDepth4: return launch_one<kEpilogue, 4, false>(p, x, sms, stream);
     case Variant::kDepth3: return launch_one<kEpilogue, 3, false>(p, x, sms, stream);
@@ -475,6 +475,12 @@ Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stre
   }
   return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
 }
+#else
+template <GemmEpilogue kEpilogue>
+Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
+  return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
+}
+#endif
 
 }  // namespace
 

@@ -26,8 +26,10 @@ constexpr int64_t kSmemLimit = 227 * 1024;
 constexpr int kTableExperts = 1024;  // the expert table's capacity (gemm_config.cuh's kMaxExperts)
 
 // The CTA: 16 warps (one CTA per SM), each with a 5-slot ring: 4 chunk quarters in flight per warp
-// while it works on one, 64 per SM (37 KB). Fewer bytes in flight were faster: 5 slots beat 7 on
-// every T = 1 launch by 1-5%, and 12 slots lost 3-13% (H200 2026-12-03, PERF_NOTES.md session 11).
+// while it works on one, 64 per SM (36 KiB of weights in flight; the rings take 60 KiB). Fewer
+// bytes in flight were faster: 5 slots were faster than 7 on 8 of 9 T = 1 launches (up to 5.5%;
+// the others within 0.5%), and 12 slots slower by 3-13% on all but one (equal) (H200 2026-12-03,
+// PERF_NOTES.md session 11).
 // (A 24-warp CTA with 5-slot rings was slower than 16 warps with 7 on every T = 1 launch but
 // mixtral-8x7b's L2, by 1.5%: session 9.)
 constexpr int kWarps = 16;
@@ -39,12 +41,17 @@ constexpr int64_t kRingBytes = int64_t(kWarps) * kDepth * kSlotBytes;
 static_assert(kTableBytes == 20736 && kRingBytes == 61440, "the layout the kernel checks");
 // What x may use (8 rows: K up to 9344).
 constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes - kRingBytes;
+// A launch's dynamic shared memory with rings of `slots` slots: the table, the rings, then x's
+// rows of k * 2 + 16 bytes (the kernel's layout; kSlots != kDepth only in A/B builds).
+constexpr int64_t smem_bytes(int slots, int64_t total_rows, int64_t k) noexcept {
+  return kTableBytes + int64_t(kWarps) * slots * kSlotBytes + total_rows * (k * 2 + 16);
+}
 
 // Whether the kernel can run a launch: at most kMaxRows rows whose x fits, and an epilogue other than
 // SwigluNvfp4 (whose encoder runs on the wgmma tiles' quantizer warps).
 inline bool supports(GemmEpilogue epilogue, int64_t total_rows, int64_t k) noexcept {
   return epilogue != GemmEpilogue::kSwigluNvfp4 && total_rows >= 0 && total_rows <= kMaxRows && k > 0 &&
-         k <= kMaxXBytes && total_rows * (k * 2 + 16) <= kMaxXBytes;
+         k <= kMaxXBytes && smem_bytes(kDepth, total_rows, k) <= kSmemLimit;
 }
 
 // How many warps share each unit's K (1, 2, 4 or 8): the most for which an upper bound of the
