@@ -445,10 +445,12 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
 // A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (like the trace probe: the
 // default build has the shipped kernel alone, the only one its GPU tests run): then
 // NVFP4MOE_WARP_VARIANT (read once; PERF_NOTES.md session 11) = d7, d4 or d3 (a ring of that many
-// slots where x fits beside it, else the shipped one) or x (x staged first); unset or anything
-// else: the shipped kernel.
+// slots where x fits beside it, else the shipped one), x (x staged first), or rule (per launch: 4
+// slots where a warp's work item has at most 32 chunks, x first where x is at most 24 KB per CTA:
+// the candidate rule from session 11's A/B, not yet measured or tested as a whole); unset or
+// anything else: the shipped kernel.
 #if defined(NVFP4MOE_WARP_VARIANTS)
-enum class Variant { kShipped, kDepth7, kDepth4, kDepth3, kXFirst };
+enum class Variant { kShipped, kDepth7, kDepth4, kDepth3, kXFirst, kRule };
 Variant variant() {
   static const Variant v = [] {
     const char* e = std::getenv("NVFP4MOE_WARP_VARIANT");
@@ -457,6 +459,7 @@ Variant variant() {
            : s == "d4" ? Variant::kDepth4
            : s == "d3" ? Variant::kDepth3
            : s == "x"  ? Variant::kXFirst
+           : s == "rule" ? Variant::kRule
                        : Variant::kShipped;
   }();
   return v;
@@ -471,6 +474,17 @@ Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stre
     case Variant::kDepth4: return launch_one<kEpilogue, 4, false>(p, x, sms, stream);
     case Variant::kDepth3: return launch_one<kEpilogue, 3, false>(p, x, sms, stream);
     case Variant::kXFirst: return launch_one<kEpilogue, kDepth, true>(p, x, sms, stream);
+    case Variant::kRule: {
+      const int item_chunks = (p.k / kWeightChunkK + p.splits - 1) / p.splits;
+      const bool short_items = item_chunks <= 32;
+      const bool small_x = int64_t(p.total_rows) * p.k * 2 <= 24 * 1024;
+      if (short_items) {
+        return small_x ? launch_one<kEpilogue, 4, true>(p, x, sms, stream)
+                       : launch_one<kEpilogue, 4, false>(p, x, sms, stream);
+      }
+      if (small_x) return launch_one<kEpilogue, kDepth, true>(p, x, sms, stream);
+      break;
+    }
     default: break;
   }
   return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);

@@ -597,7 +597,8 @@ fn concurrent_forwards_on_two_streams_equal_serial_ones() {
 /// The library's policy (`MoeLayer`'s docs, "Non-finite input"): a NaN or Inf in one token's
 /// hidden state, in one token's routing weight (precomputed top-k) or in one token's router logits
 /// changes only that token's output row; every other row is bit-identical to the clean forward.
-/// For the BF16 and the NVFP4 intermediate, T = 1, 5, 64, 300, the token drawn at random per
+/// For the BF16 and the NVFP4 intermediate, T = 1, 2 (8 rows: one warp-kernel launch shared by
+/// two tokens), 5, 64, 300, the token drawn at random per
 /// fault. The faulted row must differ from the clean one where the fault reaches it by definition
 /// (NaN or Inf in the hidden state or a weight, +Inf or all-NaN logits: NaN weights), every
 /// element of every row is written, no bad id is reported (NaN logits still choose valid experts),
@@ -617,7 +618,7 @@ fn nan_in_one_token_changes_only_its_row() {
     for inter in [Intermediate::Bf16, nvfp4] {
         let layer = make_layer(&s, &ck, 300, k, inter);
         let mut ws = layer.workspace(&s).unwrap();
-        for t in [1usize, 5, 64, 300] {
+        for t in [1usize, 2, 5, 64, 300] {
             let x = host_inputs(&mut rng, t, h, e, k);
             let d = upload(&s, &x);
             for router in [false, true] {
@@ -682,5 +683,5 @@ fn nan_in_one_token_changes_only_its_row() {
         }
     }
     eprintln!("NaN isolation: {faults} faulted forwards, every other row bit-identical");
-    assert_eq!(faults, 2 * 4 * 10);
+    assert_eq!(faults, 2 * 5 * 10);
 }

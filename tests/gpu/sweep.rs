@@ -120,6 +120,7 @@ fn cases(default: usize) -> usize {
 fn setup(test: &str, pick: fn((usize, usize, usize)) -> usize) -> (Size, Bounds, usize) {
     let size = Size::from_env();
     let n = cases(pick(size.default_cases()));
+    assert!(n > 0, "{CASES_ENV}=0: a sweep of no cases would pass without testing anything");
     eprintln!("sweep {test}: size {size:?}, {n} cases ({SIZE_ENV}, {CASES_ENV})");
     (size, size.bounds(), n)
 }
