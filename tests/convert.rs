@@ -367,6 +367,80 @@ fn fp8_block_scaled_input_equals_its_bf16_dequantization() {
     }
 }
 
+/// FP8 input whose dequantization cannot be BF16 is refused, named, as F32 input beyond the BF16
+/// range is (issue 21): a non-finite `weight_scale_inv` names the scale tensor and its block; a
+/// finite scale that takes an element past the BF16 range (in the F32 product, or in the rounding
+/// to BF16) names the weight tensor and its first such element.
+#[test]
+fn fp8_scales_that_leave_the_bf16_range_are_named() {
+    let t = TmpDir::new("fp8-range");
+    let out = dir(&t, "out");
+    let block = 8usize; // up_proj [32, 64]: a 4 x 8 grid of block scales
+    let (base, _) = fx::fp8_model(0x1821, block);
+    let weight = format!("{EXPERTS_PREFIX}.1.up_proj.weight");
+    let scale_name = format!("{weight}_scale_inv");
+    let (n, k) = {
+        let w = base.tensors.iter().find(|t| t.name == weight).unwrap();
+        (w.shape[0], w.shape[1])
+    };
+    let grid_cols = k.div_ceil(block);
+    let edit = |m: &mut fx::Model, name: &str, f: &mut dyn FnMut(&mut Vec<u8>)| {
+        f(&mut m.tensors.iter_mut().find(|t| t.name == name).unwrap().data)
+    };
+    let set_scale = |m: &mut fx::Model, j: usize, v: f32| {
+        edit(m, &scale_name, &mut |d| d[4 * j..4 * j + 4].copy_from_slice(&v.to_le_bytes()))
+    };
+    let fails = |m: &fx::Model, tag: &str| {
+        let d = dir(&t, tag);
+        fx::write_model(&d, m, 2);
+        cpu_convert(&d, &out, &ConvertOptions { force: true, ..Default::default() }).unwrap_err()
+    };
+
+    for (j, bad) in [(3usize, f32::NAN), (grid_cols + 1, f32::INFINITY), (0, f32::NEG_INFINITY)] {
+        let mut m = base.clone();
+        set_scale(&mut m, j, bad);
+        match fails(&m, &format!("scale-{j}")) {
+            Error::Tensor { name, what } => {
+                assert_eq!(name, scale_name);
+                let want = format!("block scale [{}, {}] (index {j}) is {bad}", j / grid_cols, j % grid_cols);
+                assert!(what.contains(&want), "`{what}` lacks `{want}`");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    // Block (1, 2) gets a scale that takes E4M3 448 (code 0x7E) past the BF16 range, and block
+    // (2, 0) one that overflows F32 itself; the first such element in row-major order is named.
+    let (b1, b2) = (grid_cols + 2, 2 * grid_cols);
+    for (scale, tag) in [(bf16::MAX.to_f32(), "bf16"), (f32::MAX, "f32")] {
+        let mut m = base.clone();
+        set_scale(&mut m, b1, scale / 100.0); // 448 x that is past BF16::MAX; small codes stay in range
+        set_scale(&mut m, b2, scale);
+        // Block (1, 2) holds 1.0 (E4M3 0x38) but for element (row block + 3, column 2 block + 5),
+        // 448; every element of block (2, 0) is 448 too, but later.
+        let first = (block + 3) * k + 2 * block + 5;
+        edit(&mut m, &weight, &mut |d| {
+            for r in block..2 * block {
+                d[r * k + 2 * block..r * k + 3 * block].fill(0x38);
+            }
+            d[first] = 0x7E;
+            for r in 2 * block..(3 * block).min(n) {
+                for c in 0..block {
+                    d[r * k + c] = 0x7E;
+                }
+            }
+        });
+        match fails(&m, &format!("product-{tag}")) {
+            Error::Tensor { name, what } => {
+                assert_eq!(name, weight);
+                let want = format!("element [{}, {}] (index {first}) dequantizes to", first / k, first % k);
+                assert!(what.contains(&want) && what.contains("E4M3 0x7e"), "`{what}` lacks `{want}`");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
 /// transformers 5's stacked experts (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
 /// [E, H, I]) are split into the same per-expert tensors the per-expert model gives.
 #[test]

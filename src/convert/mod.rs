@@ -6,7 +6,9 @@
 //! BF16 tensor; a finite F32 beyond the BF16 range, which would round to infinity, is an
 //! [`Error::Tensor`] naming the tensor and its first such element), or DeepSeek-V3 / Kimi-K2 FP8 block-scaled weights (E4M3 `weight` with an F32
 //! `weight_scale_inv` per 128x128 block, `quantization_config.quant_method` `fp8`), dequantized on
-//! the fly to BF16 as DeepSeek's own `weight_dequant` does (`bf16_rne(f32(e4m3) * scale_inv)`).
+//! the fly to BF16 as DeepSeek's own `weight_dequant` does (`bf16_rne(f32(e4m3) * scale_inv)`;
+//! a non-finite `weight_scale_inv`, or an element whose product is beyond the BF16 range, is an
+//! [`Error::Tensor`] naming the scale's block or the weight's first such element).
 //! Any other quantized input is [`Error::AlreadyQuantized`].
 //!
 //! Converted by default: the routed experts' gate, up and down projections

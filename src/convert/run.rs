@@ -22,7 +22,8 @@ use super::{
 use crate::error::{Error, Result};
 use crate::format::e4m3_decode;
 use crate::io::{
-    beyond_bf16_err, f32_to_bf16, io_err, shown, shown_path, sync_dir, unpredictable_u64, FileKind, SafetensorsFile,
+    beyond_bf16_err, element_at, f32_to_bf16, io_err, shown, shown_path, sync_dir, tensor_err, unpredictable_u64,
+    FileKind, SafetensorsFile,
 };
 
 /// Refuses an output path that exists, unless it is a directory and `force` is given.
@@ -319,21 +320,57 @@ fn load_bf16<'a>(files: &'a [SafetensorsFile], src: &Source, threads: usize) -> 
                 .ok_or_else(|| Error::Tensor { name: shown(&src.name), what: "F8_E4M3 without block scales".into() })?;
             let raw = files[fp8.shard].read(&fp8.name)?;
             let scales: Vec<f32> = raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            // A non-finite block scale would turn its whole block into Inf or NaN: refused, named.
+            if let Some((j, s)) = scales.iter().enumerate().find(|(_, s)| !s.is_finite()) {
+                return Err(tensor_err(
+                    &fp8.name,
+                    format!("block scale {} (index {j}) is {s}: it must be finite", element_at(&fp8.grid, j)),
+                ));
+            }
             let [br, bc] = fp8.block;
             let grid_cols = fp8.grid[1];
             let items: Vec<_> =
                 out.chunks_mut(rows_per * cols).zip(bytes.chunks(rows_per * cols)).enumerate().collect();
+            // The first (lowest) index whose dequantized value is beyond the BF16 range, as for F32.
+            let first_beyond = AtomicUsize::new(usize::MAX);
             run_parallel(threads, items, |(i, (o, b))| -> Result<()> {
                 let row0 = src.first_row + i * rows_per;
                 for (r, (orow, brow)) in o.chunks_mut(cols).zip(b.chunks(cols)).enumerate() {
                     let srow = &scales[((row0 + r) / br) * grid_cols..][..grid_cols];
                     for (c, (v, &code)) in orow.iter_mut().zip(brow).enumerate() {
                         // DeepSeek's weight_dequant: f32(e4m3) * scale_inv in f32, stored as BF16.
-                        *v = bf16::from_f32(e4m3_decode(code) * srow[c / bc]);
+                        // E4M3 has no infinity and the scales are finite: an infinite result
+                        // (in F32 or after the rounding to BF16) is an overflow.
+                        let x = bf16::from_f32(e4m3_decode(code) * srow[c / bc]);
+                        if x.is_infinite() {
+                            first_beyond.fetch_min(i * rows_per * cols + r * cols + c, Ordering::Relaxed);
+                            return Ok(());
+                        }
+                        *v = x;
                     }
                 }
                 Ok(())
             })?;
+            let k = first_beyond.into_inner();
+            if k != usize::MAX {
+                let (row, col) = (src.first_row + k / cols, k % cols);
+                let code = bytes[k];
+                let s = scales[(row / br) * grid_cols + col / bc];
+                let shape = files[src.shard]
+                    .info(&src.name)
+                    .map_or_else(|| vec![src.first_row + src.rows, src.cols], |t| t.shape.clone());
+                let index = src.first_row * src.cols + k;
+                return Err(tensor_err(
+                    &src.name,
+                    format!(
+                        "element {} (index {index}) dequantizes to {:e} (E4M3 {code:#04x} x weight_scale_inv {s:e}), \
+                         beyond the BF16 range (largest finite BF16: {:e}): it would round to infinity",
+                        element_at(&shape, index),
+                        e4m3_decode(code) * s,
+                        bf16::MAX.to_f32()
+                    ),
+                ));
+            }
         }
         other => {
             return Err(Error::Tensor {

@@ -101,7 +101,20 @@ pub(crate) fn f32_to_bf16(x: f32) -> Option<bf16> {
 /// The typed error for the first F32 element of tensor `name` (of `shape`, at flat index
 /// `index`) that [`f32_to_bf16`] refuses: it names the tensor, the element and its value.
 pub(crate) fn beyond_bf16_err(name: &str, shape: &[usize], index: usize, x: f32) -> crate::error::Error {
-    // The element's multi-index, last dimension fastest (a zero dimension cannot hold an element).
+    tensor_err(
+        name,
+        format!(
+            "F32 element {} (index {index}) is {x:e}, finite but beyond the BF16 range (largest finite BF16: {:e}): \
+             it would round to infinity",
+            element_at(shape, index),
+            bf16::MAX.to_f32()
+        ),
+    )
+}
+
+/// The multi-index of flat element `index` of a tensor of `shape` (last dimension fastest; a zero
+/// dimension cannot hold an element), as `[i, j, ...]`.
+pub(crate) fn element_at(shape: &[usize], index: usize) -> String {
     let mut at = vec![0usize; shape.len()];
     let mut rest = index;
     for (a, &d) in at.iter_mut().zip(shape).rev() {
@@ -110,15 +123,7 @@ pub(crate) fn beyond_bf16_err(name: &str, shape: &[usize], index: usize, x: f32)
             rest /= d;
         }
     }
-    tensor_err(
-        name,
-        format!(
-            "F32 element {} (index {index}) is {x:e}, finite but beyond the BF16 range (largest finite BF16: {:e}): \
-             it would round to infinity",
-            shape_str(&at),
-            bf16::MAX.to_f32()
-        ),
-    )
+    shape_str(&at)
 }
 
 /// The little-endian bytes of `data`: borrowed on a little-endian machine (no copy of what may be

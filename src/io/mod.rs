@@ -27,12 +27,12 @@ pub use self::checkpoint::{
 };
 pub(crate) use self::fs::{io_err, open_regular, read_small_file, sync_dir, unpredictable_u64};
 pub use self::fs::{write_file_atomically, FileKind};
-pub(crate) use self::matrix::{beyond_bf16_err, f32_to_bf16};
+pub(crate) use self::matrix::{beyond_bf16_err, element_at, f32_to_bf16};
 #[cfg(feature = "fuzzing")]
 pub(crate) use self::matrix::{check_modelopt_tensors, check_weight_scale_2};
 pub use self::matrix::{read_matrix_bf16, read_modelopt, write_bf16, write_modelopt, ModelOptWeight, SourceDtype};
 #[cfg(feature = "fuzzing")]
 pub(crate) use self::safetensors::parse_file_bytes;
 pub use self::safetensors::SafetensorsFile;
-pub(crate) use self::safetensors::{json_unique_problem, parse_json_unique};
+pub(crate) use self::safetensors::{json_unique_problem, parse_json_unique, tensor_err};
 pub(crate) use self::shown::{shown, shown_path};
