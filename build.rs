@@ -68,6 +68,7 @@ mod cuda {
             "CMAKE",
             "NVFP4MOE_CORE_BUILD_DIR",
             "CMAKE_BUILD_PARALLEL_LEVEL",
+            "NVFP4MOE_WARP_VARIANTS",
         ] {
             println!("cargo:rerun-if-env-changed={var}");
         }
@@ -138,6 +139,11 @@ mod cuda {
             .define("CMAKE_CUDA_COMPILER", &nvcc)
             .define("CUTLASS_DIR", &cutlass)
             .define("NVFP4MOE_CUDA_ARCHS", &archs)
+            // NVFP4MOE_WARP_VARIANTS=1: the warp kernel's A/B variants (PERF_NOTES.md session 11).
+            .define(
+                "NVFP4MOE_WARP_VARIANTS",
+                if env::var("NVFP4MOE_WARP_VARIANTS").is_ok_and(|v| v == "1") { "ON" } else { "OFF" },
+            )
             .define("CMAKE_INSTALL_LIBDIR", "lib")
             .build();
         drop(lock);

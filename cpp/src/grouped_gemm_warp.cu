@@ -442,8 +442,9 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
   return check_launch("grouped_gemm_nvfp4 (warp kernel)");
 }
 
-// A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (like the trace probe: the
-// default build has the shipped kernel alone, the only one its GPU tests run): then
+// A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (a build with the environment
+// variable NVFP4MOE_WARP_VARIANTS=1: build.rs sets the CMake option; the default build has the
+// shipped kernel alone, the only one its GPU tests run): then
 // NVFP4MOE_WARP_VARIANT (read once; PERF_NOTES.md session 11) = d7, d4 or d3 (a ring of that many
 // slots where x fits beside it, else the shipped one), x (x staged first), or rule (per launch: 4
 // slots where a warp's work item has at most 32 chunks, x first where x is at most 24 KB per CTA:

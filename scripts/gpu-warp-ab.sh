@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The warp kernel's A/B on the GPU machine (device tool, carry ["gpu-bundle"]), from the repository
+# root, over a bundle built with its variants compiled in:
+#   NVFP4MOE_WARP_VARIANTS=1 NVFP4MOE_BUNDLE_CANDLE=0 bash scripts/gpu-bundle.sh     (here)
+#   bash scripts/gpu-warp-ab.sh                                                      (there)
+# 1. The GPU tests that launch the warp kernel (warp, swiglu, layer_, faults::), under each variant
+#    of $VARIANTS but the first (NVFP4MOE_WARP_VARIANT; "shipped" is the release kernel), then
+#    memcheck over the warp and SwiGLU tests under each.
+# 2. benches/gemm at T = 1 (read flush), the variants interleaved, two rounds ($ROUNDS), then a
+#    table: us per launch and variant, one column per variant, the rounds separated by "/".
+# Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+variants=(${VARIANTS:-shipped rule d4 x})
+rounds=${ROUNDS:-2}
+t=gpu-bundle/tests/test-gpu
+g=gpu-bundle/benches/gemm
+for f in "$t" "$g"; do
+  [ -e "$f.gz" ] && gunzip -f "$f.gz"
+  chmod +x "$f"
+done
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
+fail=0
+for v in "${variants[@]:1}"; do
+  log="$out/ab-tests-$v.log"
+  NVFP4MOE_WARP_VARIANT=$v timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 warp swiglu layer_ \
+    faults:: --skip sweep:: >"$log" 2>&1 || fail=1
+  echo "tests [$v]: $(grep -E '^test result' "$log" | tail -1)"
+  grep -E '^test .* FAILED' "$log" | head -5
+  log="$out/ab-memcheck-$v.log"
+  NVFP4MOE_WARP_VARIANT=$v timeout --kill-after=15s 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$t" \
+    --include-ignored --test-threads=1 warp swiglu --skip sweep:: >"$log" 2>&1 || fail=1
+  echo "memcheck [$v]: $(grep -E '^test result' "$log" | tail -1) | $(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
+done
+export NVFP4MOE_BF16_TFLOPS=${NVFP4MOE_BF16_TFLOPS:-790}
+rows="$out/ab-gemm.txt"
+: >"$rows"
+order=("${variants[@]}")
+for ((r = 0; r < rounds; r++)); do
+  for v in "${order[@]}"; do
+    NVFP4MOE_WARP_VARIANT=$v timeout 120 "$g" --bench '/T1$' 2>&1 | sed -n '/: summary/,$p' | grep -E 'T1 ' |
+      awk -v v="$v" '{print v, $1, $2, $3}' >>"$rows"
+  done
+  # The next round in reverse order, so that no variant always runs first.
+  for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do tmp=${order[i]}; order[i]=${order[j]}; order[j]=$tmp; done
+done
+python3 - "$rows" "${variants[@]}" <<'PY'
+import collections, sys
+rows, vs = sys.argv[1], sys.argv[2:]
+d, order, tile = collections.defaultdict(list), [], {}
+for line in open(rows):
+    v, n, t, us = line.split()
+    d[(n, v)].append(float(us))
+    tile.setdefault(n, t)
+    if n not in order:
+        order.append(n)
+print("launch".ljust(40) + "".join(v.rjust(15) for v in vs))
+for n in order:
+    print(f"{n} {tile[n]}".ljust(40) + "".join("/".join(f"{x:.2f}" for x in d[(n, v)]).rjust(15) for v in vs))
+PY
+exit $fail
