@@ -1,8 +1,7 @@
 //! Faults (issue 21): out-of-range expert ids, forwards after rejected forwards, handles dropped in
 //! every order, concurrent forwards on two streams, and the NaN-isolation policy of the layer
 //! (`MoeLayer`'s docs, "Non-finite input"). Every case prints its seed and shape; outputs are
-//! poisoned before each forward (`poisoned_bf16`: bf16 0x7F81, a signalling NaN no conversion
-//! produces).
+//! poisoned before each forward (`poisoned_bf16`, `POISON_BF16`).
 
 use super::*;
 use crate::layer::moe_layer::random_checkpoint;
@@ -10,9 +9,6 @@ use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
 use nvfp4_moe::host::MoeCheckpoint;
 use nvfp4_moe::moe::{MoeInput, MoeWorkspace, RouterInput};
 use nvfp4_moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights};
-
-/// `poisoned_bf16`'s value.
-const POISON_BF16: u16 = 0x7F81;
 
 /// One forward's routing and hidden states on the host.
 #[derive(Clone)]
@@ -454,7 +450,7 @@ fn handles_dropped_in_any_order_are_safe() {
     let gemm = |st: &Arc<CudaStream>, order: Option<&[usize]>| {
         let wd = Nvfp4Weights::from_host(st, &w).unwrap();
         let (xd, offd) = (st.clone_htod(&xs).unwrap(), st.clone_htod(&off).unwrap());
-        let mut out = st.clone_htod(&vec![bf16::from_bits(POISON_BF16); rows.max(1) * 256]).unwrap();
+        let mut out = poisoned_bf16(st, rows.max(1) * 256);
         {
             // The plan (a borrow of the weights) ends before the weights are dropped.
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, GemmTile::Auto).unwrap();

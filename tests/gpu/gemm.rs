@@ -13,8 +13,6 @@ pub(crate) mod grouped {
         reference::{dequantize_element, grouped_gemm_element},
     };
 
-    pub(crate) const OUT_POISON: u16 = 0x7FBF; // a NaN payload the kernel never produces
-
     /// Random checkpoint-layout weights: random codes, scales mostly in [2^-3, 2^2] with some
     /// subnormal and zero blocks, decode scales per expert in [1e-3, 1e-2].
     pub fn random_weights(rng: &mut Rng, experts: usize, n: usize, k: usize) -> ExpertWeightsHost {
@@ -58,7 +56,7 @@ pub(crate) mod grouped {
         tile: GemmTile,
     ) -> Vec<bf16> {
         let off_dev = s.clone_htod(off).unwrap();
-        let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total_rows * w.n()]).unwrap();
+        let mut out = poisoned_bf16(s, total_rows * w.n());
         let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(w, tile).unwrap();
         plan.launch(s, x, total_rows, &off_dev, &mut out).unwrap();
         s.clone_dtoh(&out).unwrap()
@@ -94,7 +92,7 @@ pub(crate) mod grouped {
                         let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?} seed={seed}");
                         // Every row of an expert written (no poison), rows past off[E] untouched.
                         for (i, v) in out.iter().enumerate() {
-                            let written = v.to_bits() != OUT_POISON;
+                            let written = v.to_bits() != POISON_BF16;
                             assert_eq!(written, i / n < rows, "element {i} (row {}) written={written}: {ctx}", i / n);
                         }
                         // Relative Frobenius error per expert on sampled elements.
@@ -196,7 +194,7 @@ pub(crate) mod grouped {
                 let off_dev = s.clone_htod(&off).unwrap();
                 let ctx = format!("E={e} n={n} k={k} rows={rows} total={total} seed={seed}");
                 let go = |tile: GemmTile, invariant: bool| {
-                    let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
+                    let mut out = poisoned_bf16(&s, total * n);
                     let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap().batch_invariant(invariant);
                     plan.launch(&s, &xd, total, &off_dev, &mut out).unwrap();
                     s.clone_dtoh(&out).unwrap()
@@ -210,7 +208,7 @@ pub(crate) mod grouped {
                     let mut err = RelErr::default();
                     for (i, v) in out.iter().enumerate() {
                         let row = i / n;
-                        assert_eq!(v.to_bits() != OUT_POISON, row < rows, "{name} element {i} (row {row}): {ctx}");
+                        assert_eq!(v.to_bits() != POISON_BF16, row < rows, "{name} element {i} (row {row}): {ctx}");
                         if row < rows {
                             let want = grouped_gemm_element(&x, &w, expert_of(&off, row), row, i % n);
                             err.add(f64::from(v.to_f32()), want);
@@ -349,7 +347,7 @@ pub(crate) mod grouped {
             let rows = e * rows_per_expert;
             let off: Vec<i32> = (0..=e).map(|i| (i * rows_per_expert) as i32).collect();
             let (xd, off_dev) = (s.clone_htod(x).unwrap(), s.clone_htod(&off).unwrap());
-            let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); rows * n]).unwrap();
+            let mut out = poisoned_bf16(&s, rows * n);
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap().batch_invariant(invariant);
             plan.launch(&s, &xd, rows, &off_dev, &mut out).unwrap();
             s.clone_dtoh(&out).unwrap()
@@ -473,7 +471,7 @@ mod graph {
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap();
             plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
             let eager = s.clone_dtoh(&out).unwrap();
-            s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); rows * n], &mut out).unwrap();
+            s.memcpy_htod(&poison_bf16(rows * n), &mut out).unwrap();
             s.synchronize().unwrap();
             s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
             plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();

@@ -483,7 +483,7 @@ pub(crate) mod moe_layer {
             )
             .unwrap();
         let eager = s.clone_dtoh(&out).unwrap();
-        s.memcpy_htod(&vec![bf16::from_bits(0x7FBF); t * h], &mut out).unwrap();
+        s.memcpy_htod(&poison_bf16(t * h), &mut out).unwrap();
         s.synchronize().unwrap();
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
         layer

@@ -45,7 +45,13 @@ mod layer;
 mod modelopt_fixture;
 mod sweep;
 
+/// The poison of u8 outputs ([`poisoned_u8`]).
 const POISON: u8 = 0xA5;
+
+/// The poison of bf16 outputs ([`poisoned_bf16`]): a signalling NaN (quiet bit clear), which no
+/// conversion or kernel produces (they give the canonical quiet NaN), so an unwritten element
+/// cannot pass as written. The one value every GPU test poisons bf16 outputs with.
+const POISON_BF16: u16 = 0x7F81;
 
 fn stream() -> Arc<CudaStream> {
     CudaContext::new(0).expect("CUDA device 0").default_stream()
@@ -56,8 +62,14 @@ fn poisoned_u8(s: &Arc<CudaStream>, n: usize) -> CudaSlice<u8> {
     s.clone_htod(&vec![POISON; n]).unwrap()
 }
 
+/// A device buffer of `n` bf16 poison values ([`POISON_BF16`]).
 fn poisoned_bf16(s: &Arc<CudaStream>, n: usize) -> CudaSlice<bf16> {
-    s.clone_htod(&vec![bf16::from_bits(0x7F81); n]).unwrap()
+    s.clone_htod(&poison_bf16(n)).unwrap()
+}
+
+/// `n` bf16 poison values on the host (to poison a device buffer again with `memcpy_htod`).
+fn poison_bf16(n: usize) -> Vec<bf16> {
+    vec![bf16::from_bits(POISON_BF16); n]
 }
 
 /// Data kinds that stress the recipe.

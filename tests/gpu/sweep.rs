@@ -23,7 +23,7 @@
 //! (`layer_with_nvfp4_intermediate`: I >= 192).
 
 use super::*;
-use crate::gemm::grouped::{expert_of, OUT_POISON};
+use crate::gemm::grouped::expert_of;
 use crate::gemm::swiglu::{gate_up_weights, quantize_compact_and_interleaved};
 use crate::layer::moe_layer::random_checkpoint;
 use nvfp4_moe::gemm::SwigluNvfp4Out;
@@ -282,7 +282,7 @@ fn grouped_case(s: &Arc<CudaStream>, rng: &mut Rng, off: &[i32], cols: usize, ex
         for col in 0..cols {
             let v = got[row * cols + col];
             if row >= rows {
-                assert_eq!(v.to_bits(), 0x7F81, "dequantized row {row} past offsets[E] written: {ctx}");
+                assert_eq!(v.to_bits(), POISON_BF16, "dequantized row {row} past offsets[E] written: {ctx}");
                 continue;
             }
             let ex = expert_of(off, row);
@@ -356,7 +356,7 @@ fn sweep_grouped_gemms_match_reference() {
 
         // PlainBf16 over the same codes in identity order.
         let wid = Nvfp4Weights::from_host(&s, &w).unwrap();
-        let mut out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); (total * nn).max(1)]).unwrap();
+        let mut out = poisoned_bf16(&s, (total * nn).max(1));
         GroupedGemm::<PlainBf16>::new(&wid, tile)
             .unwrap()
             .batch_invariant(invariant)
@@ -381,8 +381,8 @@ fn sweep_grouped_gemms_match_reference() {
         err.report(&format!("plain {ctx}"));
 
         // SwigluBf16 and Interleaved over the gate/up weights.
-        let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); (total * inter).max(1)]).unwrap();
-        let mut interleaved = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); (total * nn).max(1)]).unwrap();
+        let mut compact = poisoned_bf16(&s, (total * inter).max(1));
+        let mut interleaved = poisoned_bf16(&s, (total * nn).max(1));
         GroupedGemm::<SwigluBf16>::new(&wgu, tile)
             .unwrap()
             .batch_invariant(invariant)
@@ -462,7 +462,7 @@ fn sweep_grouped_gemms_match_reference() {
 fn check_written(out: &[bf16], cols: usize, rows: usize, ctx: &str) {
     for (i, v) in out.iter().enumerate() {
         let row = i / cols;
-        assert_eq!(v.to_bits() != OUT_POISON, row < rows, "element {i} (row {row}) written: {ctx}");
+        assert_eq!(v.to_bits() != POISON_BF16, row < rows, "element {i} (row {row}) written: {ctx}");
     }
 }
 
@@ -593,7 +593,7 @@ fn sweep_layer_matches_reference() {
                 s.clone_dtoh(&out).unwrap()
             };
             let got = run(&mut ws);
-            assert!(got.iter().all(|v| v.to_bits() != 0x7F81), "{inter:?}: an output element not written: {ctx}");
+            assert!(got.iter().all(|v| v.to_bits() != POISON_BF16), "{inter:?}: an output element not written: {ctx}");
             let again = run(&mut ws);
             assert!(
                 got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),

@@ -36,8 +36,6 @@ pub(crate) fn quantize_compact_and_interleaved(
     })
 }
 
-const OUT_POISON: u16 = 0x7FBF;
-
 /// Random gate/up weights `[e, n, k]` with gate decode scales in [1e-3, 2e-3) and up's 10x
 /// larger, prepared for the SwiGLU epilogues: (host weights, gate scales, up scales, prepared).
 pub fn gate_up_weights(
@@ -101,8 +99,8 @@ fn swiglu_epilogues_match_reference_and_each_other() {
             .chain(warp)
         {
             let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
-            let mut compact = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * inter]).unwrap();
-            let mut inter_out = s.clone_htod(&vec![bf16::from_bits(OUT_POISON); total * n]).unwrap();
+            let mut compact = poisoned_bf16(&s, total * inter);
+            let mut inter_out = poisoned_bf16(&s, total * n);
             GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, total, &off_dev, &mut compact).unwrap();
             GroupedGemm::<Interleaved>::new(&wd, tile)
                 .unwrap()
@@ -111,15 +109,15 @@ fn swiglu_epilogues_match_reference_and_each_other() {
             let compact = s.clone_dtoh(&compact).unwrap();
             let inter_out = s.clone_dtoh(&inter_out).unwrap();
             for (i, v) in compact.iter().enumerate() {
-                assert_eq!(v.to_bits() != OUT_POISON, i / inter < rows, "compact element {i}: {ctx}");
+                assert_eq!(v.to_bits() != POISON_BF16, i / inter < rows, "compact element {i}: {ctx}");
             }
             for r in 0..total {
                 for b in 0..inter / 8 {
                     for i in 0..8 {
                         let (gate_col, sw_col) = (r * n + 16 * b + i, r * n + 16 * b + 8 + i);
                         if r >= rows {
-                            assert_eq!(inter_out[gate_col].to_bits(), OUT_POISON, "{ctx}");
-                            assert_eq!(inter_out[sw_col].to_bits(), OUT_POISON, "{ctx}");
+                            assert_eq!(inter_out[gate_col].to_bits(), POISON_BF16, "{ctx}");
+                            assert_eq!(inter_out[sw_col].to_bits(), POISON_BF16, "{ctx}");
                             continue;
                         }
                         // The swiglu columns of Interleaved are SwigluBf16, bit for bit.
@@ -404,7 +402,7 @@ fn grouped_dequantize_matches_reference() {
             for col in 0..cols {
                 let v = got[row * cols + col];
                 if row >= total {
-                    assert_eq!(v.to_bits(), 0x7F81, "row {row} past the experts was written (seed {seed})");
+                    assert_eq!(v.to_bits(), POISON_BF16, "row {row} past the experts was written (seed {seed})");
                     continue;
                 }
                 let ex = off.partition_point(|&o| o as usize <= row) - 1;
