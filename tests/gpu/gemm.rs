@@ -97,25 +97,11 @@ pub(crate) mod grouped {
                         }
                         // Relative Frobenius error per expert on sampled elements.
                         let samples = (4000 / e.max(1)).clamp(24, 400);
-                        let mut case_err = RelErr::default();
-                        for ex in 0..e {
-                            let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
-                            if b == end {
-                                continue;
-                            }
-                            let mut err = RelErr::default();
-                            for _ in 0..samples {
-                                let row = rng.range(b, end);
-                                let f = rng.range(0, n);
-                                let want = grouped_gemm_element(&x, &w, ex, row, f);
-                                let got = f64::from(out[row * n + f].to_f32());
-                                err.add(got, want);
-                            }
-                            let rel = err.rel();
-                            assert!(rel <= 1e-2, "expert {ex}: relative error {rel:.3e} > 1e-2: {ctx}");
-                            assert_eq!(expert_of(&off, b), ex);
-                            case_err.merge(&err);
-                        }
+                        let [case_err] =
+                            sampled_expert_errors(&mut rng, &off, n, samples, 1e-2, ["plain"], &ctx, |ex, row, f| {
+                                assert_eq!(expert_of(&off, row), ex);
+                                [(f64::from(out[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f))]
+                            });
                         case_err.report(&ctx);
                         cases += 1;
                     }
@@ -404,28 +390,15 @@ pub(crate) mod grouped {
         let xd = s.clone_htod(&x).unwrap();
         for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
-            let mut case_err = RelErr::default();
-            for ex in 0..e {
-                let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
-                if b == end {
-                    continue;
-                }
-                let mut err = RelErr::default();
-                for _ in 0..300 {
-                    let row = rng.range(b, end);
-                    let p = rng.range(0, n);
-                    let src = gate_up_source_row(p, n);
-                    let g = if p % 16 < 8 { gate_g[ex] } else { up_g[ex] };
-                    let dot: f64 =
-                        (0..k).map(|kk| f64::from(x[row * k + kk].to_f32()) * f64::from(w.weight(ex, src, kk))).sum();
-                    let want = dot * f64::from(g);
-                    err.add(f64::from(out[row * n + p].to_f32()), want);
-                }
-                let rel = err.rel();
-                assert!(rel <= 1e-2, "expert {ex}: {rel:.3e} {tile:?}");
-                case_err.merge(&err);
-            }
-            case_err.report(&format!("gate/up rows {tile:?}"));
+            let ctx = format!("gate/up rows {tile:?}");
+            let [case_err] = sampled_expert_errors(&mut rng, &off, n, 300, 1e-2, ["gate/up"], &ctx, |ex, row, p| {
+                let src = gate_up_source_row(p, n);
+                let g = if p % 16 < 8 { gate_g[ex] } else { up_g[ex] };
+                let dot: f64 =
+                    (0..k).map(|kk| f64::from(x[row * k + kk].to_f32()) * f64::from(w.weight(ex, src, kk))).sum();
+                [(f64::from(out[row * n + p].to_f32()), dot * f64::from(g))]
+            });
+            case_err.report(&ctx);
         }
     }
 

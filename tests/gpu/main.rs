@@ -165,6 +165,44 @@ impl RelErr {
     }
 }
 
+/// The sampled comparison of a grouped GEMM's output with the f64 reference, shared by the GEMM
+/// tests and the sweep: for every expert with rows (`off`: the expert offsets), `samples` random
+/// (row, column) pairs of its rows, columns in `0..cols`, each giving `N` (got, want) values
+/// through `pair(expert, row, column)`. The relative (Frobenius) error of each of the `N` outputs
+/// (named by `names` in the message) must be within `bound` for every expert; returns each
+/// output's error over all experts, for the `err` lines.
+#[allow(clippy::too_many_arguments)]
+fn sampled_expert_errors<const N: usize>(
+    rng: &mut Rng,
+    off: &[i32],
+    cols: usize,
+    samples: usize,
+    bound: f64,
+    names: [&str; N],
+    ctx: &str,
+    mut pair: impl FnMut(usize, usize, usize) -> [(f64, f64); N],
+) -> [RelErr; N] {
+    let mut all: [RelErr; N] = std::array::from_fn(|_| RelErr::default());
+    for ex in 0..off.len() - 1 {
+        let (lo, hi) = (off[ex] as usize, off[ex + 1] as usize);
+        if lo == hi {
+            continue;
+        }
+        let mut errs: [RelErr; N] = std::array::from_fn(|_| RelErr::default());
+        for _ in 0..samples {
+            let (row, col) = (rng.range(lo, hi), rng.range(0, cols));
+            for (err, (got, want)) in errs.iter_mut().zip(pair(ex, row, col)) {
+                err.add(got, want);
+            }
+        }
+        for ((err, all), name) in errs.iter().zip(&mut all).zip(names) {
+            assert!(err.rel() <= bound, "{name} expert {ex}: relative error {:.3e} > {bound:e}: {ctx}", err.rel());
+            all.merge(err);
+        }
+    }
+    all
+}
+
 /// The `err` line of a bit-exact case: every byte compared equal, so the error is 0.
 fn report_exact(case: &str, bytes: usize) {
     eprintln!("err {case}: max 0, mean 0 (bit-exact, {bytes} bytes)");

@@ -364,20 +364,9 @@ fn sweep_grouped_gemms_match_reference() {
             .unwrap();
         let plain = s.clone_dtoh(&out).unwrap();
         check_written(&plain[..total * nn], nn, rows, &format!("plain {ctx}"));
-        let mut err = RelErr::default();
-        for ex in 0..e {
-            let (lo, hi) = (off[ex] as usize, off[ex + 1] as usize);
-            if lo == hi {
-                continue;
-            }
-            let mut ee = RelErr::default();
-            for _ in 0..samples {
-                let (row, f) = (r.range(lo, hi), r.range(0, nn));
-                ee.add(f64::from(plain[row * nn + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
-            }
-            assert!(ee.rel() <= 1e-2, "plain expert {ex}: relative error {:.3e}: {ctx}", ee.rel());
-            err.merge(&ee);
-        }
+        let [err] = sampled_expert_errors(&mut r, &off, nn, samples, 1e-2, ["plain"], &ctx, |ex, row, f| {
+            [(f64::from(plain[row * nn + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f))]
+        });
         err.report(&format!("plain {ctx}"));
 
         // SwigluBf16 and Interleaved over the gate/up weights.
@@ -403,24 +392,15 @@ fn sweep_grouped_gemms_match_reference() {
                 assert_eq!(sw.to_bits(), ch[row * inter + f].to_bits(), "interleaved swiglu [{row}, {f}]: {ctx}");
             }
         }
-        let (mut sw_all, mut gate_all) = (RelErr::default(), RelErr::default());
-        for ex in 0..e {
-            let (lo, hi) = (off[ex] as usize, off[ex + 1] as usize);
-            if lo == hi {
-                continue;
-            }
-            let (mut sw, mut gate) = (RelErr::default(), RelErr::default());
-            for _ in 0..samples {
-                let (row, f) = (r.range(lo, hi), r.range(0, inter));
+        let names = ["swiglu", "interleaved gate"];
+        let [sw_all, gate_all] =
+            sampled_expert_errors(&mut r, &off, inter, samples, 1e-2, names, &ctx, |ex, row, f| {
                 let (gv, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
-                sw.add(f64::from(ch[row * inter + f].to_f32()), want);
-                gate.add(f64::from(ih[row * nn + 16 * (f / 8) + f % 8].to_f32()), gv);
-            }
-            assert!(sw.rel() <= 1e-2, "swiglu expert {ex}: relative error {:.3e}: {ctx}", sw.rel());
-            assert!(gate.rel() <= 1e-2, "interleaved gate expert {ex}: relative error {:.3e}: {ctx}", gate.rel());
-            sw_all.merge(&sw);
-            gate_all.merge(&gate);
-        }
+                [
+                    (f64::from(ch[row * inter + f].to_f32()), want),
+                    (f64::from(ih[row * nn + 16 * (f / 8) + f % 8].to_f32()), gv),
+                ]
+            });
         sw_all.report(&format!("swiglu {ctx}"));
         gate_all.report(&format!("interleaved gate {ctx}"));
 

@@ -130,27 +130,15 @@ fn swiglu_epilogues_match_reference_and_each_other() {
                     }
                 }
             }
-            let (mut case_sw, mut case_gate) = (RelErr::default(), RelErr::default());
-            for ex in 0..e {
-                let (b, end) = (off[ex] as usize, off[ex + 1] as usize);
-                if b == end {
-                    continue;
-                }
-                let (mut sw_err, mut gate_err) = (RelErr::default(), RelErr::default());
-                for _ in 0..200 {
-                    let row = rng.range(b, end);
-                    let f = rng.range(0, inter);
+            let names = ["swiglu", "interleaved gate"];
+            let [case_sw, case_gate] =
+                sampled_expert_errors(&mut rng, &off, inter, 200, 1e-2, names, &ctx, |ex, row, f| {
                     let (gate, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
-                    let got = f64::from(compact[row * inter + f].to_f32());
-                    sw_err.add(got, want);
-                    gate_err.add(f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32()), gate);
-                }
-                let (rel, grel) = (sw_err.rel(), gate_err.rel());
-                assert!(rel <= 1e-2, "expert {ex}: swiglu relative error {rel:.3e}: {ctx}");
-                assert!(grel <= 1e-2, "expert {ex}: gate relative error {grel:.3e}: {ctx}");
-                case_sw.merge(&sw_err);
-                case_gate.merge(&gate_err);
-            }
+                    [
+                        (f64::from(compact[row * inter + f].to_f32()), want),
+                        (f64::from(inter_out[row * n + 16 * (f / 8) + f % 8].to_f32()), gate),
+                    ]
+                });
             case_sw.report(&format!("swiglu {ctx}"));
             case_gate.report(&format!("interleaved gate {ctx}"));
         }
