@@ -14,7 +14,10 @@
 //! class of the multiple (64 x odd, 128 x odd, ...) with the minimum (64) often; quantizer columns
 //! multiples of 16 likewise (`check_dense`); T from 1 to 5000 (`large`; 300 and 1200 in `small` and
 //! `medium`); top-k from 1 to `min(E, 32)` (`MoeLayer::new`); skewed routing (a few hot experts,
-//! others empty) with and without distinct experts per token. Every output is poisoned before the
+//! others empty) with and without distinct experts per token. Every third GEMM and layer case is a
+//! decode step (at most 8 rows in all), and every case of at most 8 rows also runs with the
+//! warp-MMA tile forced (`GemmTile::WarpM16N8`; `Auto` takes it only where its heuristic says),
+//! each case's context naming the tile every launch ran on. Every output is poisoned before the
 //! launch, so an unwritten byte cannot pass, and rows past `expert_offsets[E]` must stay poisoned.
 //!
 //! Bounds are the existing tests' (not loosened): quantizers bit-exact; GEMM elements 1e-2 relative
@@ -299,21 +302,33 @@ fn grouped_case(s: &Arc<CudaStream>, rng: &mut Rng, off: &[i32], cols: usize, ex
 // ------------------------------------------------------------------------------------------------
 // Grouped GEMMs
 
+/// The largest K the warp kernel takes at 8 rows (it stages x in shared memory beside its expert
+/// table and rings: `kMaxXBytes` in the core's `grouped_gemm_warp.hpp`; the lib test
+/// `launch_tile_takes_the_warp_kernel_for_at_most_8_rows` checks the bound). Every sweep size stays
+/// below it, so every case of at most 8 rows can force the warp tile.
+const WARP_MAX_K: usize = 9344;
+
 /// Every epilogue at random (E, n, k), skewed rows with empty experts and rows past
-/// `expert_offsets[E]`, a random tile (or `Auto`, which takes the warp kernel for at most 8 rows)
-/// and batch invariance on or off: `PlainBf16` over identity-order weights and `SwigluBf16` within
-/// 1e-2 of the f64 reference per expert (sampled elements); `Interleaved`'s SwiGLU columns equal
-/// `SwigluBf16`'s bit for bit and its gate columns are within 1e-2; `SwigluNvfp4` equals
-/// `reference::quantize_grouped` of the `SwigluBf16` output in every byte (and the old flow's
-/// `swiglu_quantize(Interleaved)`); every row of an expert written, no row past `off[E]`.
+/// `expert_offsets[E]`, a random tile (or `Auto`, which takes the warp kernel for at most 8 rows
+/// where its heuristic says) and batch invariance on or off: `PlainBf16` over identity-order
+/// weights and `SwigluBf16` within 1e-2 of the f64 reference per expert (sampled elements);
+/// `Interleaved`'s SwiGLU columns equal `SwigluBf16`'s bit for bit and its gate columns are within
+/// 1e-2; `SwigluNvfp4` equals `reference::quantize_grouped` of the `SwigluBf16` output in every
+/// byte (and the old flow's `swiglu_quantize(Interleaved)`); every row of an expert written, no
+/// row past `off[E]`. Every case of at most 8 rows in all (every third case is one: a decode step)
+/// also runs the three BF16 epilogues on `WarpM16N8`, forced, with the same checks, and where the
+/// drawn tile resolves to the warp kernel (`Auto`) both give the same bits. The context of every
+/// case names the tile each epilogue ran on.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sweep_grouped_gemms_match_reference() {
     let (_, b, n) = setup("grouped GEMMs", |c| c.1);
+    assert!(b.hidden <= WARP_MAX_K, "k up to {} would not fit the warp kernel at 8 rows", b.hidden);
     let s = stream();
     let mut rng = test_rng();
     let tiles =
         [GemmTile::Auto, GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128];
+    let mut warp_cases = 0;
     for case in 0..n {
         let seed = rng.next_u64();
         let mut r = Rng::new(seed);
@@ -326,10 +341,14 @@ fn sweep_grouped_gemms_match_reference() {
             }
         };
         let inter = nn / 2;
-        // Up to 8 x T rows in all (top-k 8), bounded so that x and the outputs stay host-sized.
-        let want_rows = count(&mut r, (b.tokens * 8).min(4 * b.elements / nn.max(k)).max(1));
-        let off = if want_rows <= 8 && r.below(2) == 0 {
-            // A decode step: rows on a few experts, the warp kernel under Auto.
+        // Every third case a decode step (at most 8 rows in all, the warp kernel's launches);
+        // others up to 8 x T rows in all (top-k 8), bounded so that x and the outputs stay
+        // host-sized.
+        let decode = case % 3 == 0;
+        let want_rows =
+            if decode { r.range(1, 9) } else { count(&mut r, (b.tokens * 8).min(4 * b.elements / nn.max(k)).max(1)) };
+        let off = if want_rows <= 8 && (decode || r.below(2) == 0) {
+            // A decode step: rows on a few experts.
             let mut c = vec![0usize; e];
             for _ in 0..want_rows {
                 c[r.below(e as u64) as usize] += 1;
@@ -345,42 +364,168 @@ fn sweep_grouped_gemms_match_reference() {
         };
         let rows = *off.last().unwrap() as usize;
         let total = rows + r.range(usize::from(rows == 0), 4);
+        // (A decode step's rows are at most 8: its rows past offsets[E] stay within 8 in all.)
+        let total = if decode { total.min(8) } else { total };
         let tile = tiles[r.below(tiles.len() as u64) as usize];
         let invariant = r.below(3) == 0;
-        let ctx = format!("sweep GEMM case {case}: seed {seed:#x} E={e} n={nn} k={k} rows={rows} total={total} {tile:?} invariant={invariant}");
+        let ctx = format!(
+            "sweep GEMM case {case}: seed {seed:#x} E={e} n={nn} k={k} rows={rows} total={total} {tile:?} \
+             invariant={invariant}"
+        );
         eprintln!("{ctx}");
         let x = r.normal_bf16(total * k, 1.0);
         let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
         let (w, gate_g, up_g, wgu) = gate_up_weights(&s, &mut r, e, nn, k);
-        let samples = (4000 / e).clamp(24, 200);
-
-        // PlainBf16 over the same codes in identity order.
+        // PlainBf16 runs over the same codes in identity order.
         let wid = Nvfp4Weights::from_host(&s, &w).unwrap();
-        let mut out = poisoned_bf16(&s, (total * nn).max(1));
-        GroupedGemm::<PlainBf16>::new(&wid, tile)
+        let c =
+            GemmCase { off, rows, total, x, xd, offd, w, gate_g, up_g, wid, wgu, samples: (4000 / e).clamp(24, 200) };
+        // The tile each launch runs (Auto's choice per epilogue), named in the context.
+        let [plain_tile, swiglu_tile, interleaved_tile, nvfp4_tile] = [
+            c.tile_for::<PlainBf16>(tile, invariant),
+            c.tile_for::<SwigluBf16>(tile, invariant),
+            c.tile_for::<Interleaved>(tile, invariant),
+            c.tile_for::<SwigluNvfp4>(tile, invariant),
+        ];
+        let ctx = format!(
+            "{ctx} (runs: plain {plain_tile:?}, swiglu {swiglu_tile:?}, interleaved {interleaved_tile:?}, \
+             nvfp4 {nvfp4_tile:?})"
+        );
+        let drawn = c.bf16_epilogues(&s, &mut r, tile, invariant, &ctx);
+
+        if total <= 8 {
+            // The warp kernel forced, each BF16 epilogue checked as above; where the drawn tile
+            // resolves to it (Auto, not batch invariant), the same launch: the same bits.
+            let wctx = format!("{ctx} forced WarpM16N8");
+            let warp = c.bf16_epilogues(&s, &mut r, GemmTile::WarpM16N8, invariant, &wctx);
+            for (name, runs, a, b) in [
+                ("plain", plain_tile, &drawn.plain, &warp.plain),
+                ("swiglu", swiglu_tile, &drawn.ch, &warp.ch),
+                ("interleaved", interleaved_tile, &drawn.ih, &warp.ih),
+            ] {
+                if runs == GemmTile::WarpM16N8 {
+                    assert!(
+                        a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                        "{name}: {tile:?} (runs WarpM16N8) vs WarpM16N8 forced differ at {:?}: {wctx}",
+                        a.iter().zip(b).position(|(p, q)| p.to_bits() != q.to_bits())
+                    );
+                }
+            }
+            warp_cases += 1;
+        }
+
+        // SwigluNvfp4 (never the warp kernel): the reference quantization of the SwigluBf16 output.
+        let act_g: Vec<f32> = (0..if r.below(2) == 0 { 1 } else { e }).map(|_| r.uniform(1e-3, 1e-1)).collect();
+        let gd = s.clone_htod(&act_g).unwrap();
+        let sl = grouped_scale_len(total, e, inter);
+        let (mut c3, mut s3) = (poisoned_u8(&s, (total * inter / 2).max(1)), poisoned_u8(&s, sl));
+        GroupedGemm::<SwigluNvfp4>::new(&c.wgu, tile)
             .unwrap()
             .batch_invariant(invariant)
-            .launch(&s, &xd, total, &offd, &mut out)
+            .launch_nvfp4(
+                &s,
+                &c.xd,
+                total,
+                &c.offd,
+                SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
+            )
+            .unwrap();
+        let (c3, s3) = (s.clone_dtoh(&c3).unwrap(), s.clone_dtoh(&s3).unwrap());
+        let (want_c, want_s) = reference::quantize_grouped(&drawn.ch[..rows * inter], &c.off, inter, &act_g).unwrap();
+        let nc = rows * inter / 2;
+        assert!(c3[..nc] == want_c[..], "SwigluNvfp4 codes {:?}: {ctx}", first_diff(&c3[..nc], &want_c));
+        assert!(c3[nc..total * inter / 2].iter().all(|&v| v == POISON), "SwigluNvfp4 codes past offsets[E]: {ctx}");
+        assert!(s3[..want_s.len()] == want_s[..], "SwigluNvfp4 scales {:?}: {ctx}", first_diff(&s3, &want_s));
+        assert!(s3[want_s.len()..].iter().all(|&v| v == 0), "SwigluNvfp4 scale padding: {ctx}");
+        if rows > 0 {
+            // The old flow's quantizer over Interleaved, the same bytes (over the rows with experts).
+            let [_, (c2, s2)] =
+                quantize_compact_and_interleaved(&s, &drawn.compact, &drawn.interleaved, total, inter, e, &c.offd, &gd);
+            assert!(c2[..nc] == c3[..nc], "swiglu_quantize codes {:?}: {ctx}", first_diff(&c2[..nc], &c3[..nc]));
+            assert!(s2 == s3, "swiglu_quantize scales {:?}: {ctx}", first_diff(&s2, &s3));
+        }
+        report_exact(&format!("SwigluNvfp4 {ctx}"), c3.len() + s3.len());
+    }
+    eprintln!("sweep grouped GEMMs: {warp_cases} of {n} cases also ran WarpM16N8 (at most 8 rows in all)");
+    assert!(warp_cases >= n.div_ceil(3), "every decode-step case runs the warp kernel: {warp_cases} of {n}");
+}
+
+/// One GEMM sweep case: its rows, x and weights on the host and the device.
+struct GemmCase {
+    off: Vec<i32>,
+    /// Rows with an expert (`off[E]`) and rows launched (some past `off[E]`).
+    rows: usize,
+    total: usize,
+    x: Vec<bf16>,
+    xd: CudaSlice<bf16>,
+    offd: CudaSlice<i32>,
+    /// The gate/up weights `[E, 2I, k]` on the host and their decode scales.
+    w: nvfp4_moe::host::ExpertWeightsHost,
+    gate_g: Vec<f32>,
+    up_g: Vec<f32>,
+    /// `w` prepared in identity row order (`PlainBf16`) and as gate/up (the SwiGLU epilogues).
+    wid: Nvfp4Weights,
+    wgu: Nvfp4Weights,
+    /// Sampled elements per expert and output.
+    samples: usize,
+}
+
+/// The BF16 epilogues' outputs of one tile: `PlainBf16`'s, `SwigluBf16`'s (compact) and
+/// `Interleaved`'s on the host, the latter two also on the device (the old flow's quantizer reads
+/// them).
+struct Bf16Outputs {
+    plain: Vec<bf16>,
+    ch: Vec<bf16>,
+    ih: Vec<bf16>,
+    compact: CudaSlice<bf16>,
+    interleaved: CudaSlice<bf16>,
+}
+
+impl GemmCase {
+    /// The tile a launch of epilogue `E` with plan tile `tile` runs on.
+    fn tile_for<E: nvfp4_moe::gemm::Epilogue>(&self, tile: GemmTile, invariant: bool) -> GemmTile {
+        let w = if E::NEEDS_GATE_UP { &self.wgu } else { &self.wid };
+        GroupedGemm::<E>::new(w, tile).unwrap().batch_invariant(invariant).tile_for(self.total)
+    }
+
+    /// `PlainBf16`, `SwigluBf16` and `Interleaved` on `tile` into poisoned outputs: every row of an
+    /// expert written and none past `off[E]`, `Interleaved`'s SwiGLU columns `SwigluBf16`'s bits,
+    /// sampled elements within 1e-2 of the f64 reference per expert (`err` lines).
+    fn bf16_epilogues(
+        &self,
+        s: &Arc<CudaStream>,
+        r: &mut Rng,
+        tile: GemmTile,
+        invariant: bool,
+        ctx: &str,
+    ) -> Bf16Outputs {
+        let GemmCase { off, rows, total, x, xd, offd, w, gate_g, up_g, wid, wgu, samples } = self;
+        let (rows, total, samples) = (*rows, *total, *samples);
+        let (nn, inter) = (wgu.n(), wgu.n() / 2);
+        let mut out = poisoned_bf16(s, (total * nn).max(1));
+        GroupedGemm::<PlainBf16>::new(wid, tile)
+            .unwrap()
+            .batch_invariant(invariant)
+            .launch(s, xd, total, offd, &mut out)
             .unwrap();
         let plain = s.clone_dtoh(&out).unwrap();
         check_written(&plain[..total * nn], nn, rows, &format!("plain {ctx}"));
-        let [err] = sampled_expert_errors(&mut r, &off, nn, samples, 1e-2, ["plain"], &ctx, |ex, row, f| {
-            [(f64::from(plain[row * nn + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f))]
+        let [err] = sampled_expert_errors(r, off, nn, samples, 1e-2, ["plain"], ctx, |ex, row, f| {
+            [(f64::from(plain[row * nn + f].to_f32()), grouped_gemm_element(x, w, ex, row, f))]
         });
         err.report(&format!("plain {ctx}"));
 
-        // SwigluBf16 and Interleaved over the gate/up weights.
-        let mut compact = poisoned_bf16(&s, (total * inter).max(1));
-        let mut interleaved = poisoned_bf16(&s, (total * nn).max(1));
-        GroupedGemm::<SwigluBf16>::new(&wgu, tile)
+        let mut compact = poisoned_bf16(s, (total * inter).max(1));
+        let mut interleaved = poisoned_bf16(s, (total * nn).max(1));
+        GroupedGemm::<SwigluBf16>::new(wgu, tile)
             .unwrap()
             .batch_invariant(invariant)
-            .launch(&s, &xd, total, &offd, &mut compact)
+            .launch(s, xd, total, offd, &mut compact)
             .unwrap();
-        GroupedGemm::<Interleaved>::new(&wgu, tile)
+        GroupedGemm::<Interleaved>::new(wgu, tile)
             .unwrap()
             .batch_invariant(invariant)
-            .launch(&s, &xd, total, &offd, &mut interleaved)
+            .launch(s, xd, total, offd, &mut interleaved)
             .unwrap();
         let ch = s.clone_dtoh(&compact).unwrap();
         let ih = s.clone_dtoh(&interleaved).unwrap();
@@ -393,48 +538,16 @@ fn sweep_grouped_gemms_match_reference() {
             }
         }
         let names = ["swiglu", "interleaved gate"];
-        let [sw_all, gate_all] =
-            sampled_expert_errors(&mut r, &off, inter, samples, 1e-2, names, &ctx, |ex, row, f| {
-                let (gv, want) = swiglu_element(&x, &w, ex, row, f, gate_g[ex], up_g[ex]);
-                [
-                    (f64::from(ch[row * inter + f].to_f32()), want),
-                    (f64::from(ih[row * nn + 16 * (f / 8) + f % 8].to_f32()), gv),
-                ]
-            });
+        let [sw_all, gate_all] = sampled_expert_errors(r, off, inter, samples, 1e-2, names, ctx, |ex, row, f| {
+            let (gv, want) = swiglu_element(x, w, ex, row, f, gate_g[ex], up_g[ex]);
+            [
+                (f64::from(ch[row * inter + f].to_f32()), want),
+                (f64::from(ih[row * nn + 16 * (f / 8) + f % 8].to_f32()), gv),
+            ]
+        });
         sw_all.report(&format!("swiglu {ctx}"));
         gate_all.report(&format!("interleaved gate {ctx}"));
-
-        // SwigluNvfp4: the reference quantization of the SwigluBf16 output.
-        let act_g: Vec<f32> = (0..if r.below(2) == 0 { 1 } else { e }).map(|_| r.uniform(1e-3, 1e-1)).collect();
-        let gd = s.clone_htod(&act_g).unwrap();
-        let sl = grouped_scale_len(total, e, inter);
-        let (mut c3, mut s3) = (poisoned_u8(&s, (total * inter / 2).max(1)), poisoned_u8(&s, sl));
-        GroupedGemm::<SwigluNvfp4>::new(&wgu, tile)
-            .unwrap()
-            .batch_invariant(invariant)
-            .launch_nvfp4(
-                &s,
-                &xd,
-                total,
-                &offd,
-                SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c3, scales: &mut s3 },
-            )
-            .unwrap();
-        let (c3, s3) = (s.clone_dtoh(&c3).unwrap(), s.clone_dtoh(&s3).unwrap());
-        let (want_c, want_s) = reference::quantize_grouped(&ch[..rows * inter], &off, inter, &act_g).unwrap();
-        let nc = rows * inter / 2;
-        assert!(c3[..nc] == want_c[..], "SwigluNvfp4 codes {:?}: {ctx}", first_diff(&c3[..nc], &want_c));
-        assert!(c3[nc..total * inter / 2].iter().all(|&v| v == POISON), "SwigluNvfp4 codes past offsets[E]: {ctx}");
-        assert!(s3[..want_s.len()] == want_s[..], "SwigluNvfp4 scales {:?}: {ctx}", first_diff(&s3, &want_s));
-        assert!(s3[want_s.len()..].iter().all(|&v| v == 0), "SwigluNvfp4 scale padding: {ctx}");
-        if rows > 0 {
-            // The old flow's quantizer over Interleaved, the same bytes (over the rows with experts).
-            let [_, (c2, s2)] =
-                quantize_compact_and_interleaved(&s, &compact, &interleaved, total, inter, e, &offd, &gd);
-            assert!(c2[..nc] == c3[..nc], "swiglu_quantize codes {:?}: {ctx}", first_diff(&c2[..nc], &c3[..nc]));
-            assert!(s2 == s3, "swiglu_quantize scales {:?}: {ctx}", first_diff(&s2, &s3));
-        }
-        report_exact(&format!("SwigluNvfp4 {ctx}"), c3.len() + s3.len());
+        Bf16Outputs { plain, ch, ih, compact, interleaved }
     }
 }
 
@@ -455,7 +568,11 @@ fn check_written(out: &[bf16], cols: usize, rows: usize, ctx: &str) {
 /// no bad id reported, the same bits on a second forward, and the sampled tokens (token 0, T - 1
 /// and random ones; the f64 reference of a token depends on that token only) within the existing
 /// bounds of the f64 reference. Where I >= 192 the NVFP4 intermediate runs too, its activation
-/// decode scale calibrated by `MoeLayer::calibrate_nvfp4_scale`.
+/// decode scale calibrated by `MoeLayer::calibrate_nvfp4_scale`. Every case of at most 8 rows in
+/// all (T x k; every third case is one: a decode step) also runs the BF16 layer with the warp tile
+/// forced (`GemmTile::WarpM16N8`), with the same checks, and where the drawn tile resolves to the
+/// warp kernel for both GEMMs (`Auto`) both give the same bits. The context of every layer names
+/// the tiles its GEMMs ran on.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sweep_layer_matches_reference() {
@@ -471,18 +588,27 @@ fn sweep_layer_matches_reference() {
         GemmTile::M128N64,
         GemmTile::M128N128,
     ];
+    assert!(b.hidden.max(b.intermediate) <= WARP_MAX_K, "H or I would not fit the warp kernel at 8 rows");
+    let mut warp_cases = 0;
     for case in 0..n {
         let seed = rng.next_u64();
         let mut r = Rng::new(seed);
+        // Every third case a decode step: T x k at most 8 (the warp kernel's launches).
+        let decode = case % 3 == 0;
         let (e, h, i, t, k) = loop {
             let e = count(&mut r, b.experts);
             let h = aligned(&mut r, 64, b.hidden);
             let i = aligned(&mut r, 64, b.intermediate);
-            let t = count(&mut r, b.tokens);
-            let k = match r.below(5) {
-                0 => 1,
-                1 => e.min(32),
-                _ => r.range(1, e.min(32) + 1),
+            let (t, k) = if decode {
+                let t = r.range(1, 9);
+                (t, r.range(1, (8 / t).min(e.min(32)) + 1))
+            } else {
+                let k = match r.below(5) {
+                    0 => 1,
+                    1 => e.min(32),
+                    _ => r.range(1, e.min(32) + 1),
+                };
+                (count(&mut r, b.tokens), k)
             };
             // Host weights and the per-token reference (3 k H I multiply-adds) stay bounded.
             if e * 3 * h * i <= 2 * b.weights && 3 * k * h * i <= 150_000_000 {
@@ -538,16 +664,30 @@ fn sweep_layer_matches_reference() {
             let mut ws = layer.workspace(&s).unwrap();
             layer.calibrate_nvfp4_scale(&s, &hd, t, &idd, k, &mut ws).unwrap()
         });
-        let mut layers = vec![(Intermediate::Bf16, layer)];
+        let drawn_tiles = layer.gemm_tiles(t, k).unwrap();
+        // (label, intermediate, layer): the label names the tiles the layer's GEMMs run on.
+        let mut layers = vec![(format!("Bf16 on {drawn_tiles:?}"), Intermediate::Bf16, layer)];
         if let Some(g) = layer_g {
+            let inter = Intermediate::Nvfp4 { decode_scale: g };
             let l = MoeLayer::new(
                 MoeWeights::from_checkpoint(&s, &ck).unwrap(),
-                MoeOptions { intermediate: Intermediate::Nvfp4 { decode_scale: g }, ..opts },
+                MoeOptions { intermediate: inter, ..opts },
             )
             .unwrap();
-            layers.push((Intermediate::Nvfp4 { decode_scale: g }, l));
+            layers.push((format!("{inter:?} on {:?}", l.gemm_tiles(t, k).unwrap()), inter, l));
         }
-        for (inter, layer) in &layers {
+        let warp = t * k <= 8;
+        if warp {
+            // The warp kernel forced for both GEMMs (BF16 intermediate: it has no SwigluNvfp4).
+            let opts = MoeOptions { tile: GemmTile::WarpM16N8, ..opts };
+            let l = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), opts).unwrap();
+            let runs = l.gemm_tiles(t, k).unwrap();
+            assert_eq!(runs, (GemmTile::WarpM16N8, GemmTile::WarpM16N8), "a forced tile is the launches' tile: {ctx}");
+            layers.push((format!("Bf16 forced WarpM16N8 on {runs:?}"), Intermediate::Bf16, l));
+            warp_cases += 1;
+        }
+        let mut outputs = Vec::with_capacity(layers.len());
+        for (label, inter, layer) in &layers {
             let mut ws = layer.workspace(&s).unwrap();
             let run = |ws: &mut MoeWorkspace| {
                 let mut out = poisoned_bf16(&s, t * h);
@@ -569,15 +709,15 @@ fn sweep_layer_matches_reference() {
                         )
                         .unwrap(),
                 }
-                layer.check(&s, ws, k).unwrap_or_else(|err| panic!("{inter:?}: {err}: {ctx}"));
+                layer.check(&s, ws, k).unwrap_or_else(|err| panic!("{label}: {err}: {ctx}"));
                 s.clone_dtoh(&out).unwrap()
             };
             let got = run(&mut ws);
-            assert!(got.iter().all(|v| v.to_bits() != POISON_BF16), "{inter:?}: an output element not written: {ctx}");
+            assert!(got.iter().all(|v| v.to_bits() != POISON_BF16), "{label}: an output element not written: {ctx}");
             let again = run(&mut ws);
             assert!(
                 got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{inter:?}: not deterministic: {ctx}"
+                "{label}: not deterministic: {ctx}"
             );
             let (tok_bound, all_bound) = match inter {
                 Intermediate::Bf16 => (1e-2, 1e-2),
@@ -589,14 +729,27 @@ fn sweep_layer_matches_reference() {
                 for o in 0..h {
                     err.add(f64::from(got[tok * h + o].to_f32()), want[j * h + o]);
                 }
-                assert!(err.rel() <= tok_bound, "{inter:?} token {tok}: relative error {:.3e}: {ctx}", err.rel());
+                assert!(err.rel() <= tok_bound, "{label} token {tok}: relative error {:.3e}: {ctx}", err.rel());
                 worst = worst.max(err.rel());
                 all.merge(&err);
             }
-            assert!(all.rel() <= all_bound, "{inter:?}: overall relative error {:.3e}: {ctx}", all.rel());
-            all.report(&format!("layer {inter:?} ({} tokens sampled, worst {worst:.3e}) {ctx}", toks.len()));
+            assert!(all.rel() <= all_bound, "{label}: overall relative error {:.3e}: {ctx}", all.rel());
+            all.report(&format!("layer {label} ({} tokens sampled, worst {worst:.3e}) {ctx}", toks.len()));
+            outputs.push(got);
+        }
+        if warp && drawn_tiles == (GemmTile::WarpM16N8, GemmTile::WarpM16N8) {
+            // The drawn tile (Auto) runs the warp kernel for both GEMMs: the forced layer's
+            // launches are the same (same batch invariance), so are its bytes.
+            let (a, b) = (&outputs[0], outputs.last().unwrap());
+            assert!(
+                a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "Bf16 on {drawn_tiles:?} vs forced WarpM16N8 differ at {:?}: {ctx}",
+                a.iter().zip(b).position(|(p, q)| p.to_bits() != q.to_bits())
+            );
         }
     }
+    eprintln!("sweep layer: {warp_cases} of {n} cases also ran WarpM16N8 forced (T x k at most 8)");
+    assert!(warp_cases >= n.div_ceil(3), "every decode-step case runs the warp kernel: {warp_cases} of {n}");
 }
 
 /// The f64 reference layer of tokens `toks` only (a token's output depends on its own hidden
