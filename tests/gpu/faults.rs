@@ -272,11 +272,25 @@ fn bad_expert_ids_set_the_error_word_and_contribute_nothing() {
 // ------------------------------------------------------------------------------------------------
 // (b) A forward after a rejected forward
 
+/// The error a rejected forward must return.
+#[derive(Debug)]
+enum Want {
+    /// `Error::InvalidShape` whose message holds this.
+    Shape(String),
+    /// `Error::BufferTooSmall` of this buffer, with these sizes.
+    TooSmall { name: &'static str, needed: usize, actual: usize },
+    /// `Error::Invalid` whose message holds this.
+    Invalid(String),
+}
+
 /// Forwards rejected with a typed error before any launch (too many tokens, top-k 0 or above the
 /// layer's, short hidden, ids, weights, logits or output buffers, a workspace of another
 /// intermediate or of another layer shape) leave the output untouched, and a forward with bad ids
 /// (accepted, reported by `check`); after each, a clean forward gives the clean forward's bytes
-/// and `check` passes. Both intermediates, both routing paths.
+/// and `check` passes. Both intermediates, both routing paths. Each rejection is the variant the
+/// library returns for that input (`MoeLayer`'s `check_tokens` and the buffers' `check_len`):
+/// `InvalidShape` naming the count, `BufferTooSmall` naming the buffer with its sizes, `Invalid`
+/// naming the workspace's mismatch.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn forward_after_a_rejected_forward_equals_a_clean_one() {
@@ -293,7 +307,7 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
     let other = random_checkpoint(&mut rng, e, h + 64, i);
     let other_layer = make_layer(&s, &other, 64, k, Intermediate::Bf16);
     // Each buffer one element short.
-    let short = Dev {
+    let short_d = Dev {
         hidden: s.clone_htod(&x.hidden[..t * h - 1]).unwrap(),
         ids: s.clone_htod(&x.ids[..t * k - 1]).unwrap(),
         weights: s.clone_htod(&x.weights[..t * k - 1]).unwrap(),
@@ -338,19 +352,56 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
                 let mut v = d.view();
                 let mut out_len = t * h;
                 let mut which = 0;
-                match name {
+                // What the library returns: the variant and what its message names.
+                let short = |name: &'static str, needed: usize| Want::TooSmall { name, needed, actual: needed - 1 };
+                let want = match name {
                     // Above max_tokens (64): refused before any buffer is looked at.
-                    "65 tokens" => v.tokens = 65,
-                    "top_k 0" => v.top_k = 0,
-                    "top_k above max_top_k" => v.top_k = k + 1,
-                    "short hidden" => v.hidden = &short.hidden,
-                    "short ids" => v.ids = &short.ids,
-                    "short weights" => v.weights = &short.weights,
-                    "short logits" => v.logits = &short.logits,
-                    "short output" => out_len -= 1,
-                    "other intermediate" => which = 1,
-                    _ => which = 2,
-                }
+                    "65 tokens" => {
+                        v.tokens = 65;
+                        Want::Shape("65 tokens exceed max_tokens 64".into())
+                    }
+                    "top_k 0" => {
+                        v.top_k = 0;
+                        Want::Shape(format!("top_k 0 must be in 1..={k}"))
+                    }
+                    "top_k above max_top_k" => {
+                        v.top_k = k + 1;
+                        Want::Shape(format!("top_k {} must be in 1..={k}", k + 1))
+                    }
+                    "short hidden" => {
+                        v.hidden = &short_d.hidden;
+                        short("hidden", t * h)
+                    }
+                    "short ids" => {
+                        v.ids = &short_d.ids;
+                        short("topk_ids", t * k)
+                    }
+                    "short weights" => {
+                        v.weights = &short_d.weights;
+                        short("topk_weights", t * k)
+                    }
+                    "short logits" => {
+                        v.logits = &short_d.logits;
+                        short("router_logits", t * e)
+                    }
+                    "short output" => {
+                        out_len -= 1;
+                        short("out", t * h)
+                    }
+                    "other intermediate" => {
+                        which = 1;
+                        Want::Invalid("the workspace was made for another intermediate format".into())
+                    }
+                    _ => {
+                        which = 2;
+                        Want::Invalid(format!(
+                            "the workspace was made for a layer of (experts, hidden, intermediate) = {:?}, this \
+                             layer is {:?}",
+                            (e, h + 64, i),
+                            (e, h, i)
+                        ))
+                    }
+                };
                 let mut out = poisoned_bf16(&s, out_len);
                 let w = match which {
                     0 => &mut ws,
@@ -359,10 +410,17 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
                 };
                 let err = forward_view(&layer, &s, &v, router, &mut out, w)
                     .expect_err(&format!("{name} must be rejected: {ctx}"));
-                assert!(
-                    matches!(err, Error::InvalidShape(_) | Error::BufferTooSmall { .. } | Error::Invalid(_)),
-                    "{name}: not a typed argument error: {err:?}: {ctx}"
-                );
+                let ok = match (&want, &err) {
+                    (Want::Shape(m), Error::InvalidShape(got)) | (Want::Invalid(m), Error::Invalid(got)) => {
+                        got.contains(m.as_str())
+                    }
+                    (
+                        Want::TooSmall { name, needed, actual },
+                        Error::BufferTooSmall { name: n, needed: nd, actual: a },
+                    ) => (name, needed, actual) == (n, nd, a),
+                    _ => false,
+                };
+                assert!(ok, "{name}: got {err:?}, expected {want:?}: {ctx}");
                 assert!(
                     s.clone_dtoh(&out).unwrap().iter().all(|v| v.to_bits() == POISON_BF16),
                     "{name}: output written: {ctx}"
