@@ -455,86 +455,141 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
 // ------------------------------------------------------------------------------------------------
 // (c) Handles dropped in every order
 
-/// A forward enqueued, then the layer (with its weights), the workspace, the inputs and the
-/// caller's stream and context handles dropped without synchronizing, in each of the 24 orders;
-/// the output (kept) then holds the expected bytes. A GEMM plan, its prepared weights, x and the
-/// offsets dropped in each order after an enqueued launch likewise. Then fresh work is correct.
+/// Two forwards of a multi-CTA shape (E = 16, H = 512, I = 256, k = 4; T = 512 and 200: 2048 and
+/// 800 rows, dozens of GEMM tiles each) enqueued on two streams of one context, each set's
+/// buffers made on the other stream (weights and inputs uploaded there, the workspace allocated
+/// there), then each set's layer (with its weights), workspace, inputs and the caller's stream and
+/// context handles dropped without synchronizing, set A in each of the 24 orders and set B in the
+/// reverse one, steps interleaved; the outputs (kept) then hold the bytes of a reference run. A GEMM
+/// plan, its prepared weights, x and the offsets dropped in each order after a launch enqueued on
+/// another stream than the one they were made on, likewise. Then a fresh forward on fresh handles
+/// gives the reference bytes.
+///
+/// Why these orders are safe (and what is not covered), from cudarc 0.19 with its event tracking
+/// (on by default; the library's launches take every buffer through `DevicePtr`/`DevicePtrMut`):
+/// each launch records the buffer's read or write event on the launch stream; dropping a
+/// `CudaSlice` makes the stream it was allocated on wait for those events and frees it there with
+/// `cuMemFreeAsync`, so the memory goes back after the work that used it, and nothing
+/// synchronizes. Every slice holds an `Arc` of its stream, which holds the context: dropping the
+/// caller's stream and context handles only drops references. The CUDA stream is destroyed with
+/// its last user (`cuStreamDestroy` with work pending returns at once and releases the stream when
+/// the work is done), and the primary context stays retained by the buffers and by this test's
+/// other `CudaContext`s. Each buffer here is used on one stream only. Not covered, because it is not
+/// safe: a buffer read by work still in flight on two streams (one layer forwarding on both, then
+/// dropped), as cudarc keeps one read event per buffer, the last recorded, so the free would wait
+/// for one stream's reads only.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn handles_dropped_in_any_order_are_safe() {
     let s = stream();
     let mut rng = test_rng();
     let seed = rng.seed();
-    let (e, h, i, t, k) = (8usize, 128usize, 64usize, 33usize, 2usize);
-    eprintln!("drop orders: seed {seed:#x} E={e} H={h} I={i} T={t} k={k}");
+    let (e, h, i, k) = (16usize, 512usize, 256usize, 4usize);
+    let (ta, tb) = (512usize, 200usize);
+    eprintln!("drop orders: seed {seed:#x} E={e} H={h} I={i} k={k} T={ta} and {tb}");
     let ck = random_checkpoint(&mut rng, e, h, i);
-    let x = host_inputs(&mut rng, t, h, e, k);
-    let want = {
-        let layer = make_layer(&s, &ck, t, k, Intermediate::Bf16);
+    let (xa, xb) = (host_inputs(&mut rng, ta, h, e, k), host_inputs(&mut rng, tb, h, e, k));
+    // The reference run: one stream, synchronized.
+    let reference = |x: &Host| {
+        let layer = make_layer(&s, &ck, x.tokens, k, Intermediate::Bf16);
         let mut ws = layer.workspace(&s).unwrap();
-        forward(&layer, &s, &upload(&s, &x), false, &mut ws)
+        forward(&layer, &s, &upload(&s, x), false, &mut ws)
     };
+    let (want_a, want_b) = (reference(&xa), reference(&xb));
+
+    /// One set's handles, each droppable on its own.
+    struct Set {
+        layer: Option<MoeLayer>,
+        ws: Option<MoeWorkspace>,
+        inputs: Option<Dev>,
+        handles: Option<(Arc<CudaStream>, Arc<CudaStream>, Arc<CudaContext>)>,
+    }
+    impl Set {
+        fn drop_one(&mut self, what: usize) {
+            match what {
+                0 => drop(self.layer.take()),
+                1 => drop(self.ws.take()),
+                2 => drop(self.inputs.take()),
+                _ => drop(self.handles.take()),
+            }
+        }
+    }
     let orders = permutations(4);
     assert_eq!(orders.len(), 24);
     for order in &orders {
         let ctx = CudaContext::new(0).unwrap();
-        let st = ctx.new_stream().unwrap();
-        let mut layer = Some(make_layer(&st, &ck, t, k, Intermediate::Bf16));
-        let mut ws = Some(layer.as_ref().unwrap().workspace(&st).unwrap());
-        let mut d = Some(upload(&st, &x));
-        let mut out = poisoned_bf16(&st, t * h);
-        forward_into(layer.as_ref().unwrap(), &st, d.as_ref().unwrap(), false, &mut out, ws.as_mut().unwrap()).unwrap();
-        let mut handles = Some((st, ctx));
-        for &what in order {
-            match what {
-                0 => drop(layer.take()),
-                1 => drop(ws.take()),
-                2 => drop(d.take()),
-                _ => drop(handles.take()),
-            }
+        let (s1, s2) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+        // Set A: made on s1, forwards on s2; set B: made on s2, forwards on s1.
+        let make = |made: &Arc<CudaStream>, runs: &Arc<CudaStream>, x: &Host| {
+            let layer = make_layer(made, &ck, x.tokens, k, Intermediate::Bf16);
+            let ws = layer.workspace(made).unwrap();
+            let d = upload(made, x);
+            let set = Set {
+                layer: Some(layer),
+                ws: Some(ws),
+                inputs: Some(d),
+                handles: Some((made.clone(), runs.clone(), ctx.clone())),
+            };
+            (set, poisoned_bf16(runs, x.tokens * h))
+        };
+        let (mut a, mut out_a) = make(&s1, &s2, &xa);
+        let (mut b, mut out_b) = make(&s2, &s1, &xb);
+        for (set, runs, out) in [(&mut a, &s2, &mut out_a), (&mut b, &s1, &mut out_b)] {
+            let (layer, d) = (set.layer.as_ref().unwrap(), set.inputs.as_ref().unwrap());
+            forward_into(layer, runs, d, false, out, set.ws.as_mut().unwrap()).unwrap();
         }
-        let got = out.stream().clone_dtoh(&out).unwrap();
-        assert!(
-            same_bits(&got, &want),
-            "drop order {order:?}: differs at {:?} (seed {seed:#x})",
-            first_bits_diff(&got, &want)
-        );
+        // The caller's own handles go with the sets' (the last `handles` step drops them all).
+        drop((s1, s2, ctx));
+        for (j, &what) in order.iter().enumerate() {
+            a.drop_one(what);
+            b.drop_one(order[order.len() - 1 - j]);
+        }
+        let ctx_msg = format!("drop order {order:?} (set B reversed) (seed {seed:#x})");
+        for (name, out, want) in [("A", &out_a, &want_a), ("B", &out_b, &want_b)] {
+            let got = out.stream().clone_dtoh(out).unwrap();
+            assert!(same_bits(&got, want), "set {name}: differs at {:?}: {ctx_msg}", first_bits_diff(&got, want));
+        }
     }
-    // A plan, its weights, x and the offsets.
-    let w = crate::gemm::grouped::random_weights(&mut rng, e, 256, 128);
-    let off = crate::gemm::grouped::random_offsets(&mut rng, e, 20);
+    // A plan, its weights, x and the offsets, made on one stream and launched on another (8
+    // experts, n = 2048, k = 1024, up to 300 rows each: tens of tiles), then dropped with the
+    // stream and context handles in each of the 24 orders.
+    let (n, kk) = (2048usize, 1024usize);
+    let w = crate::gemm::grouped::random_weights(&mut rng, 8, n, kk);
+    let off = crate::gemm::grouped::random_offsets(&mut rng, 8, 300);
     let rows = *off.last().unwrap() as usize;
-    let xs = rng.normal_bf16(rows.max(1) * 128, 1.0);
-    let gemm = |st: &Arc<CudaStream>, order: Option<&[usize]>| {
-        let wd = Nvfp4Weights::from_host(st, &w).unwrap();
-        let (xd, offd) = (st.clone_htod(&xs).unwrap(), st.clone_htod(&off).unwrap());
-        let mut out = poisoned_bf16(st, rows.max(1) * 256);
+    let xs = rng.normal_bf16(rows.max(1) * kk, 1.0);
+    let gemm = |made: Arc<CudaStream>, runs: Arc<CudaStream>, ctx: Arc<CudaContext>, order: &[usize]| {
+        let wd = Nvfp4Weights::from_host(&made, &w).unwrap();
+        let (xd, offd) = (made.clone_htod(&xs).unwrap(), made.clone_htod(&off).unwrap());
+        let mut out = poisoned_bf16(&runs, rows.max(1) * n);
         {
             // The plan (a borrow of the weights) ends before the weights are dropped.
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, GemmTile::Auto).unwrap();
-            plan.launch(st, &xd, rows, &offd, &mut out).unwrap();
+            plan.launch(&runs, &xd, rows, &offd, &mut out).unwrap();
         }
-        let (mut wd, mut xd, mut offd) = (Some(wd), Some(xd), Some(offd));
-        for &what in order.unwrap_or(&[0, 1, 2]) {
+        let (mut wd, mut xd, mut offd, mut handles) = (Some(wd), Some(xd), Some(offd), Some((made, runs, ctx)));
+        for &what in order {
             match what {
                 0 => drop(wd.take()),
                 1 => drop(xd.take()),
-                _ => drop(offd.take()),
+                2 => drop(offd.take()),
+                _ => drop(handles.take()),
             }
         }
         out.stream().clone_dtoh(&out).unwrap()
     };
-    let want_gemm = gemm(&s, None);
-    for order in permutations(3) {
-        let st = CudaContext::new(0).unwrap().new_stream().unwrap();
-        let got = gemm(&st, Some(&order));
+    let want_gemm = gemm(s.clone(), s.clone(), s.context().clone(), &[0, 1, 2, 3]);
+    for order in permutations(4) {
+        let ctx = CudaContext::new(0).unwrap();
+        let (made, runs) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+        let got = gemm(made, runs, ctx, &order);
         assert!(same_bits(&got, &want_gemm), "GEMM drop order {order:?} (seed {seed:#x})");
     }
     // Later work on fresh handles is still correct.
-    let layer = make_layer(&s, &ck, t, k, Intermediate::Bf16);
+    let layer = make_layer(&s, &ck, ta, k, Intermediate::Bf16);
     let mut ws = layer.workspace(&s).unwrap();
-    let again = forward(&layer, &s, &upload(&s, &x), false, &mut ws);
-    assert!(same_bits(&again, &want), "a fresh forward after the drops (seed {seed:#x})");
+    let again = forward(&layer, &s, &upload(&s, &xa), false, &mut ws);
+    assert!(same_bits(&again, &want_a), "a fresh forward after the drops (seed {seed:#x})");
 }
 
 /// Every order of `0..n`.
