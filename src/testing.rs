@@ -85,6 +85,13 @@ pub fn test_rng() -> Rng {
     Rng::new(Rng::new(base ^ n.wrapping_mul(0xD1B5_4A32_D192_ED03)).next_u64())
 }
 
+/// This thread's (test's) base seed: the value of [`TEST_SEED_ENV`] that replays every generator
+/// [`test_rng`] has handed out on it, for a test's failure messages. `None` before its first
+/// [`test_rng`].
+pub fn current_test_seed() -> Option<u64> {
+    TEST_SEED.with(|c| c.get().map(|(seed, _)| seed))
+}
+
 /// Random NVFP4 weights of `experts` experts `[n, k]`: random codes, scale bytes in
 /// `0x20..0x48` (E4M3 0.125 .. 3.75: valid, positive), decode scales in `[1e-3, 1e-2)`.
 fn random_expert_weights(rng: &mut Rng, experts: usize, n: usize, k: usize) -> ExpertWeightsHost {
@@ -165,9 +172,11 @@ mod tests {
     #[test]
     fn test_rngs_replay_from_one_seed() {
         let seed = std::thread::spawn(|| {
+            assert_eq!(current_test_seed(), None, "no seed before the first test_rng");
             let mut a = test_rng();
             let mut b = test_rng();
             let first = TEST_SEED.with(|c| c.get()).unwrap().0;
+            assert_eq!(current_test_seed(), Some(first), "the seed that replays the test");
             assert_eq!(a.next_u64(), Rng::new(first).next_u64());
             assert_ne!(a.next_u64(), b.next_u64());
             first

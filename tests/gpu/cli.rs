@@ -2,6 +2,7 @@
 //! as the CPU), `run` on written checkpoints, `check` and `bench`.
 
 use crate::common::{assert_ok, cli, rng, round_trip, write_raw, TmpDir};
+use crate::replay;
 use half::bf16;
 use nvfp4_moe::io::read_matrix_bf16;
 use safetensors::tensor::Dtype;
@@ -10,6 +11,7 @@ use safetensors::tensor::Dtype;
 #[ignore = "needs a CUDA GPU"]
 fn cuda_writes_the_same_bytes_as_cpu() {
     let mut r = rng();
+    let rp = replay();
     let dir = TmpDir::new("cuda");
     for (rows, cols) in [(1usize, 16usize), (129, 80), (1000, 2880), (4100, 64)] {
         let mut x = r.varied_bf16(rows * cols);
@@ -26,8 +28,8 @@ fn cuda_writes_the_same_bytes_as_cpu() {
         }
         let (q_cpu, d_cpu) = round_trip(&dir, &x, rows, cols, "cpu", "layer.");
         let (q_gpu, d_gpu) = round_trip(&dir, &x, rows, cols, "cuda", "layer.");
-        assert!(q_cpu == q_gpu, "{rows}x{cols}: quantized files differ");
-        assert!(d_cpu == d_gpu, "{rows}x{cols}: dequantized files differ");
+        assert!(q_cpu == q_gpu, "{rows}x{cols}: quantized files differ: {rp}");
+        assert!(d_cpu == d_gpu, "{rows}x{cols}: dequantized files differ: {rp}");
     }
 }
 
@@ -39,6 +41,7 @@ fn cuda_writes_the_same_bytes_as_cpu() {
 fn run_matches_reference_on_written_checkpoints() {
     use nvfp4_moe::{host::ExpertNaming, io::write_modelopt_experts};
     let mut r = rng();
+    let rp = replay();
     let dir = TmpDir::new("run");
     let (e, h, i, t, k) = (8usize, 256usize, 192usize, 37usize, 2usize);
     for (naming, prefix) in [
@@ -92,11 +95,11 @@ fn run_matches_reference_on_written_checkpoints() {
                 n += (g - x) * (g - x);
                 d += x * x;
             }
-            assert!((n / d).sqrt() <= 1e-2, "{naming:?}: token {tok}: {:.3e}", (n / d).sqrt());
+            assert!((n / d).sqrt() <= 1e-2, "{naming:?}: token {tok}: {:.3e}: {rp}", (n / d).sqrt());
             num += n;
             den += d;
         }
-        assert!((num / den).sqrt() <= 1e-2, "{naming:?}: overall {:.3e}", (num / den).sqrt());
+        assert!((num / den).sqrt() <= 1e-2, "{naming:?}: overall {:.3e}: {rp}", (num / den).sqrt());
 
         // An expert id out of range: reported by the device-side error word, naming the slot.
         let mut bad = ids.clone();
@@ -110,8 +113,8 @@ fn run_matches_reference_on_written_checkpoints() {
             ],
         );
         let run = cli(&["run", "--weights", &weights, "--prefix", prefix, "--input", &input, "--output", &output]);
-        assert_eq!(run.code, 1, "{}", run.stderr);
-        assert!(run.stderr.contains(&format!("{}", e + 5)), "{}", run.stderr);
+        assert_eq!(run.code, 1, "{}: {rp}", run.stderr);
+        assert!(run.stderr.contains(&format!("{}", e + 5)), "{}: {rp}", run.stderr);
     }
 }
 

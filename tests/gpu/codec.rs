@@ -5,6 +5,8 @@ use super::*;
 
 /// Quantizes on the GPU into poisoned buffers and compares every byte (padding included) with
 /// the CPU reference; then dequantizes on the GPU and compares every bf16 with the reference.
+/// `replay` (how to replay the case) ends every failure's context.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn check_case(
     s: &Arc<CudaStream>,
     rng: &mut Rng,
@@ -13,15 +15,15 @@ pub(crate) fn check_case(
     kind: Data,
     layout: ScaleLayout,
     g_choice: Option<f32>,
+    replay: &str,
 ) {
-    let seed = rng.seed();
     let g0 = g_choice.unwrap_or(1.0);
     let x = make_data(rng, kind, rows, cols, g0);
     let g = match g_choice {
         Some(g) => g,
         None => host::weight_decode_scale(&x).unwrap_or(1.0),
     };
-    let ctx = format!("rows={rows} cols={cols} {kind:?} {layout:?} g={g} seed={seed}");
+    let ctx = format!("rows={rows} cols={cols} {kind:?} {layout:?} g={g}: {replay}");
     let want = reference::quantize(&x, rows, cols, g, layout).unwrap();
 
     let x_dev = s.clone_htod(&x).unwrap();
@@ -98,7 +100,7 @@ fn quantize_matches_reference_on_many_shapes() {
                 (_, 1) => Some(1.0),
                 (_, _) => Some(0.37),
             };
-            check_case(&s, &mut rng, rows, cols, kind, layout, g);
+            check_case(&s, &mut rng, rows, cols, kind, layout, g, &replay());
             n += 1;
         }
     }
@@ -131,6 +133,7 @@ fn quantize_edge_blocks() {
         *v = bf16::MAX;
     }
     let mut rng = test_rng();
+    let rp = replay();
     for v in &mut x[7 * cols..] {
         *v = bf16::from_f32(rng.normal());
     }
@@ -140,12 +143,12 @@ fn quantize_edge_blocks() {
             let xd = s.clone_htod(&x).unwrap();
             let t = quantize_nvfp4(&s, &xd, 8, cols, g, layout).unwrap();
             let got = t.to_host(&s).unwrap();
-            assert_eq!(got.scales, want.scales, "{layout:?} g={g}");
-            assert_eq!(got.codes, want.codes, "{layout:?} g={g}");
+            assert_eq!(got.scales, want.scales, "{layout:?} g={g}: {rp}");
+            assert_eq!(got.codes, want.codes, "{layout:?} g={g}: {rp}");
             let deq = s.clone_dtoh(&dequantize_nvfp4(&s, &t).unwrap()).unwrap();
             let wdeq = reference::dequantize(&want);
             let b = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(b(&deq[..8 * cols]), b(&wdeq), "{layout:?} g={g}");
+            assert_eq!(b(&deq[..8 * cols]), b(&wdeq), "{layout:?} g={g}: {rp}");
         }
     }
 }
@@ -158,7 +161,7 @@ fn quantize_edge_blocks() {
 fn quantize_division_fast_path_is_exact() {
     let s = stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (rows, cols) = (4096usize, 1024usize);
     const POINTS: [f32; 7] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
     // Round g (the exact paths), fixed and fresh random g (the reciprocal fast path).
@@ -180,12 +183,8 @@ fn quantize_division_fast_path_is_exact() {
         let want = reference::quantize(&x, rows, cols, g, ScaleLayout::Linear).unwrap();
         let xd = s.clone_htod(&x).unwrap();
         let got = quantize_nvfp4(&s, &xd, rows, cols, g, ScaleLayout::Linear).unwrap().to_host(&s).unwrap();
-        assert!(
-            got.scales == want.scales,
-            "scales differ at {:?} g={g} seed={seed}",
-            first_diff(&got.scales, &want.scales)
-        );
-        assert!(got.codes == want.codes, "codes differ at {:?} g={g} seed={seed}", first_diff(&got.codes, &want.codes));
+        assert!(got.scales == want.scales, "scales differ at {:?} g={g}: {rp}", first_diff(&got.scales, &want.scales));
+        assert!(got.codes == want.codes, "codes differ at {:?} g={g}: {rp}", first_diff(&got.codes, &want.codes));
     }
 }
 
@@ -194,6 +193,7 @@ fn quantize_division_fast_path_is_exact() {
 fn bad_input_is_rejected_before_launch() {
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     let (rows, cols) = (4usize, 64usize);
     let x = s.clone_htod(&rng.normal_bf16(rows * cols + 8, 1.0)).unwrap();
     let mut codes = poisoned_u8(&s, rows * cols / 2 + 8);
@@ -201,13 +201,13 @@ fn bad_input_is_rejected_before_launch() {
     let lin = |rows, cols, decode_scale| Nvfp4Desc { rows, cols, layout: ScaleLayout::Linear, decode_scale };
     // x shifted by one bf16: 2-byte aligned only.
     let e = quantize_nvfp4_into(&s, &x.slice(1..), lin(rows, cols, 1.0), &mut codes, &mut scales).unwrap_err();
-    assert!(matches!(e, Error::Misaligned { name: "x", .. }), "{e}");
+    assert!(matches!(e, Error::Misaligned { name: "x", .. }), "{e}: {rp}");
     let e = quantize_nvfp4_into(&s, &x, lin(rows, cols, 1.0), &mut codes.slice_mut(4..), &mut scales).unwrap_err();
-    assert!(matches!(e, Error::Misaligned { name: "codes", .. }), "{e}");
+    assert!(matches!(e, Error::Misaligned { name: "codes", .. }), "{e}: {rp}");
     let e = quantize_nvfp4_into(&s, &x, lin(rows, 40, 1.0), &mut codes, &mut scales).unwrap_err();
-    assert!(matches!(e, Error::InvalidShape(_)), "{e}");
+    assert!(matches!(e, Error::InvalidShape(_)), "{e}: {rp}");
     let e = quantize_nvfp4_into(&s, &x, lin(rows, cols, f32::NAN), &mut codes, &mut scales).unwrap_err();
-    assert!(matches!(e, Error::InvalidDecodeScale(_)), "{e}");
+    assert!(matches!(e, Error::InvalidDecodeScale(_)), "{e}: {rp}");
     let e = quantize_nvfp4_into(
         &s,
         &x,
@@ -216,11 +216,11 @@ fn bad_input_is_rejected_before_launch() {
         &mut scales.slice_mut(..100),
     )
     .unwrap_err();
-    assert!(matches!(e, Error::BufferTooSmall { name: "scales", .. }), "{e}");
+    assert!(matches!(e, Error::BufferTooSmall { name: "scales", .. }), "{e}: {rp}");
     s.synchronize().unwrap();
     // Nothing was launched: the outputs still hold the poison.
-    assert!(s.clone_dtoh(&codes).unwrap().iter().all(|&b| b == POISON));
-    assert!(s.clone_dtoh(&scales).unwrap().iter().all(|&b| b == POISON));
+    assert!(s.clone_dtoh(&codes).unwrap().iter().all(|&b| b == POISON), "codes written: {rp}");
+    assert!(s.clone_dtoh(&scales).unwrap().iter().all(|&b| b == POISON), "scales written: {rp}");
 }
 
 #[test]
@@ -233,8 +233,8 @@ fn host_round_trip_through_device() {
     let h: Nvfp4Host = reference::quantize(&x, rows, cols, 0.5, ScaleLayout::Swizzled128x4).unwrap();
     let t = Nvfp4Tensor::from_host(&s, &h).unwrap();
     let back = t.to_host(&s).unwrap();
-    assert_eq!(back.codes, h.codes);
-    assert_eq!(back.scales, h.scales);
+    assert_eq!(back.codes, h.codes, "codes: {}", replay());
+    assert_eq!(back.scales, h.scales, "scales: {}", replay());
 }
 
 /// Recipe v2 against ModelOpt itself on the CUDA paths: the committed fixtures through every GPU
@@ -255,7 +255,7 @@ mod modelopt {
         let mut check = |what: &str, codes: &[u8], scales: &[u8]| {
             let d = describe_diff("codes", &c.name, codes, &c.codes)
                 .or_else(|| describe_diff("scales", &c.name, scales, &c.scales));
-            assert!(d.is_none(), "{what}: {}", d.unwrap());
+            assert!(d.is_none(), "{what}: {}: {}", d.unwrap(), replay());
             compared += codes.len() + scales.len();
         };
         let xd = s.clone_htod(&c.x).unwrap();
@@ -295,7 +295,13 @@ mod modelopt {
             let down = rng.normal_bf16(h * i, 0.02);
             let w = MoeWeightsBf16 { gate: &c.x, up: &up, down: &down, experts: 1, hidden: h, intermediate: i };
             let ck = quantize_bf16_experts(s, &w).unwrap();
-            assert_eq!(ck.w13.decode_scales[0].to_bits(), c.g.to_bits(), "{}: weight decode scale", c.name);
+            assert_eq!(
+                ck.w13.decode_scales[0].to_bits(),
+                c.g.to_bits(),
+                "{}: weight decode scale: {}",
+                c.name,
+                replay()
+            );
             check("quantize_bf16_experts (gate)", &ck.w13.codes[..i * h / 2], &ck.w13.scales[..i * h / 16]);
         }
         compared
@@ -340,7 +346,7 @@ mod modelopt {
     fn modelopt_on_fresh_random_data() {
         let s = stream();
         let mut rng = test_rng();
-        let seed = rng.seed();
+        let (seed, rp) = (rng.seed(), replay());
         let mut inputs: Vec<OracleInput> = Vec::new();
         for (i, &(rows, cols)) in
             [(1usize, 16usize), (7, 2880), (64, 7168), (300, 2048), (129, 1536)].iter().enumerate()
@@ -412,16 +418,16 @@ mod modelopt {
         );
         let (ib, ob) = (std::fs::read(&inp).unwrap(), std::fs::read(&outp).unwrap());
         let cases = cases_from(&ob, Some(&ib));
-        assert_eq!(cases.len(), inputs.len(), "the oracle answered every case");
+        assert_eq!(cases.len(), inputs.len(), "the oracle answered every case: {rp}");
         let mut bytes = 0;
         for c in &cases {
             let given = inputs.iter().find(|i| i.0 == c.name).unwrap().4;
             if let Some(g) = given {
-                assert_eq!(g.to_bits(), c.g.to_bits(), "{}: ModelOpt used the given g", c.name);
+                assert_eq!(g.to_bits(), c.g.to_bits(), "{}: ModelOpt used the given g: {rp}", c.name);
             }
             let q = reference::quantize(&c.x, c.rows, c.cols, c.g, ScaleLayout::Linear).unwrap();
-            assert_eq!(describe_diff("codes", &c.name, &q.codes, &c.codes), None, "CPU (seed {seed:#x})");
-            assert_eq!(describe_diff("scales", &c.name, &q.scales, &c.scales), None, "CPU (seed {seed:#x})");
+            assert_eq!(describe_diff("codes", &c.name, &q.codes, &c.codes), None, "CPU: {rp}");
+            assert_eq!(describe_diff("scales", &c.name, &q.scales, &c.scales), None, "CPU: {rp}");
             bytes += cuda_paths_equal(&s, &mut rng, c);
             if let Some(ex) = c.name.strip_prefix("given_swiglu_e") {
                 let ex: usize = ex.parse().unwrap();
@@ -437,8 +443,8 @@ mod modelopt {
                         )]
                     })
                     .collect();
-                assert_eq!(describe_diff("codes", &c.name, codes, &c.codes), None, "SwigluNvfp4 (seed {seed:#x})");
-                assert_eq!(describe_diff("scales", &c.name, &sc, &c.scales), None, "SwigluNvfp4 (seed {seed:#x})");
+                assert_eq!(describe_diff("codes", &c.name, codes, &c.codes), None, "SwigluNvfp4: {rp}");
+                assert_eq!(describe_diff("scales", &c.name, &sc, &c.scales), None, "SwigluNvfp4: {rp}");
                 bytes += codes.len() + sc.len();
             }
         }

@@ -1,6 +1,7 @@
 //! Faults (issue 21): out-of-range expert ids, forwards after rejected forwards, handles dropped in
 //! every order, concurrent forwards on two streams, and the NaN-isolation policy of the layer
-//! (`MoeLayer`'s docs, "Non-finite input"). Every case prints its seed and shape; outputs are
+//! (`MoeLayer`'s docs, "Non-finite input"). Every case prints its shape, and its assertions' context
+//! the line that replays it (`replay`: the test's seed in `NVFP4MOE_TEST_SEED`); outputs are
 //! poisoned before each forward (`poisoned_bf16`, `POISON_BF16`).
 
 use super::*;
@@ -178,9 +179,9 @@ fn calibrated(s: &Arc<CudaStream>, ck: &MoeCheckpoint, d: &Dev) -> Intermediate 
 fn bad_expert_ids_set_the_error_word_and_contribute_nothing() {
     let s = stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (e, h, i, t, k) = (8usize, 256usize, 192usize, 40usize, 4usize);
-    eprintln!("bad ids: seed {seed:#x} E={e} H={h} I={i} T={t} k={k}");
+    eprintln!("bad ids: E={e} H={h} I={i} T={t} k={k}: {rp}");
     let ck = random_checkpoint(&mut rng, e, h, i);
     let clean = host_inputs(&mut rng, t, h, e, k);
     let mut bad = clean.clone();
@@ -228,16 +229,15 @@ fn bad_expert_ids_set_the_error_word_and_contribute_nothing() {
         let mut out = poisoned_bf16(&s, t * h);
         forward_into(&layer, &s, &dbad, false, &mut out, &mut ws).unwrap();
         let msg = layer.check(&s, &mut ws, k).expect_err("bad ids must be reported").to_string();
-        assert!(msg.contains(&format!("topk_ids[3, 1] = {e}")), "{inter:?}: {msg} (seed {seed:#x})");
-        layer.check(&s, &mut ws, k).unwrap_or_else(|e| panic!("{inter:?}: the error word is cleared by a check: {e}"));
+        assert!(msg.contains(&format!("topk_ids[3, 1] = {e}")), "{inter:?}: {msg}: {rp}");
+        layer
+            .check(&s, &mut ws, k)
+            .unwrap_or_else(|e| panic!("{inter:?}: the error word is cleared by a check: {e}: {rp}"));
         let got = s.clone_dtoh(&out).unwrap();
-        assert!(
-            got.iter().all(|v| v.to_bits() != POISON_BF16),
-            "{inter:?}: an output element not written (seed {seed:#x})"
-        );
+        assert!(got.iter().all(|v| v.to_bits() != POISON_BF16), "{inter:?}: an output element not written: {rp}");
         assert!(
             got[17 * h..18 * h].iter().all(|v| v.to_f32() == 0.0),
-            "{inter:?}: the all-bad token is not zero (seed {seed:#x})"
+            "{inter:?}: the all-bad token is not zero: {rp}"
         );
         let reference_bound = match inter {
             Intermediate::Bf16 => 1e-2,
@@ -251,18 +251,18 @@ fn bad_expert_ids_set_the_error_word_and_contribute_nothing() {
             }
             assert!(
                 err.rel() <= reference_bound,
-                "{inter:?} token {tok}: {:.3e} vs the reference without the bad slots (seed {seed:#x})",
+                "{inter:?} token {tok}: {:.3e} vs the reference without the bad slots: {rp}",
                 err.rel()
             );
             all.merge(&err);
         }
-        all.report(&format!("bad ids {inter:?} vs the reference without them (seed {seed:#x})"));
+        all.report(&format!("bad ids {inter:?} vs the reference without them: {rp}"));
         let valid_out = forward(&layer, &s, &dvalid, false, &mut ws);
         for tok in (0..t).filter(|x| !bad_tokens.contains(x)) {
             let (a, b) = (&got[tok * h..(tok + 1) * h], &valid_out[tok * h..(tok + 1) * h]);
             assert!(
                 same_bits(a, b),
-                "{inter:?} token {tok} (no bad slot) differs at {:?} (seed {seed:#x})",
+                "{inter:?} token {tok} (no bad slot) differs at {:?}: {rp}",
                 first_bits_diff(a, b)
             );
         }
@@ -296,9 +296,9 @@ enum Want {
 fn forward_after_a_rejected_forward_equals_a_clean_one() {
     let s = stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (e, h, i, t, k) = (16usize, 256usize, 192usize, 50usize, 4usize);
-    eprintln!("rejected forwards: seed {seed:#x} E={e} H={h} I={i} T={t} k={k}");
+    eprintln!("rejected forwards: E={e} H={h} I={i} T={t} k={k}: {rp}");
     let ck = random_checkpoint(&mut rng, e, h, i);
     let x = host_inputs(&mut rng, t, h, e, k);
     let d = upload(&s, &x);
@@ -323,7 +323,7 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
         let mut shape_ws = other_layer.workspace(&s).unwrap();
         for router in [false, true] {
             let clean = forward(&layer, &s, &d, router, &mut ws);
-            let ctx = format!("{inter:?} router={router} (seed {seed:#x})");
+            let ctx = format!("{inter:?} router={router}: {rp}");
             let cases: &[&str] = if router {
                 &[
                     "65 tokens",
@@ -483,10 +483,10 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
 fn handles_dropped_in_any_order_are_safe() {
     let s = stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (e, h, i, k) = (16usize, 512usize, 256usize, 4usize);
     let (ta, tb) = (512usize, 200usize);
-    eprintln!("drop orders: seed {seed:#x} E={e} H={h} I={i} k={k} T={ta} and {tb}");
+    eprintln!("drop orders: E={e} H={h} I={i} k={k} T={ta} and {tb}: {rp}");
     let ck = random_checkpoint(&mut rng, e, h, i);
     let (xa, xb) = (host_inputs(&mut rng, ta, h, e, k), host_inputs(&mut rng, tb, h, e, k));
     // The reference run: one stream, synchronized.
@@ -544,7 +544,7 @@ fn handles_dropped_in_any_order_are_safe() {
             a.drop_one(what);
             b.drop_one(order[order.len() - 1 - j]);
         }
-        let ctx_msg = format!("drop order {order:?} (set B reversed) (seed {seed:#x})");
+        let ctx_msg = format!("drop order {order:?} (set B reversed): {rp}");
         for (name, out, want) in [("A", &out_a, &want_a), ("B", &out_b, &want_b)] {
             let got = out.stream().clone_dtoh(out).unwrap();
             assert!(same_bits(&got, want), "set {name}: differs at {:?}: {ctx_msg}", first_bits_diff(&got, want));
@@ -583,13 +583,13 @@ fn handles_dropped_in_any_order_are_safe() {
         let ctx = CudaContext::new(0).unwrap();
         let (made, runs) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
         let got = gemm(made, runs, ctx, &order);
-        assert!(same_bits(&got, &want_gemm), "GEMM drop order {order:?} (seed {seed:#x})");
+        assert!(same_bits(&got, &want_gemm), "GEMM drop order {order:?}: {rp}");
     }
     // Later work on fresh handles is still correct.
     let layer = make_layer(&s, &ck, ta, k, Intermediate::Bf16);
     let mut ws = layer.workspace(&s).unwrap();
     let again = forward(&layer, &s, &upload(&s, &xa), false, &mut ws);
-    assert!(same_bits(&again, &want_a), "a fresh forward after the drops (seed {seed:#x})");
+    assert!(same_bits(&again, &want_a), "a fresh forward after the drops: {rp}");
 }
 
 /// Every order of `0..n`.
@@ -634,10 +634,10 @@ fn concurrent_forwards_on_two_streams_equal_serial_ones() {
     let ctx = CudaContext::new(0).unwrap();
     let s0 = ctx.default_stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (e, h, i, k) = (32usize, 512usize, 256usize, 4usize);
     let (ta, tb) = (300usize, 37usize);
-    eprintln!("concurrent: seed {seed:#x} E={e} H={h} I={i} k={k} T={ta} and {tb}");
+    eprintln!("concurrent: E={e} H={h} I={i} k={k} T={ta} and {tb}: {rp}");
     let ck = random_checkpoint(&mut rng, e, h, i);
     let (xa, xb) = (host_inputs(&mut rng, ta, h, e, k), host_inputs(&mut rng, tb, h, e, k));
     let (da, db) = (upload(&s0, &xa), upload(&s0, &xb));
@@ -671,12 +671,12 @@ fn concurrent_forwards_on_two_streams_equal_serial_ones() {
         for (r, (a, b)) in outs_a.iter().zip(&outs_b).enumerate() {
             assert!(
                 same_bits(a, &serial_a),
-                "{inter:?} thread A round {r}: differs at {:?} (seed {seed:#x})",
+                "{inter:?} thread A round {r}: differs at {:?}: {rp}",
                 first_bits_diff(a, &serial_a)
             );
             assert!(
                 same_bits(b, &serial_b),
-                "{inter:?} thread B round {r}: differs at {:?} (seed {seed:#x})",
+                "{inter:?} thread B round {r}: differs at {:?}: {rp}",
                 first_bits_diff(b, &serial_b)
             );
         }
@@ -693,8 +693,8 @@ fn concurrent_forwards_on_two_streams_equal_serial_ones() {
         layer.check(&s2, &mut w2, k).unwrap();
         for (r, (oa, ob)) in outs.iter().enumerate() {
             let (a, b) = (s1.clone_dtoh(oa).unwrap(), s2.clone_dtoh(ob).unwrap());
-            assert!(same_bits(&a, &serial_a), "{inter:?} alternating A round {r} (seed {seed:#x})");
-            assert!(same_bits(&b, &serial_b), "{inter:?} alternating B round {r} (seed {seed:#x})");
+            assert!(same_bits(&a, &serial_a), "{inter:?} alternating A round {r}: {rp}");
+            assert!(same_bits(&b, &serial_b), "{inter:?} alternating B round {r}: {rp}");
         }
         eprintln!("err concurrent {inter:?}: max 0, mean 0 (bit-exact, {} forwards on two streams)", 4 * rounds);
     }
@@ -717,12 +717,12 @@ fn concurrent_forwards_on_two_streams_equal_serial_ones() {
 fn nan_in_one_token_changes_only_its_row() {
     let s = stream();
     let mut rng = test_rng();
-    let seed = rng.seed();
+    let rp = replay();
     let (e, h, i, k) = (16usize, 256usize, 192usize, 4usize);
     let ck = random_checkpoint(&mut rng, e, h, i);
     let calib = host_inputs(&mut rng, 300, h, e, k);
     let nvfp4 = calibrated(&s, &ck, &upload(&s, &calib));
-    eprintln!("NaN isolation: seed {seed:#x} E={e} H={h} I={i} k={k}, {nvfp4:?}");
+    eprintln!("NaN isolation: E={e} H={h} I={i} k={k}, {nvfp4:?}: {rp}");
     let mut faults = 0;
     for inter in [Intermediate::Bf16, nvfp4] {
         let layer = make_layer(&s, &ck, 300, k, inter);
@@ -772,7 +772,7 @@ fn nan_in_one_token_changes_only_its_row() {
                     }
                 }
                 for (name, f, tok, differs) in &cases {
-                    let ctx = format!("{name} in token {tok}: {inter:?} T={t} router={router} (seed {seed:#x})");
+                    let ctx = format!("{name} in token {tok}: {inter:?} T={t} router={router}: {rp}");
                     eprintln!("NaN isolation: {ctx}");
                     let got = forward(&layer, &s, &upload(&s, f), router, &mut ws);
                     assert!(got.iter().all(|v| v.to_bits() != POISON_BF16), "an output element not written: {ctx}");
@@ -787,7 +787,11 @@ fn nan_in_one_token_changes_only_its_row() {
                     faults += 1;
                 }
                 let again = forward(&layer, &s, &d, router, &mut ws);
-                assert!(same_bits(&again, &clean), "a clean forward after the faults differs at {:?}: {inter:?} T={t} router={router} (seed {seed:#x})", first_bits_diff(&again, &clean));
+                assert!(
+                    same_bits(&again, &clean),
+                    "a clean forward after the faults differs at {:?}: {inter:?} T={t} router={router}: {rp}",
+                    first_bits_diff(&again, &clean)
+                );
             }
         }
     }

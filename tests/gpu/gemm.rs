@@ -67,6 +67,7 @@ pub(crate) mod grouped {
     fn grouped_gemm_matches_reference_per_expert() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let mut cases = 0;
         for &e in &[1usize, 8, 128, 256] {
             for &n in &[128usize, 2880, 4096] {
@@ -76,7 +77,6 @@ pub(crate) mod grouped {
                     if e * n * k > 1_100_000_000 {
                         continue;
                     }
-                    let seed = rng.seed();
                     let w = random_weights(&mut rng, e, n, k);
                     let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
                     let off = random_offsets(&mut rng, e, (40_000 / e).clamp(2, 600));
@@ -89,7 +89,7 @@ pub(crate) mod grouped {
                         [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128]
                     {
                         let out = run(&s, &wd, &xd, total, &off, tile);
-                        let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?} seed={seed}");
+                        let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?}: {rp}");
                         // Every row of an expert written (no poison), rows past off[E] untouched.
                         for (i, v) in out.iter().enumerate() {
                             let written = v.to_bits() != POISON_BF16;
@@ -127,6 +127,7 @@ pub(crate) mod grouped {
     fn warp_tile_matches_reference_split_and_unsplit() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (mut cases, mut differing, mut values) = (0, 0usize, 0usize);
         let mut largest_k_of_8_rows = false;
         for &(e, n, k) in &[
@@ -146,7 +147,6 @@ pub(crate) mod grouped {
             (8, 7168, 2048),
             (8, 7168, 256),
         ] {
-            let seed = rng.seed();
             let w = random_weights(&mut rng, e, n, k);
             let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
             for pattern in 0..4 {
@@ -172,13 +172,13 @@ pub(crate) mod grouped {
                 // launch_tile_takes_the_warp_kernel_for_at_most_8_rows), Auto takes the N8 tile.
                 let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, GemmTile::Auto).unwrap();
                 if plan.tile_for(total) != GemmTile::WarpM16N8 {
-                    assert_eq!(plan.tile_for(total), GemmTile::M128N8, "E={e} n={n} k={k} total={total}");
+                    assert_eq!(plan.tile_for(total), GemmTile::M128N8, "E={e} n={n} k={k} total={total}: {rp}");
                     continue;
                 }
                 let x = rng.normal_bf16(total * k, 1.0);
                 let xd = s.clone_htod(&x).unwrap();
                 let off_dev = s.clone_htod(&off).unwrap();
-                let ctx = format!("E={e} n={n} k={k} rows={rows} total={total} seed={seed}");
+                let ctx = format!("E={e} n={n} k={k} rows={rows} total={total} pattern {pattern}: {rp}");
                 let go = |tile: GemmTile, invariant: bool| {
                     let mut out = poisoned_bf16(&s, total * n);
                     let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap().batch_invariant(invariant);
@@ -236,6 +236,7 @@ pub(crate) mod grouped {
     fn one_hot_rows_read_weights_exactly() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (e, n, k) = (3usize, 192usize, 320usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
@@ -262,12 +263,16 @@ pub(crate) mod grouped {
                     // A sum of products cannot return -0 (+0 plus -0 is +0): zero weights read
                     // back as zero of either sign; every other weight bit for bit.
                     if want.to_f32() == 0.0 {
-                        assert_eq!(got.to_f32(), 0.0, "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}");
+                        assert_eq!(
+                            got.to_f32(),
+                            0.0,
+                            "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}: {rp}"
+                        );
                     } else {
                         assert_eq!(
                             got.to_bits(),
                             want.to_bits(),
-                            "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}"
+                            "row {r} expert {ex} f {f} k {kk} {tile:?}: {got} vs {want}: {rp}"
                         );
                     }
                 }
@@ -280,6 +285,7 @@ pub(crate) mod grouped {
     fn results_are_bit_identical_across_runs() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (e, n, k) = (16usize, 2880usize, 2880usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
@@ -288,7 +294,7 @@ pub(crate) mod grouped {
         let xd = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
         let a = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
         let b = run(&s, &wd, &xd, rows, &off, GemmTile::Auto);
-        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()));
+        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "E={e} n={n} k={k} rows={rows}: {rp}");
         // Split-K (few tiles: clusters of CTAs share each tile's K and reduce in rank order). The
         // third shape has 64 tiles: more than the H200's 62 resident clusters of 4, so clusters of
         // 3 with an uneven split (8 K stages over 3 CTAs).
@@ -302,7 +308,7 @@ pub(crate) mod grouped {
             let xd = s.clone_htod(&x).unwrap();
             let a = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
             let b = run(&s, &wd, &xd, rows, &off, GemmTile::M128N16);
-            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "split-K E={e} n={n} k={k}");
+            assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "split-K E={e} n={n} k={k}: {rp}");
             let mut err = RelErr::default();
             for _ in 0..2000.min(rows * n) {
                 let (row, f) = (rng.range(0, rows), rng.range(0, n));
@@ -310,7 +316,7 @@ pub(crate) mod grouped {
                 err.add(f64::from(a[row * n + f].to_f32()), grouped_gemm_element(&x, &w, ex, row, f));
             }
             eprintln!("split-K E={e} n={n} k={k} rows={rows}: relative error {:.3e}", err.rel());
-            assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}", err.rel());
+            assert!(err.rel() <= 1e-2, "split-K E={e} n={n} k={k}: relative error {:.3e}: {rp}", err.rel());
             err.report(&format!("split-K E={e} n={n} k={k} rows={rows}"));
         }
     }
@@ -322,7 +328,7 @@ pub(crate) mod grouped {
     fn batch_invariant_rows_do_not_depend_on_the_launch() {
         let s = stream();
         let mut rng = test_rng();
-        let seed = rng.seed();
+        let rp = replay();
         let (e, n, k, big) = (4usize, 1024usize, 2048usize, 250usize);
         let w = random_weights(&mut rng, e, n, k);
         let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
@@ -351,7 +357,7 @@ pub(crate) mod grouped {
             for ex in 0..e {
                 let (a, b) = (&small[ex * n..(ex + 1) * n], &out[ex * big * n..(ex * big + 1) * n]);
                 let same = a.iter().zip(b).filter(|(p, q)| p.to_bits() == q.to_bits()).count();
-                assert_eq!(same, n, "expert {ex}, {tile:?}: {same} of {n} equal, seed={seed}");
+                assert_eq!(same, n, "expert {ex}, {tile:?}: {same} of {n} equal: {rp}");
             }
         }
         // The split launch is still correct (and may differ in the last bits: no assertion on that).
@@ -360,7 +366,7 @@ pub(crate) mod grouped {
         for (p, q) in split.iter().zip(&small) {
             err.add(f64::from(p.to_f32()), f64::from(q.to_f32()));
         }
-        assert!(err.rel() <= 1e-2, "split vs unsplit: relative difference {:.3e}, seed={seed}", err.rel());
+        assert!(err.rel() <= 1e-2, "split vs unsplit: relative difference {:.3e}: {rp}", err.rel());
         let differing = split.iter().zip(&small).filter(|(p, q)| p.to_bits() != q.to_bits()).count();
         eprintln!(
             "batch invariance: bit-identical on 4 tiles; split-K launch differs in {differing} of {} values",
@@ -390,7 +396,7 @@ pub(crate) mod grouped {
         let xd = s.clone_htod(&x).unwrap();
         for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
-            let ctx = format!("gate/up rows {tile:?}");
+            let ctx = format!("gate/up rows {tile:?}: {}", replay());
             let [case_err] = sampled_expert_errors(&mut rng, &off, n, 300, 1e-2, ["gate/up"], &ctx, |ex, row, p| {
                 let src = gate_up_source_row(p, n);
                 let g = if p % 16 < 8 { gate_g[ex] } else { up_g[ex] };
@@ -412,7 +418,7 @@ pub(crate) mod grouped {
         w.scales[(64 + 5) * 8 + 3] = 0x7F;
         let err = Nvfp4Weights::from_host(&s, &w).expect_err("a NaN scale must be rejected");
         let msg = err.to_string();
-        assert!(msg.contains("expert 1 row 5 block 3"), "{msg}");
+        assert!(msg.contains("expert 1 row 5 block 3"), "{msg}: {}", replay());
     }
 }
 
@@ -451,8 +457,8 @@ mod graph {
             let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
             graph.launch().unwrap();
             s.synchronize().unwrap();
-            let replay = s.clone_dtoh(&out).unwrap();
-            assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()), "{tile:?}");
+            let replayed = s.clone_dtoh(&out).unwrap();
+            assert!(eager.iter().zip(&replayed).all(|(a, b)| a.to_bits() == b.to_bits()), "{tile:?}: {}", replay());
         }
     }
 }

@@ -15,10 +15,10 @@ mod routing {
     fn softmax_topk_matches_reference() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         for &(t, e, k, renorm) in
             &[(1usize, 8usize, 2usize, true), (300, 128, 8, false), (1000, 256, 8, true), (7, 1024, 32, true)]
         {
-            let seed = rng.seed();
             let logits: Vec<f32> = (0..t * e).map(|_| rng.normal() * 2.0).collect();
             let (want_ids, want_w) = r::softmax_topk(&logits, t, e, k, renorm).unwrap();
             let ld = s.clone_htod(&logits).unwrap();
@@ -26,10 +26,10 @@ mod routing {
             let mut w = s.alloc_zeros::<f32>(t * k).unwrap();
             softmax_topk_into(&s, &ld, TopK { tokens: t, experts: e, top_k: k, renormalize: renorm }, &mut ids, &mut w)
                 .unwrap();
-            assert_eq!(s.clone_dtoh(&ids).unwrap(), want_ids, "t={t} e={e} k={k} seed={seed}");
+            assert_eq!(s.clone_dtoh(&ids).unwrap(), want_ids, "t={t} e={e} k={k}: {rp}");
             let mut err = RelErr::default();
             for (g, x) in s.clone_dtoh(&w).unwrap().iter().zip(&want_w) {
-                assert!((g - x).abs() <= 1e-5 * x.abs().max(1e-3), "{g} vs {x}: t={t} e={e} k={k} seed={seed}");
+                assert!((g - x).abs() <= 1e-5 * x.abs().max(1e-3), "{g} vs {x}: t={t} e={e} k={k}: {rp}");
                 err.add(f64::from(*g), f64::from(*x));
             }
             err.report(&format!("softmax top-k weights t={t} e={e} k={k} (ids equal)"));
@@ -41,6 +41,7 @@ mod routing {
     fn permutation_and_gather_match_reference() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         for &(t, k, e, h) in &[
             (1usize, 1usize, 4usize, 64usize),
             (3, 2, 16, 128),
@@ -52,7 +53,6 @@ mod routing {
             (10, 4, 8, 2056),
             (40, 8, 16, 8200),
         ] {
-            let seed = rng.seed();
             // Skewed routing: a few hot experts, many empty ones.
             let ids: Vec<i32> = (0..t * k)
                 .map(|_| if rng.below(3) == 0 { rng.below(e as u64) as i32 } else { rng.below(3) as i32 })
@@ -64,7 +64,7 @@ mod routing {
             let (idd, hd) = (s.clone_htod(&ids).unwrap(), s.clone_htod(&hidden).unwrap());
             buf.permute(&s, &idd, t, k, &hd).unwrap();
             buf.check(&s, k).unwrap();
-            let ctx = format!("t={t} k={k} e={e} seed={seed}");
+            let ctx = format!("t={t} k={k} e={e}: {rp}");
             assert_eq!(s.clone_dtoh(&buf.expert_offsets).unwrap(), want.expert_offsets, "{ctx}");
             assert_eq!(&s.clone_dtoh(&buf.row_of_pair).unwrap()[..t * k], &want.row_of_pair[..], "{ctx}");
             assert_eq!(&s.clone_dtoh(&buf.pair_of_row).unwrap()[..t * k], &want.pair_of_row[..], "{ctx}");
@@ -78,6 +78,7 @@ mod routing {
     fn bad_expert_ids_are_reported_not_used() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (t, k, e, h) = (50usize, 4usize, 8usize, 64usize);
         let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
         ids[37] = 9;
@@ -86,12 +87,12 @@ mod routing {
         let mut buf = PermuteBuffers::new(&s, t * k, e, h).unwrap();
         buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
         let msg = buf.check(&s, k).unwrap_err().to_string();
-        assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}");
-        assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check");
+        assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}: {rp}");
+        assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check: {rp}");
         let rows = s.clone_dtoh(&buf.row_of_pair).unwrap();
-        assert_eq!(rows[37], -1);
-        assert_eq!(rows[120], -1);
-        assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2);
+        assert_eq!(rows[37], -1, "{rp}");
+        assert_eq!(rows[120], -1, "{rp}");
+        assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2, "{rp}");
     }
 
     #[test]
@@ -99,6 +100,7 @@ mod routing {
     fn combine_matches_reference_and_is_deterministic() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (t, k, e, h) = (333usize, 8usize, 64usize, 1024usize);
         let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
         let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.0, 1.0)).collect();
@@ -112,12 +114,12 @@ mod routing {
         let a = s.clone_dtoh(&out).unwrap();
         combine_into(&s, &yd, &rd, &wd, CombineShape { tokens: t, top_k: k, hidden: h }, &mut out).unwrap();
         let b = s.clone_dtoh(&out).unwrap();
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "combine not deterministic: {rp}");
         let mut err = RelErr::default();
         for (g, x) in a.iter().zip(&want) {
             err.add(f64::from(g.to_f32()), *x);
         }
-        assert!(err.rel() <= 5e-3, "combine relative error {:.3e}", err.rel());
+        assert!(err.rel() <= 5e-3, "combine relative error {:.3e}: {rp}", err.rel());
         err.report(&format!("combine T={t} k={k} H={h}"));
     }
 }
@@ -144,8 +146,8 @@ pub(crate) mod moe_layer {
     fn layer_matches_reference() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         for &(e, t, k) in &[(4usize, 1usize, 1usize), (16, 3, 2), (16, 64, 8), (128, 300, 8), (4, 300, 2)] {
-            let seed = rng.seed();
             let (h, i) = (256usize, 128usize);
             let ck = random_checkpoint(&mut rng, e, h, i);
             let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), MoeOptions::new(320, k)).unwrap();
@@ -177,10 +179,10 @@ pub(crate) mod moe_layer {
                     err.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
                     all.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
                 }
-                assert!(err.rel() <= 1e-2, "token {tok}: {:.3e} (E={e} T={t} k={k} seed={seed})", err.rel());
+                assert!(err.rel() <= 1e-2, "token {tok}: {:.3e} (E={e} T={t} k={k}): {rp}", err.rel());
             }
-            assert!(all.rel() <= 1e-2, "overall {:.3e} (E={e} T={t} k={k} seed={seed})", all.rel());
-            all.report(&format!("layer E={e} T={t} k={k} seed={seed}"));
+            assert!(all.rel() <= 1e-2, "overall {:.3e} (E={e} T={t} k={k}): {rp}", all.rel());
+            all.report(&format!("layer E={e} T={t} k={k}: {rp}"));
             // Deterministic: the same bits again.
             layer
                 .forward(
@@ -190,7 +192,11 @@ pub(crate) mod moe_layer {
                     &mut ws,
                 )
                 .unwrap();
-            assert!(s.clone_dtoh(&out).unwrap().iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+            let again = s.clone_dtoh(&out).unwrap();
+            assert!(
+                again.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "E={e} T={t} k={k} not deterministic: {rp}"
+            );
         }
     }
 
@@ -204,7 +210,7 @@ pub(crate) mod moe_layer {
         use nvfp4_moe::io::load_experts;
         let s = stream();
         let mut rng = test_rng();
-        let seed = rng.seed();
+        let rp = replay();
         let dir = crate::common::TmpDir::new("dialects");
         for (name, files) in DIALECT_FIXTURES {
             let path = std::path::PathBuf::from(dir.path(name));
@@ -229,7 +235,7 @@ pub(crate) mod moe_layer {
             for (g, w) in got.iter().zip(&want) {
                 err.add(f64::from(g.to_f32()), *w);
             }
-            let case = format!("{name} ({}, {}) seed={seed}", loaded.format.dialect, loaded.format.scheme);
+            let case = format!("{name} ({}, {}): {rp}", loaded.format.dialect, loaded.format.scheme);
             assert!(err.rel() <= 1e-2, "{case}: {:.3e}", err.rel());
             err.report(&case);
         }
@@ -247,7 +253,7 @@ pub(crate) mod moe_layer {
         use nvfp4_moe::{host::weight_decode_scale, reference::quantize};
         let s = stream();
         let mut rng = test_rng();
-        let seed = rng.seed();
+        let rp = replay();
         let (e, h, i, t, k) = (6usize, 256usize, 192usize, 40usize, 2usize);
         let gate = rng.normal_bf16(e * i * h, 0.05);
         let up = rng.normal_bf16(e * i * h, 0.5);
@@ -264,15 +270,9 @@ pub(crate) mod moe_layer {
             for (pi, (src, rows, cols, dst, slot, g)) in parts.into_iter().enumerate() {
                 let want = quantize(src, rows, cols, weight_decode_scale(src).unwrap(), ScaleLayout::Linear).unwrap();
                 let (cb, sb) = (rows * cols / 2, rows * cols / 16);
-                assert_eq!(g.to_bits(), want.decode_scale.to_bits(), "expert {x} part {pi} (seed {seed})");
-                assert!(
-                    dst.codes[slot * cb..(slot + 1) * cb] == want.codes[..],
-                    "expert {x} part {pi} codes (seed {seed})"
-                );
-                assert!(
-                    dst.scales[slot * sb..(slot + 1) * sb] == want.scales[..],
-                    "expert {x} part {pi} scales (seed {seed})"
-                );
+                assert_eq!(g.to_bits(), want.decode_scale.to_bits(), "expert {x} part {pi}: {rp}");
+                assert!(dst.codes[slot * cb..(slot + 1) * cb] == want.codes[..], "expert {x} part {pi} codes: {rp}");
+                assert!(dst.scales[slot * sb..(slot + 1) * sb] == want.scales[..], "expert {x} part {pi} scales: {rp}");
             }
         }
         let layer = MoeLayer::new(MoeWeights::from_bf16(&s, &w).unwrap(), MoeOptions::new(t, k)).unwrap();
@@ -298,10 +298,10 @@ pub(crate) mod moe_layer {
                 err.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
                 all.add(f64::from(got[tok * h + o].to_f32()), want[tok * h + o]);
             }
-            assert!(err.rel() <= 1e-2, "token {tok}: {:.3e} (seed {seed})", err.rel());
+            assert!(err.rel() <= 1e-2, "token {tok}: {:.3e}: {rp}", err.rel());
         }
-        assert!(all.rel() <= 1e-2, "overall {:.3e} (seed {seed})", all.rel());
-        all.report(&format!("layer from BF16 weights (seed {seed})"));
+        assert!(all.rel() <= 1e-2, "overall {:.3e}: {rp}", all.rel());
+        all.report(&format!("layer from BF16 weights: {rp}"));
         // An all-zero projection has no decode scale: refused, naming it.
         down[n..2 * n].iter_mut().for_each(|v| *v = bf16::ZERO);
         let w = MoeWeightsBf16 { gate: &gate, up: &up, down: &down, experts: e, hidden: h, intermediate: i };
@@ -325,7 +325,7 @@ pub(crate) mod moe_layer {
         use nvfp4_moe::Intermediate;
         let s = stream();
         let mut rng = test_rng();
-        let seed = rng.seed();
+        let rp = replay();
         let (e, h, i, t, k) = (8usize, 256usize, 192usize, 50usize, 2usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let (hidden, ids, wts) = two_expert_inputs(&mut rng, t, h, e);
@@ -372,7 +372,10 @@ pub(crate) mod moe_layer {
                 )
                 .unwrap();
             let again = s.clone_dtoh(&out).unwrap();
-            assert!(got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()), "{inter:?} not deterministic");
+            assert!(
+                got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{inter:?} not deterministic: {rp}"
+            );
             let mut all = RelErr::default();
             let mut worst = 0f64;
             for tok in 0..t {
@@ -383,12 +386,12 @@ pub(crate) mod moe_layer {
                 }
                 worst = worst.max(err.rel());
             }
-            eprintln!("{inter:?}: overall {:.3e}, worst token {worst:.3e} (seed {seed})", all.rel());
-            all.report(&format!("layer intermediate {inter:?} (seed {seed})"));
+            eprintln!("{inter:?}: overall {:.3e}, worst token {worst:.3e}: {rp}", all.rel());
+            all.report(&format!("layer intermediate {inter:?}: {rp}"));
             results.push((all.rel(), worst));
         }
-        assert!(results[0].0 <= 1e-2 && results[0].1 <= 1e-2, "BF16 path {:?} (seed {seed})", results[0]);
-        assert!(results[1].0 <= 0.15 && results[1].1 <= 0.25, "NVFP4 path {:?} (seed {seed})", results[1]);
+        assert!(results[0].0 <= 1e-2 && results[0].1 <= 1e-2, "BF16 path {:?}: {rp}", results[0]);
+        assert!(results[1].0 <= 0.15 && results[1].1 <= 0.25, "NVFP4 path {:?}: {rp}", results[1]);
     }
 
     #[test]
@@ -396,6 +399,7 @@ pub(crate) mod moe_layer {
     fn router_path_and_bad_ids() {
         let s = stream();
         let mut rng = test_rng();
+        let rp = replay();
         let (e, h, i, t, k) = (16usize, 128usize, 64usize, 40usize, 4usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), MoeOptions::new(64, 8)).unwrap();
@@ -425,24 +429,27 @@ pub(crate) mod moe_layer {
         for (g, x) in got.iter().zip(&want) {
             err.add(f64::from(g.to_f32()), *x);
         }
-        assert!(err.rel() <= 1e-2, "router path {:.3e}", err.rel());
+        assert!(err.rel() <= 1e-2, "router path {:.3e}: {rp}", err.rel());
         err.report("layer router path");
         // Too many tokens and a bad id.
-        assert!(matches!(
-            layer.forward_with_router(
-                &s,
-                &RouterInput {
-                    hidden: &hd,
-                    tokens: 65,
-                    router_logits: &s.clone_htod(&logits).unwrap(),
-                    top_k: k,
-                    renormalize: true
-                },
-                &mut out,
-                &mut ws
+        assert!(
+            matches!(
+                layer.forward_with_router(
+                    &s,
+                    &RouterInput {
+                        hidden: &hd,
+                        tokens: 65,
+                        router_logits: &s.clone_htod(&logits).unwrap(),
+                        top_k: k,
+                        renormalize: true
+                    },
+                    &mut out,
+                    &mut ws
+                ),
+                Err(Error::InvalidShape(_))
             ),
-            Err(Error::InvalidShape(_))
-        ));
+            "65 tokens: {rp}"
+        );
         let mut bad = ids.clone();
         bad[6] = e as i32;
         let (bd, wd) = (s.clone_htod(&bad).unwrap(), s.clone_htod(&w).unwrap());
@@ -455,7 +462,7 @@ pub(crate) mod moe_layer {
             )
             .unwrap();
         let msg = layer.check(&s, &mut ws, k).unwrap_err().to_string();
-        assert!(msg.contains("topk_ids[1, 2] = 16"), "{msg}");
+        assert!(msg.contains("topk_ids[1, 2] = 16"), "{msg}: {rp}");
     }
 
     /// A whole forward captured into a CUDA graph and replayed: the eager output, bit for bit.
@@ -467,6 +474,7 @@ pub(crate) mod moe_layer {
         unsafe { ctx.disable_event_tracking() };
         let s = ctx.new_stream().unwrap();
         let mut rng = test_rng();
+        let rp = replay();
         let (e, h, i, t, k) = (16usize, 128usize, 64usize, 50usize, 4usize);
         let ck = random_checkpoint(&mut rng, e, h, i);
         let layer = MoeLayer::new(MoeWeights::from_checkpoint(&s, &ck).unwrap(), MoeOptions::new(64, k)).unwrap();
@@ -499,7 +507,7 @@ pub(crate) mod moe_layer {
             graph.launch().unwrap();
         }
         s.synchronize().unwrap();
-        let replay = s.clone_dtoh(&out).unwrap();
-        assert!(eager.iter().zip(&replay).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let replayed = s.clone_dtoh(&out).unwrap();
+        assert!(eager.iter().zip(&replayed).all(|(a, b)| a.to_bits() == b.to_bits()), "graph replay: {rp}");
     }
 }

@@ -15,7 +15,9 @@
 //!
 //! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
 //! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
-//! case prints its max and mean error (`err` lines).
+//! case prints its max and mean error (`err` lines). Every randomized case's assertions end with the
+//! line that replays it ([`replay`]: `replay: NVFP4MOE_TEST_SEED=0x... cargo test ...`, the sweep's
+//! with its size and case count), whichever case failed.
 
 use std::sync::Arc;
 
@@ -25,7 +27,7 @@ use nvfp4_moe::layout::{scale_len, ScaleLayout};
 use nvfp4_moe::quantize::{
     dequantize_nvfp4, dequantize_nvfp4_into, quantize_nvfp4, quantize_nvfp4_into, Nvfp4Desc, Nvfp4Tensor,
 };
-use nvfp4_moe::testing::{test_rng, Rng};
+use nvfp4_moe::testing::{current_test_seed, test_rng, Rng, TEST_SEED_ENV};
 use nvfp4_moe::Error;
 use nvfp4_moe::{host, host::Nvfp4Host, reference};
 
@@ -52,6 +54,25 @@ const POISON: u8 = 0xA5;
 /// conversion or kernel produces (they give the canonical quiet NaN), so an unwritten element
 /// cannot pass as written. The one value every GPU test poisons bf16 outputs with.
 const POISON_BF16: u16 = 0x7F81;
+
+/// How to replay the running test, for the context of its assertions: its seed, the variable that
+/// sets it and the test (`replay: NVFP4MOE_TEST_SEED=0x... cargo test ...`). The seed is the one
+/// its first `test_rng` took, from which every generator of the test follows, so one variable
+/// replays every case.
+fn replay() -> String {
+    replay_with("")
+}
+
+/// [`replay`] with more variables that the test reads (`env`: `NAME=value ...`; a sweep's size and
+/// case count).
+fn replay_with(env: &str) -> String {
+    let Some(seed) = current_test_seed() else { return "no random seed drawn".into() };
+    let test = std::thread::current().name().unwrap_or("NAME").to_string();
+    let env = if env.is_empty() { String::new() } else { format!("{env} ") };
+    format!(
+        "replay: {TEST_SEED_ENV}={seed:#x} {env}cargo test --release --test gpu -- --include-ignored --exact {test}"
+    )
+}
 
 fn stream() -> Arc<CudaStream> {
     CudaContext::new(0).expect("CUDA device 0").default_stream()

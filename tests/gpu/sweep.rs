@@ -6,7 +6,9 @@
 //! - Cases: `NVFP4MOE_SWEEP_CASES=N` cases per test (default per size: [`Size::default_cases`]; the
 //!   three tests at the default size take well under a minute on an H200).
 //! - Seeds: each test's generator is `test_rng` (its seed printed, replayed by
-//!   `NVFP4MOE_TEST_SEED`); each case draws its own seed from it and prints it with its shape.
+//!   `NVFP4MOE_TEST_SEED`); each case draws its own seed from it and prints it with its shape and
+//!   the line that replays it (the test's seed, the size and `NVFP4MOE_SWEEP_CASES` = the case's
+//!   index + 1), which every assertion's context carries.
 //!
 //! Shapes: experts from 1 to the size's bound (and the API's limit, 1024, in `medium`/`large`);
 //! GEMM `n` and `k` and the layer's H and I positive multiples of 64 (the grouped GEMM's rule:
@@ -75,6 +77,22 @@ impl Size {
                 _ => panic!("{SIZE_ENV}={v:?}: expected small, medium or large"),
             },
         }
+    }
+
+    /// The value of `NVFP4MOE_SWEEP_SIZE` that selects this size.
+    fn name(self) -> &'static str {
+        match self {
+            Size::Small => "small",
+            Size::Medium => "medium",
+            Size::Large => "large",
+        }
+    }
+
+    /// How to replay case `case` of a sweep at this size: the test's seed, this size and as many
+    /// cases (each case's seed is the next draw of the test's generator, so the first `case + 1`
+    /// cases are the same).
+    fn replay(self, case: usize) -> String {
+        replay_with(&format!("{SIZE_ENV}={} {CASES_ENV}={}", self.name(), case + 1))
     }
 
     /// Cases per test when `NVFP4MOE_SWEEP_CASES` is not set: (quantizers, GEMMs, layer).
@@ -219,7 +237,7 @@ fn skewed_ids(rng: &mut Rng, tokens: usize, top_k: usize, experts: usize, distin
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sweep_quantizers_match_reference() {
-    let (_, b, n) = setup("quantizers", |c| c.0);
+    let (size, b, n) = setup("quantizers", |c| c.0);
     let s = stream();
     let mut rng = test_rng();
     let kinds = [Data::Normal, Data::Varied, Data::Tiny, Data::Huge, Data::NonFinite, Data::Ties];
@@ -237,8 +255,9 @@ fn sweep_quantizers_match_reference() {
             (_, 1) => Some(1.0),
             (_, _) => Some(r.uniform(1e-3, 10.0)),
         };
+        let case_ctx = format!("sweep quantizers case {case}: seed {seed:#x}: {}", size.replay(case));
         eprintln!("sweep quantizers case {case}: seed {seed:#x} dense rows={rows} cols={cols} {kind:?} {layout:?}");
-        crate::codec::check_case(&s, &mut r, rows, cols, kind, layout, g);
+        crate::codec::check_case(&s, &mut r, rows, cols, kind, layout, g, &case_ctx);
 
         // Grouped: E experts, skewed offsets, 0..4 rows past offsets[E].
         let e = count(&mut r, b.experts);
@@ -249,8 +268,10 @@ fn sweep_quantizers_match_reference() {
         // At least one row in all (an empty device buffer is not allocated).
         let extra = r.range(usize::from(off[e] == 0), 5);
         let ctx = format!(
-            "sweep quantizers case {case}: seed {seed:#x} grouped E={e} rows={} +{extra} cols={cols} shared={shared}",
-            off[e]
+            "sweep quantizers case {case}: seed {seed:#x} grouped E={e} rows={} +{extra} cols={cols} shared={shared}: \
+             {}",
+            off[e],
+            size.replay(case)
         );
         eprintln!("{ctx}");
         grouped_case(&s, &mut r, &off, cols, extra, shared, &ctx);
@@ -322,7 +343,7 @@ const WARP_MAX_K: usize = 9344;
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sweep_grouped_gemms_match_reference() {
-    let (_, b, n) = setup("grouped GEMMs", |c| c.1);
+    let (size, b, n) = setup("grouped GEMMs", |c| c.1);
     assert!(b.hidden <= WARP_MAX_K, "k up to {} would not fit the warp kernel at 8 rows", b.hidden);
     let s = stream();
     let mut rng = test_rng();
@@ -372,7 +393,8 @@ fn sweep_grouped_gemms_match_reference() {
             "sweep GEMM case {case}: seed {seed:#x} E={e} n={nn} k={k} rows={rows} total={total} {tile:?} \
              invariant={invariant}"
         );
-        eprintln!("{ctx}");
+        let rp = size.replay(case);
+        eprintln!("{ctx}: {rp}");
         let x = r.normal_bf16(total * k, 1.0);
         let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
         let (w, gate_g, up_g, wgu) = gate_up_weights(&s, &mut r, e, nn, k);
@@ -389,7 +411,7 @@ fn sweep_grouped_gemms_match_reference() {
         ];
         let ctx = format!(
             "{ctx} (runs: plain {plain_tile:?}, swiglu {swiglu_tile:?}, interleaved {interleaved_tile:?}, \
-             nvfp4 {nvfp4_tile:?})"
+             nvfp4 {nvfp4_tile:?}): {rp}"
         );
         let drawn = c.bf16_epilogues(&s, &mut r, tile, invariant, &ctx);
 
@@ -576,7 +598,7 @@ fn check_written(out: &[bf16], cols: usize, rows: usize, ctx: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sweep_layer_matches_reference() {
-    let (_, b, n) = setup("layer", |c| c.2);
+    let (size, b, n) = setup("layer", |c| c.2);
     let s = stream();
     let mut rng = test_rng();
     let tiles = [
@@ -622,7 +644,8 @@ fn sweep_layer_matches_reference() {
         let (max_t, max_k) = (t + r.range(0, 3) * r.range(0, 64), r.range(k, e.min(32) + 1));
         let ctx = format!(
             "sweep layer case {case}: seed {seed:#x} E={e} H={h} I={i} T={t} k={k} router={router} distinct={distinct} \
-             {tile:?} invariant={invariant} max_tokens={max_t} max_top_k={max_k}"
+             {tile:?} invariant={invariant} max_tokens={max_t} max_top_k={max_k}: {}",
+            size.replay(case)
         );
         eprintln!("{ctx}");
         let ck = random_checkpoint(&mut r, e, h, i);

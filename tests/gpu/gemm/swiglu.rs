@@ -62,6 +62,7 @@ pub fn gate_up_weights(
 fn swiglu_epilogues_match_reference_and_each_other() {
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     let mut warp_cases = 0;
     // The last five shapes have so few tiles that the N16 tile splits K (2, 3 or 4 CTAs per tile,
     // one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64 tiles in clusters
@@ -82,7 +83,6 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         (1536, 4096, 4, 1),
         (2880, 2880, 3, 2),
     ] {
-        let seed = rng.seed();
         let n = 2 * inter;
         let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
         let off = random_offsets(&mut rng, e, max_rows);
@@ -98,7 +98,7 @@ fn swiglu_epilogues_match_reference_and_each_other() {
             .into_iter()
             .chain(warp)
         {
-            let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?} seed={seed}");
+            let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?}: {rp}");
             let mut compact = poisoned_bf16(&s, total * inter);
             let mut inter_out = poisoned_bf16(&s, total * n);
             GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, total, &off_dev, &mut compact).unwrap();
@@ -155,8 +155,8 @@ fn grouped_quantize_matches_reference() {
     use nvfp4_moe::quantize::{quantize_nvfp4_grouped_into, GroupedSource};
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     for &(e, cols) in &[(1usize, 16usize), (4, 768), (16, 2048), (128, 1536), (8, 2880)] {
-        let seed = rng.seed();
         let off = random_offsets(&mut rng, e, 200);
         let rows = *off.last().unwrap() as usize;
         let total = rows + 5;
@@ -179,7 +179,7 @@ fn grouped_quantize_matches_reference() {
             )
             .unwrap();
             let (codes, scales) = (s.clone_dtoh(&codes).unwrap(), s.clone_dtoh(&scales).unwrap());
-            let ctx = format!("E={e} cols={cols} rows={rows} shared={shared} seed={seed}");
+            let ctx = format!("E={e} cols={cols} rows={rows} shared={shared}: {rp}");
             assert!(codes[..rows * cols / 2] == want_codes[..], "codes {:?}: {ctx}", first_diff(&codes, &want_codes));
             assert!(codes[rows * cols / 2..].iter().all(|&b| b == POISON), "rows past offsets[E] written: {ctx}");
             assert!(
@@ -202,6 +202,7 @@ fn swiglu_quantize_equals_quantize_of_compact() {
     use nvfp4_moe::quantize::swiglu_bf16_into;
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     let (inter, k, e) = (1536usize, 512usize, 16usize);
     let n = 2 * inter;
     let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
@@ -222,7 +223,7 @@ fn swiglu_quantize_equals_quantize_of_compact() {
     GroupedGemm::<PlainBf16>::new(&wd, GemmTile::Auto).unwrap().launch(&s, &xd, rows, &offd, &mut plain).unwrap();
     let [(c1, s1), (c2, s2)] = quantize_compact_and_interleaved(&s, &compact, &interleaved, rows, inter, e, &offd, &gd);
     for (name, h1, h2) in [("codes", &c1, &c2), ("scales", &s1, &s2)] {
-        assert!(h1 == h2, "{name} differ at {:?}", first_diff(h1, h2));
+        assert!(h1 == h2, "{name} differ at {:?}: {rp}", first_diff(h1, h2));
     }
     // The separate kernel (from BF16-rounded gate/up) against the f64 reference.
     let mut sep = s.alloc_zeros::<bf16>(rows * inter).unwrap();
@@ -240,7 +241,7 @@ fn swiglu_quantize_equals_quantize_of_compact() {
         err.add(f64::from(sep[row * inter + f].to_f32()), want);
     }
     let rel = err.rel();
-    assert!(rel <= 1e-2, "separate swiglu relative error {rel:.3e}");
+    assert!(rel <= 1e-2, "separate swiglu relative error {rel:.3e}: {rp}");
     err.report("separate swiglu kernel");
 }
 
@@ -257,6 +258,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     use nvfp4_moe::layout::grouped_scale_len;
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     for (ci, &(inter, k, e, max_rows)) in [
         (768usize, 256usize, 8usize, 70usize),
         (1536, 128, 4, 300),
@@ -271,7 +273,6 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     .iter()
     .enumerate()
     {
-        let seed = rng.seed();
         let n = 2 * inter;
         let (_, _, _, wd) = gate_up_weights(&s, &mut rng, e, n, k);
         let mut off = random_offsets(&mut rng, e, max_rows);
@@ -309,22 +310,14 @@ fn swiglu_nvfp4_equals_quantized_compact() {
                 )
                 .unwrap();
             let (h1, h2, h3) = (c1, c2, s.clone_dtoh(&c3).unwrap());
-            assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?} (seed {seed})", first_diff(&h3, &h1));
-            assert!(
-                h3 == h2,
-                "I={inter} {tile:?}: codes vs swiglu_quantize at {:?} (seed {seed})",
-                first_diff(&h3, &h2)
-            );
+            assert!(h3 == h1, "I={inter} {tile:?}: codes differ at {:?}: {rp}", first_diff(&h3, &h1));
+            assert!(h3 == h2, "I={inter} {tile:?}: codes vs swiglu_quantize at {:?}: {rp}", first_diff(&h3, &h2));
             let (h1, h2, h3) = (s1, s2, s.clone_dtoh(&s3).unwrap());
-            assert!(h3 == h1, "I={inter} {tile:?}: scales differ at {:?} (seed {seed})", first_diff(&h3, &h1));
-            assert!(
-                h3 == h2,
-                "I={inter} {tile:?}: scales vs swiglu_quantize at {:?} (seed {seed})",
-                first_diff(&h3, &h2)
-            );
+            assert!(h3 == h1, "I={inter} {tile:?}: scales differ at {:?}: {rp}", first_diff(&h3, &h1));
+            assert!(h3 == h2, "I={inter} {tile:?}: scales vs swiglu_quantize at {:?}: {rp}", first_diff(&h3, &h2));
             // The codes of the zero expert are zero (and were written: the buffer was poisoned).
             let zc = s.clone_dtoh(&c3).unwrap();
-            assert!(zc[..off[1] as usize * inter / 2].iter().all(|&b| b == 0), "zero expert (seed {seed})");
+            assert!(zc[..off[1] as usize * inter / 2].iter().all(|&b| b == 0), "zero expert: {rp}");
         }
     }
     // Bad input: wrong scale-buffer length and wrong activation-scale count are typed errors.
@@ -340,7 +333,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     assert!(
         plan.launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
             .is_err(),
-        "short scale buffer"
+        "short scale buffer: {rp}"
     );
     let mut sc = s.alloc_zeros::<u8>(grouped_scale_len(8, 2, 64)).unwrap();
     assert!(plan
@@ -350,7 +343,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     assert!(
         plan.launch_nvfp4(&s, &xd, 8, &offd, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc })
             .is_err(),
-        "3 scales for 2 experts"
+        "3 scales for 2 experts: {rp}"
     );
     // No rows: the scale buffer is still zeroed (its padding), as the grouped quantizer does.
     let gd = s.clone_htod(&[0.01f32; 2]).unwrap();
@@ -358,7 +351,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
     let mut sc0 = poisoned_u8(&s, grouped_scale_len(0, 2, 64));
     plan.launch_nvfp4(&s, &xd, 0, &off0, SwigluNvfp4Out { act_decode_scales: &gd, codes: &mut c, scales: &mut sc0 })
         .unwrap();
-    assert!(s.clone_dtoh(&sc0).unwrap().iter().all(|&b| b == 0), "scales not zeroed with no rows");
+    assert!(s.clone_dtoh(&sc0).unwrap().iter().all(|&b| b == 0), "scales not zeroed with no rows: {rp}");
 }
 
 /// The grouped dequantizer against the CPU decode of every element (per-expert and shared
@@ -371,8 +364,8 @@ fn grouped_dequantize_matches_reference() {
     use nvfp4_moe::reference::dequantize_element;
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     for &(cols, e, max_rows, shared) in &[(64usize, 3usize, 40usize, true), (2880, 5, 70, false), (768, 16, 9, false)] {
-        let seed = rng.seed();
         let off = random_offsets(&mut rng, e, max_rows);
         let total = *off.last().unwrap() as usize;
         let rows = total + 2;
@@ -390,7 +383,7 @@ fn grouped_dequantize_matches_reference() {
             for col in 0..cols {
                 let v = got[row * cols + col];
                 if row >= total {
-                    assert_eq!(v.to_bits(), POISON_BF16, "row {row} past the experts was written (seed {seed})");
+                    assert_eq!(v.to_bits(), POISON_BF16, "row {row} past the experts was written: {rp}");
                     continue;
                 }
                 let ex = off.partition_point(|&o| o as usize <= row) - 1;
@@ -398,7 +391,7 @@ fn grouped_dequantize_matches_reference() {
                 let code = if col % 2 == 0 { byte & 0xF } else { byte >> 4 };
                 let scale = sh[grouped_swizzled_offset(&off, row, col / 16, cols)];
                 let want = dequantize_element(code, scale, g[if shared { 0 } else { ex }]);
-                assert_eq!(v.to_bits(), want.to_bits(), "[{row}, {col}] cols={cols} (seed {seed})");
+                assert_eq!(v.to_bits(), want.to_bits(), "[{row}, {col}] cols={cols}: {rp}");
             }
         }
     }
@@ -409,8 +402,9 @@ fn grouped_dequantize_matches_reference() {
 fn swiglu_needs_gate_up_weights() {
     let s = stream();
     let mut rng = test_rng();
+    let rp = replay();
     let w = random_weights(&mut rng, 2, 128, 64);
     let wd = Nvfp4Weights::from_host(&s, &w).unwrap();
-    assert!(GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).is_err());
-    assert!(GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto).is_err());
+    assert!(GroupedGemm::<SwigluBf16>::new(&wd, GemmTile::Auto).is_err(), "SwigluBf16: {rp}");
+    assert!(GroupedGemm::<Interleaved>::new(&wd, GemmTile::Auto).is_err(), "Interleaved: {rp}");
 }
