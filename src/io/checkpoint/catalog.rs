@@ -225,8 +225,19 @@ pub(crate) struct Catalog {
     pub shards: Vec<PathBuf>,
     /// Every tensor name of the checkpoint and the shard holding it.
     pub shard_of: HashMap<String, usize>,
-    /// A single file's header, read once while opening.
-    single: Option<SafetensorsFile>,
+    /// Where [`Catalog::metas`] finds the dtypes and shapes.
+    headers: Headers,
+}
+
+/// Where a catalog's dtypes and shapes are.
+enum Headers {
+    /// In the single file's header, read once while opening.
+    Single(SafetensorsFile),
+    /// In each shard's header, read when asked.
+    Shards,
+    /// Given with the names (the fuzz targets' input: no file).
+    #[cfg(feature = "fuzzing")]
+    Given(HashMap<String, (Dtype, Vec<usize>)>),
 }
 
 /// The dtype, shape and shard of one tensor.
@@ -248,7 +259,7 @@ impl Catalog {
                     dir: parent_dir(&file),
                     shards: vec![file],
                     shard_of,
-                    single: Some(header),
+                    headers: Headers::Single(header),
                 })
             }
             Resolved::Index(index) => {
@@ -261,22 +272,25 @@ impl Catalog {
                     .iter()
                     .map(|(n, s)| (n.clone(), files.binary_search(&s.as_str()).expect("listed shard")))
                     .collect();
-                Ok(Catalog { source: index, is_index: true, dir, shards, shard_of, single: None })
+                Ok(Catalog { source: index, is_index: true, dir, shards, shard_of, headers: Headers::Shards })
             }
         }
     }
 
-    /// A catalog of one in-memory shard holding `names` (the fuzz targets' input: no file).
+    /// A catalog of one in-memory shard holding `tensors` (name, dtype, shape; the fuzz targets'
+    /// input: no file). A name given twice keeps its last entry, as a map of names does.
     #[cfg(feature = "fuzzing")]
-    pub fn in_memory(names: impl IntoIterator<Item = String>) -> Catalog {
+    pub fn in_memory(tensors: &[(String, Dtype, Vec<usize>)]) -> Catalog {
         let file = PathBuf::from("fuzz.safetensors");
+        let given: HashMap<String, (Dtype, Vec<usize>)> =
+            tensors.iter().map(|(n, dtype, shape)| (n.clone(), (*dtype, shape.clone()))).collect();
         Catalog {
             source: file.clone(),
             is_index: false,
             dir: PathBuf::from("."),
             shards: vec![file],
-            shard_of: names.into_iter().map(|n| (n, 0)).collect(),
-            single: None,
+            shard_of: given.keys().map(|n| (n.clone(), 0)).collect(),
+            headers: Headers::Given(given),
         }
     }
 
@@ -289,22 +303,31 @@ impl Catalog {
         tensor_err(name, format!("not found in {place}{hint}"))
     }
 
-    /// The dtype, shape and shard of each of `names` (all listed in the catalog), read from the
-    /// headers of the shards that hold them.
+    /// The dtype, shape and shard of each of `names`, read from the headers of the shards that
+    /// hold them (a name the catalog does not list is not found).
     pub fn metas(&self, names: &[String]) -> Result<HashMap<String, Meta>> {
         let mut by_shard: BTreeMap<usize, Vec<&String>> = BTreeMap::new();
         for n in names {
-            by_shard.entry(self.shard_of[n]).or_default().push(n);
+            let Some(&shard) = self.shard_of.get(n) else { return Err(self.not_found(n, "")) };
+            by_shard.entry(shard).or_default().push(n);
         }
         let mut out = HashMap::with_capacity(names.len());
         for (shard, wanted) in by_shard {
             let path = &self.shards[shard];
             let opened;
-            let header = match &self.single {
-                Some(h) => h,
-                None => {
+            let header = match &self.headers {
+                Headers::Single(h) => h,
+                Headers::Shards => {
                     opened = SafetensorsFile::open(path)?;
                     &opened
+                }
+                #[cfg(feature = "fuzzing")]
+                Headers::Given(given) => {
+                    for n in wanted {
+                        let Some((dtype, shape)) = given.get(n) else { return Err(self.not_found(n, "")) };
+                        out.insert(n.clone(), Meta { dtype: *dtype, shape: shape.clone(), shard });
+                    }
+                    continue;
                 }
             };
             for n in wanted {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 
 use super::catalog::{Catalog, Meta};
-use super::dialect::{declared, Dialect, Fields, QuantScheme};
+use super::dialect::{declared, Declared, Dialect, Fields, QuantScheme};
 use super::*;
 use crate::error::{Error, Result};
 use crate::host::{checked_len, validate_decode_scale, ExpertWeightsHost, MoeCheckpoint};
@@ -317,31 +317,102 @@ fn buffer_lens(experts: usize, h: usize, i: usize) -> Result<([usize; 4], [usize
 }
 
 /// The name resolution and header checks of [`load_experts`] on tensors given as names, dtypes and
-/// shapes (one in-memory shard, no configs, nothing read): the dialect from the field names, the
-/// experts and their naming ([`discover`]), every dtype and shape ([`check_shapes`]) and the
-/// layer's buffer sizes (computed, not allocated). Returns `(E, H, I)`. For the fuzz targets.
+/// shapes (one in-memory shard, no configs, nothing read): [`resolve`] over an in-memory catalog,
+/// the layer's buffer sizes computed, not allocated. Returns `(E, H, I)`. For the fuzz targets.
 #[cfg(feature = "fuzzing")]
 pub(crate) fn resolve_in_memory(
     prefix: &str,
     tensors: &[(String, Dtype, Vec<usize>)],
 ) -> Result<(usize, usize, usize)> {
+    let r = resolve(&Catalog::in_memory(tensors), prefix, None, |_| Ok(Declared::default()))?;
+    Ok((r.layout.experts, r.h, r.i))
+}
+
+/// One layer's experts as the names and headers describe them: what [`load`] copies.
+struct Resolved {
+    /// The experts' prefix (with its trailing `.`).
+    p: String,
+    dialect: Dialect,
+    scheme: QuantScheme,
+    /// What the configs declared (and in which file).
+    decl: Declared,
+    layout: Layout,
+    /// Every tensor to read, in [`Layout::names`] order, with its dtype, shape and shard.
+    names: Vec<String>,
+    metas: HashMap<String, Meta>,
+    h: usize,
+    i: usize,
+    /// Bytes of the four buffers per expert and in all ([`buffer_lens`]).
+    lens: ([usize; 4], [usize; 4]),
+}
+
+/// The checks before any tensor data is read, shared by [`load`] and [`resolve_in_memory`] so that
+/// the fuzz targets run the loader's own sequence: the dialect from the tensors' field names
+/// against the configs' declaration (`declared`, read after the tensors are looked at) and `want`;
+/// the experts and their naming ([`discover`]); the scheme against the declaration; every dtype and
+/// shape ([`check_shapes`]); the layer's buffer sizes ([`buffer_lens`]).
+fn resolve(
+    cat: &Catalog,
+    prefix: &str,
+    want: Option<Dialect>,
+    declared: impl FnOnce(&Catalog) -> Result<Declared>,
+) -> Result<Resolved> {
     let p = expert_prefix(prefix);
-    let cat = Catalog::in_memory(tensors.iter().map(|(n, ..)| n.clone()));
-    let dialect = tensor_dialect(&cat, &p)?.unwrap_or(Dialect::ModelOpt);
-    let f = dialect.fields();
-    let layout = discover(&cat, &p, dialect)?;
-    let names = layout.names(&p, f);
-    let mut metas = HashMap::with_capacity(names.len());
-    for n in &names {
-        // The last of a name given twice, as the catalog keeps one entry per name.
-        let Some((_, dtype, shape)) = tensors.iter().rev().find(|(m, ..)| m == n) else {
-            return Err(cat.not_found(n, ""));
+    let from_tensors = tensor_dialect(cat, &p)?;
+    let decl = declared(cat)?;
+    let dialect = match (from_tensors, decl.dialect) {
+        (Some(t), Some(d)) if t != d => {
+            return Err(Error::Dialect {
+                path: decl.file.clone().unwrap_or_else(|| cat.source.clone()),
+                what: format!("it declares {d}, but the experts' tensors under `{}` are {t}", shown(&p)),
+            });
+        }
+        (Some(t), _) => t,
+        (None, Some(d)) => d,
+        (None, None) => want.unwrap_or(Dialect::ModelOpt),
+    };
+    if let Some(w) = want.filter(|&w| w != dialect) {
+        let how = match dialect {
+            Dialect::ModelOpt => "load_modelopt or load_experts",
+            Dialect::CompressedTensors => "load_compressed_tensors or load_experts",
         };
-        metas.insert(n.clone(), Meta { dtype: *dtype, shape: shape.clone(), shard: 0 });
+        return Err(Error::Dialect {
+            path: cat.source.clone(),
+            what: format!("the experts under `{}` are {dialect}, not {w}: read it with {how}", shown(&p)),
+        });
     }
+    let f = dialect.fields();
+    let layout = discover(cat, &p, dialect)?;
+    let first_input = |has: bool| {
+        let j = layout.has_input.iter().position(|&x| x == has).expect("one projection is");
+        format!("{p}0.{}.{}", layout.naming.projections()[j], f.input)
+    };
+    let scheme = match decl.scheme {
+        Some(QuantScheme::W4A4) if layout.has_input.contains(&false) => {
+            let why = format!(
+                " (`{}` declares W4A4: every projection carries its activation scale)",
+                decl.file.as_deref().map(shown_path).unwrap_or_default()
+            );
+            return Err(cat.not_found(&first_input(false), &why));
+        }
+        Some(QuantScheme::W4A16) if layout.has_input.contains(&true) => {
+            return Err(tensor_err(
+                &first_input(true),
+                format!(
+                    "present, but `{}` declares W4A16 (weight-only, no activation scales)",
+                    decl.file.as_deref().map(shown_path).unwrap_or_default()
+                ),
+            ));
+        }
+        Some(s) => s,
+        None if layout.has_input.contains(&true) => QuantScheme::W4A4,
+        None => QuantScheme::W4A16,
+    };
+    let names = layout.names(&p, f);
+    let metas = cat.metas(&names)?;
     let (h, i) = check_shapes(&layout, &p, f, &metas)?;
-    buffer_lens(layout.experts, h, i)?;
-    Ok((layout.experts, h, i))
+    let lens = buffer_lens(layout.experts, h, i)?;
+    Ok(Resolved { p, dialect, scheme, decl, layout, names, metas, h, i, lens })
 }
 
 /// Where a tensor's data goes.
@@ -477,66 +548,15 @@ pub fn load_compressed_tensors(path: impl AsRef<Path>, prefix: &str) -> Result<M
 }
 
 fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExperts> {
-    let p = expert_prefix(prefix);
     let cat = Catalog::open(path)?;
-    let from_tensors = tensor_dialect(&cat, &p)?;
-    let decl = declared(&cat.dir)?;
-    let dialect = match (from_tensors, decl.dialect) {
-        (Some(t), Some(d)) if t != d => {
-            return Err(Error::Dialect {
-                path: decl.file.clone().unwrap_or_else(|| cat.source.clone()),
-                what: format!("it declares {d}, but the experts' tensors under `{}` are {t}", shown(&p)),
-            });
-        }
-        (Some(t), _) => t,
-        (None, Some(d)) => d,
-        (None, None) => want.unwrap_or(Dialect::ModelOpt),
-    };
-    if let Some(w) = want.filter(|&w| w != dialect) {
-        let how = match dialect {
-            Dialect::ModelOpt => "load_modelopt or load_experts",
-            Dialect::CompressedTensors => "load_compressed_tensors or load_experts",
-        };
-        return Err(Error::Dialect {
-            path: cat.source.clone(),
-            what: format!("the experts under `{}` are {dialect}, not {w}: read it with {how}", shown(&p)),
-        });
-    }
+    let Resolved { p, dialect, scheme, decl, layout, names, metas, h, i, lens } =
+        resolve(&cat, prefix, want, |cat| declared(&cat.dir))?;
     let f = dialect.fields();
-    let layout = discover(&cat, &p, dialect)?;
-    let first_input = |has: bool| {
-        let j = layout.has_input.iter().position(|&x| x == has).expect("one projection is");
-        format!("{p}0.{}.{}", layout.naming.projections()[j], f.input)
-    };
-    let scheme = match decl.scheme {
-        Some(QuantScheme::W4A4) if layout.has_input.contains(&false) => {
-            let why = format!(
-                " (`{}` declares W4A4: every projection carries its activation scale)",
-                decl.file.as_deref().map(shown_path).unwrap_or_default()
-            );
-            return Err(cat.not_found(&first_input(false), &why));
-        }
-        Some(QuantScheme::W4A16) if layout.has_input.contains(&true) => {
-            return Err(tensor_err(
-                &first_input(true),
-                format!(
-                    "present, but `{}` declares W4A16 (weight-only, no activation scales)",
-                    decl.file.as_deref().map(shown_path).unwrap_or_default()
-                ),
-            ));
-        }
-        Some(s) => s,
-        None if layout.has_input.contains(&true) => QuantScheme::W4A4,
-        None => QuantScheme::W4A16,
-    };
-    let names = layout.names(&p, f);
-    let metas = cat.metas(&names)?;
-    let (h, i) = check_shapes(&layout, &p, f, &metas)?;
     let experts = layout.experts;
     let naming = layout.naming;
 
     // Destinations: per expert, gate rows then up rows of w13; down into w2.
-    let ([w13_codes_e, w13_scales_e, w2_codes_e, w2_scales_e], lens) = buffer_lens(experts, h, i)?;
+    let ([w13_codes_e, w13_scales_e, w2_codes_e, w2_scales_e], lens) = lens;
     let mut bufs = lens.map(|n| vec![0u8; n]);
     // Per expert: the scalars of the six slots.
     let mut slots = vec![[0f32; 6]; experts];
