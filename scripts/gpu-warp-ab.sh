@@ -5,17 +5,22 @@
 #   bash scripts/gpu-warp-ab.sh                                                      (there)
 # 1. The GPU tests that launch the warp kernel (warp, swiglu, layer_, faults::), under each variant
 #    of $VARIANTS but the first (NVFP4MOE_WARP_VARIANT; "shipped" is the release kernel), then
-#    memcheck over the warp and SwiGLU tests under each.
+#    memcheck over the warp and SwiGLU tests under each (MEMCHECK=0: not).
 # 2. benches/gemm at T = 1 (read flush), the variants interleaved, two rounds ($ROUNDS), then a
 #    table: us per launch and variant, one column per variant, the rounds separated by "/".
+# 3. With NCU_CASES (criterion filters, e.g. "qwen3-30b-a3b/L2/T1$"): Nsight Compute's kernel
+#    duration (--clock-control none, caches flushed; median of 5 launches) per case and variant of
+#    $NCU_VARIANTS (default: all): the issue's measure for launches whose floor is under 5 us.
+# $NVFP4MOE_BUNDLE: the bundle's folder (default gpu-bundle).
 # Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
-variants=(${VARIANTS:-shipped rule d4 x})
+variants=(${VARIANTS:-shipped d5 d4 x})
 rounds=${ROUNDS:-2}
-t=gpu-bundle/tests/test-gpu
-g=gpu-bundle/benches/gemm
+b=${NVFP4MOE_BUNDLE:-gpu-bundle}
+t=$b/tests/test-gpu
+g=$b/benches/gemm
 for f in "$t" "$g"; do
   [ -e "$f.gz" ] && gunzip -f "$f.gz"
   chmod +x "$f"
@@ -28,6 +33,7 @@ for v in "${variants[@]:1}"; do
     faults:: --skip sweep:: >"$log" 2>&1 || fail=1
   echo "tests [$v]: $(grep -E '^test result' "$log" | tail -1)"
   grep -E '^test .* FAILED' "$log" | head -5
+  [ "${MEMCHECK:-1}" = 0 ] && continue
   log="$out/ab-memcheck-$v.log"
   NVFP4MOE_WARP_VARIANT=$v timeout --kill-after=15s 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$t" \
     --include-ignored --test-threads=1 warp swiglu --skip sweep:: >"$log" 2>&1 || fail=1
@@ -59,4 +65,25 @@ print("launch".ljust(40) + "".join(v.rjust(15) for v in vs))
 for n in order:
     print(f"{n} {tile[n]}".ljust(40) + "".join("/".join(f"{x:.2f}" for x in d[(n, v)]).rjust(15) for v in vs))
 PY
+ncu_cases=(${NCU_CASES:-})
+ncu_variants=(${NCU_VARIANTS:-${variants[@]}})
+if [ ${#ncu_cases[@]} -gt 0 ]; then
+  echo "ncu kernel duration (us, median of 5; --clock-control none, --cache-control all)"
+  for c in "${ncu_cases[@]}"; do
+    line="$c"
+    for v in "${ncu_variants[@]}"; do
+      log="$out/ncu-$(echo "$c" | tr -c 'A-Za-z0-9-' _)-$v.csv"
+      NVFP4MOE_WARP_VARIANT=$v timeout 150 ncu --clock-control none --cache-control all -k regex:grouped_gemm \
+        -s 5 -c 5 --metrics gpu__time_duration.sum --csv "$g" --bench "$c" >"$log" 2>&1
+      med=$(python3 -c '
+import csv, statistics, sys
+v = [float(r["Metric Value"].replace(",", "")) * {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(r["Metric Unit"], float("nan"))
+     for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith("\""))
+     if r.get("Metric Name") == "gpu__time_duration.sum"]
+print(f"{statistics.median(v):.2f}" if v else "n/a")' "$log" 2>/dev/null)
+      line="$line  $v=$med"
+    done
+    echo "$line"
+  done
+fi
 exit $fail

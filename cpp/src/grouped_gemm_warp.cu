@@ -160,9 +160,9 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// kDepth: the ring's slots per warp (the shipped kDepth; others for A/B). kXFirst: x is copied
-// (cp.async, one group) before the expert table is read, so that its latency overlaps the
-// table's and x is not queued behind the ring's first loads.
+// kDepth: the ring's slots per warp (4 or 5 in the shipped kernels: ring_choice; others for A/B).
+// kXFirst: x is copied (cp.async, one group) before the expert table is read, so that its latency
+// overlaps the table's and x is not queued behind the ring's first loads.
 template <GemmEpilogue kEpilogue, int kDepth, bool kXFirst>
 __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
@@ -442,25 +442,36 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
   return check_launch("grouped_gemm_nvfp4 (warp kernel)");
 }
 
+// The shipped choice of ring and x staging (ring_choice, grouped_gemm_warp.hpp).
+template <GemmEpilogue kEpilogue>
+Status launch_shipped(const Params& p, const void* x, int sms, cudaStream_t stream) {
+  const RingChoice r = ring_choice(p.total_rows, p.k, p.splits);
+  if (r.slots == 4) {
+    return r.x_first ? launch_one<kEpilogue, 4, true>(p, x, sms, stream)
+                     : launch_one<kEpilogue, 4, false>(p, x, sms, stream);
+  }
+  return r.x_first ? launch_one<kEpilogue, kDepth, true>(p, x, sms, stream)
+                   : launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
+}
+
 // A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (a build with the environment
 // variable NVFP4MOE_WARP_VARIANTS=1: build.rs sets the CMake option; the default build has the
-// shipped kernel alone, the only one its GPU tests run): then
-// NVFP4MOE_WARP_VARIANT (read once; PERF_NOTES.md session 11) = d7, d4 or d3 (a ring of that many
-// slots where x fits beside it, else the shipped one), x (x staged first), or rule (per launch: 4
-// slots where a warp's work item has at most 32 chunks, x first where x is at most 24 KB per CTA:
-// the candidate rule from session 11's A/B, not yet measured or tested as a whole); unset or
-// anything else: the shipped kernel.
+// shipped kernels alone, the only ones its GPU tests run): then NVFP4MOE_WARP_VARIANT (read once;
+// PERF_NOTES.md sessions 11-12) = d5 (session 11's kernel: 5 slots, x after the ring's first
+// loads, for every launch), d7, d4 or d3 (that many slots where x fits beside them, else the
+// shipped choice), or x (5 slots, x staged first, for every launch); unset or anything else: the
+// shipped choice.
 #if defined(NVFP4MOE_WARP_VARIANTS)
-enum class Variant { kShipped, kDepth7, kDepth4, kDepth3, kXFirst, kRule };
+enum class Variant { kShipped, kDepth5, kDepth7, kDepth4, kDepth3, kXFirst };
 Variant variant() {
   static const Variant v = [] {
     const char* e = std::getenv("NVFP4MOE_WARP_VARIANT");
     const std::string s(e ? e : "");
-    return s == "d7"  ? Variant::kDepth7
+    return s == "d5"   ? Variant::kDepth5
+           : s == "d7" ? Variant::kDepth7
            : s == "d4" ? Variant::kDepth4
            : s == "d3" ? Variant::kDepth3
            : s == "x"  ? Variant::kXFirst
-           : s == "rule" ? Variant::kRule
                        : Variant::kShipped;
   }();
   return v;
@@ -469,31 +480,21 @@ Variant variant() {
 template <GemmEpilogue kEpilogue>
 Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
   switch (variant()) {
+    case Variant::kDepth5: return launch_one<kEpilogue, 5, false>(p, x, sms, stream);
     case Variant::kDepth7:
       if (smem_bytes(7, p.total_rows, p.k) <= kSmemLimit) return launch_one<kEpilogue, 7, false>(p, x, sms, stream);
       break;
     case Variant::kDepth4: return launch_one<kEpilogue, 4, false>(p, x, sms, stream);
     case Variant::kDepth3: return launch_one<kEpilogue, 3, false>(p, x, sms, stream);
     case Variant::kXFirst: return launch_one<kEpilogue, kDepth, true>(p, x, sms, stream);
-    case Variant::kRule: {
-      const int item_chunks = (p.k / kWeightChunkK + p.splits - 1) / p.splits;
-      const bool short_items = item_chunks <= 32;
-      const bool small_x = int64_t(p.total_rows) * p.k * 2 <= 24 * 1024;
-      if (short_items) {
-        return small_x ? launch_one<kEpilogue, 4, true>(p, x, sms, stream)
-                       : launch_one<kEpilogue, 4, false>(p, x, sms, stream);
-      }
-      if (small_x) return launch_one<kEpilogue, kDepth, true>(p, x, sms, stream);
-      break;
-    }
     default: break;
   }
-  return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
+  return launch_shipped<kEpilogue>(p, x, sms, stream);
 }
 #else
 template <GemmEpilogue kEpilogue>
 Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
-  return launch_one<kEpilogue, kDepth, false>(p, x, sms, stream);
+  return launch_shipped<kEpilogue>(p, x, sms, stream);
 }
 #endif
 

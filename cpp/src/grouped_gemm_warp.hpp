@@ -25,11 +25,11 @@ constexpr int kSlotBytes = 768;
 constexpr int64_t kSmemLimit = 227 * 1024;
 constexpr int kTableExperts = 1024;  // the expert table's capacity (gemm_config.cuh's kMaxExperts)
 
-// The CTA: 16 warps (one CTA per SM), each with a 5-slot ring: 4 chunk quarters in flight per warp
-// while it works on one, 64 per SM (36 KiB of weights in flight; the rings take 60 KiB). Fewer
-// bytes in flight were faster: 5 slots were faster than 7 on 8 of 9 T = 1 launches (up to 5.5%;
-// the others within 0.5%), and 12 slots slower by 3-13% on all but one (equal) (H200 2026-12-03,
-// PERF_NOTES.md session 11).
+// The CTA: 16 warps (one CTA per SM), each with a ring of at most 5 slots (ring_choice: 4 or 5): 3-4
+// chunk quarters in flight per warp while it works on one, 48-64 per SM (27-36 KiB of weights in
+// flight; the rings take 48-60 KiB). Fewer bytes in flight were faster: 5 slots were faster than 7
+// on 8 of 9 T = 1 launches (up to 5.5%; the others within 0.5%), and 12 slots slower by 3-13% on
+// all but one (equal) (H200 2026-12-03, PERF_NOTES.md session 11).
 // (A 24-warp CTA with 5-slot rings was slower than 16 warps with 7 on every T = 1 launch but
 // mixtral-8x7b's L2, by 1.5%: session 9.)
 constexpr int kWarps = 16;
@@ -42,7 +42,8 @@ static_assert(kTableBytes == 20736 && kRingBytes == 61440, "the layout the kerne
 // What x may use (8 rows: K up to 9344).
 constexpr int64_t kMaxXBytes = kSmemLimit - kTableBytes - kRingBytes;
 // A launch's dynamic shared memory with rings of `slots` slots: the table, the rings, then x's
-// rows of k * 2 + 16 bytes (the kernel's layout; kSlots != kDepth only in A/B builds).
+// rows of k * 2 + 16 bytes (the kernel's layout). Whether x fits is judged at kDepth slots, the
+// deepest ring ring_choice picks.
 constexpr int64_t smem_bytes(int slots, int64_t total_rows, int64_t k) noexcept {
   return kTableBytes + int64_t(kWarps) * slots * kSlotBytes + total_rows * (k * 2 + 16);
 }
@@ -67,6 +68,25 @@ inline int choose_splits(int64_t total_rows, int64_t experts, int64_t n, int64_t
   int s = 1;
   while (s < 8 && 2 * s <= cap && units * s * 2 <= int64_t(sms) * kWarps && chunks >= 4 * s) s *= 2;
   return s;
+}
+
+// The ring and x's staging per launch (H200, PERF_NOTES.md sessions 11-12; every T = 1 warp
+// launch of the presets timed against a 5-slot ring with x after the ring's first loads, in one
+// call, interleaved): 4 slots where a warp's work item (a unit's K share) has at most 32 chunks,
+// since short items lose less to a shallow ring than they gain from its smaller first burst
+// (deepseek-v3 L2, 32 chunks: 22.36 -> 21.86 us; qwen3-30b-a3b L1, 16: 8.82 -> 8.41), and 5 where
+// items are longer (64 chunks: 4 slots were 1.5-1.7% slower); x staged first (its copies issued
+// before the expert table is read, each warp waiting for all of x before its first chunk) where
+// it is at most 24 KB per CTA, since then it arrives before the ring's first burst instead of
+// behind it (qwen3-30b-a3b L2, 12 KB: 7.59 -> 6.85 us; gpt-oss-120b L1, 23 KB: 14.81 -> 14.40),
+// while a larger x (32-64 KB) made every warp's first chunk wait longer (+5-8%).
+struct RingChoice {
+  int slots;     // 4 or kDepth
+  bool x_first;  // x's copies issued before the expert table is read
+};
+constexpr RingChoice ring_choice(int64_t total_rows, int64_t k, int splits) noexcept {
+  const int64_t item_chunks = (k / kWeightChunkK + splits - 1) / splits;
+  return RingChoice{item_chunks <= 32 ? 4 : kDepth, total_rows * k * 2 <= 24 * 1024};
 }
 
 // One CTA per SM (`sms`), programmatic dependent launch; p.splits from choose_splits (1, 2, 4 or

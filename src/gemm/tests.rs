@@ -56,8 +56,8 @@ fn launch_tile_takes_the_warp_kernel_for_at_most_8_rows() {
     assert_eq!(tile(8, 256, 4096, 7168, SwigluBf16, false), GemmTile::M128N8);
     assert_eq!(tile(8, 8, 28672, 4096, SwigluBf16, false), GemmTile::M128N8);
     assert_eq!(launch_tile(GemmTile::Auto, 8, 256, 4096, 7168, SwigluBf16, false, 160), warp);
-    // x too large for shared memory (8 rows: K up to 9344 beside 16 five-slot rings), or more than
-    // 8 rows.
+    // x too large for shared memory (8 rows: K up to 9344 beside 16 five-slot rings, the deepest
+    // that ring_choice picks), or more than 8 rows.
     assert_eq!(tile(8, 256, 7168, 9344, Plain, false), warp);
     assert_eq!(tile(8, 256, 7168, 9408, Plain, false), GemmTile::M128N8);
     assert_eq!(tile(9, 256, 7168, 2048, Plain, false), GemmTile::M128N16);
