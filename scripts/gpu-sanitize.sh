@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
 # The issue-21 sanitizer runs, on the GPU machine, from the repository root, over a bundle made by
 # scripts/gpu-bundle.sh (device tool, carry ["gpu-bundle"]):
-#   bash scripts/gpu-sanitize.sh
-# Steps (each under its own timeout; the total stays under ~8 minutes on an H200):
-#   1. memcheck   over the shape sweep at NVFP4MOE_SWEEP_SIZE=small   (test-gpu sweep::)
-#   2. memcheck   over the shape sweep at NVFP4MOE_SWEEP_SIZE=medium
-#   3. racecheck  over the layer and epilogue tests and the faults (layer_, swiglu, faults::)
-#   4. synccheck  over the same
-#   5. the sweep at NVFP4MOE_SWEEP_SIZE=large, without a sanitizer
+#   bash scripts/gpu-sanitize.sh                  # every step
+#   bash scripts/gpu-sanitize.sh STEP...          # only these steps (names as below)
+# Steps (each under its own timeout):
+#   1. memcheck-small     memcheck over the shape sweep at NVFP4MOE_SWEEP_SIZE=small (test-gpu sweep::)
+#   2. memcheck-medium    memcheck over the shape sweep at NVFP4MOE_SWEEP_SIZE=medium
+#   3. racecheck          over the layer and epilogue tests and the faults (layer_, swiglu, faults::)
+#   4. synccheck          over the same
+#   5. sweep-large        the sweep at NVFP4MOE_SWEEP_SIZE=large, without a sanitizer
+#   6. memcheck-cli       memcheck over the CLI's GPU tests in test-gpu (cli::, and convert::, which
+#                         runs `convert --device cuda`), the CLI processes they start included
+#                         (--target-processes all; NVFP4MOE_CLI is the bundle's nvfp4-moe)
+#   7. memcheck-test-cli  memcheck over the test-cli binary (tests/cli.rs: the CLI end to end, whose
+#                         runs query the device), its CLI processes included
 # One fixed seed for every step (NVFP4MOE_TEST_SEED, printed; set it to replay another), logs in
 # $OUT (or ./gpu-out). Prints one line per step (rc, the test result, the sanitizer's summary) and
 # exits 1 if any step failed, timed out, found an error or ran no test.
 #
 # Timings on the H200 (2026-12-03, first run): memcheck small 1 s, medium 3 s, racecheck 76 s (up to
-# the NaN fault test, which it now skips), synccheck 14 s, large 6 s.
-# The timeouts below are the bounds (NVFP4MOE_SANITIZE_TIMEOUTS="small medium race sync large"
-# overrides them, in seconds).
+# the NaN fault test, which it now skips), synccheck 14 s, large 6 s; steps 6 and 7 not yet run
+# (their bounds are guesses from gpu-memcheck.sh's 300 s for all of test-gpu). The bounds of all
+# seven add up to more than one 10-minute device call: if a run comes near it, run steps 6 and 7 in
+# a call of their own (bash scripts/gpu-sanitize.sh memcheck-cli memcheck-test-cli).
+# The timeouts below are the bounds (NVFP4MOE_SANITIZE_TIMEOUTS="small medium race sync large [cli
+# test-cli]" overrides them, in seconds; the last two keep their defaults when left out).
 set -uo pipefail
 bundle=${NVFP4MOE_BUNDLE:-gpu-bundle}
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
-for f in "$bundle"/tests/*.gz; do
+for f in "$bundle"/nvfp4-moe.gz "$bundle"/tests/*.gz; do
   [ -e "$f" ] && gunzip -f "$f" && chmod +x "${f%.gz}"
 done
 bin="$bundle/tests/test-gpu"
@@ -29,18 +38,41 @@ if [ ! -x "$bin" ]; then
   exit 2
 fi
 export NVFP4MOE_TEST_SEED=${NVFP4MOE_TEST_SEED:-0x21c0ffee}
-read -r t_small t_medium t_race t_sync t_large <<<"${NVFP4MOE_SANITIZE_TIMEOUTS:-100 150 150 80 60}"
+read -r t_small t_medium t_race t_sync t_large t_cli t_test_cli <<<"${NVFP4MOE_SANITIZE_TIMEOUTS:-100 150 150 80 60}"
 if [ -z "$t_large" ]; then
-  echo "gpu-sanitize: NVFP4MOE_SANITIZE_TIMEOUTS needs five values (small medium race sync large)" >&2
+  echo "gpu-sanitize: NVFP4MOE_SANITIZE_TIMEOUTS needs five values (small medium race sync large) or seven" >&2
   exit 2
+fi
+t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150}
+all_steps=(memcheck-small memcheck-medium racecheck synccheck sweep-large memcheck-cli memcheck-test-cli)
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
+for w in "${steps[@]}"; do
+  if [[ " ${all_steps[*]} " != *" $w "* ]]; then
+    echo "gpu-sanitize: no step $w (steps: ${all_steps[*]})" >&2
+    exit 2
+  fi
+done
+# Whether step $1 was asked for.
+wanted() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+cli_steps=false
+if wanted memcheck-cli || wanted memcheck-test-cli; then
+  cli_steps=true
+  if [ ! -x "$bundle/nvfp4-moe" ] || [ ! -x "$bundle/tests/test-cli" ]; then
+    echo "gpu-sanitize: $bundle/nvfp4-moe or $bundle/tests/test-cli not found (make the bundle with" \
+      "scripts/gpu-bundle.sh)" >&2
+    exit 2
+  fi
 fi
 echo "gpu-sanitize: NVFP4MOE_TEST_SEED=$NVFP4MOE_TEST_SEED (replay any step with it), logs in $out"
 fail=0
 start=$(date +%s)
 
-# step NAME TIMEOUT ENV... -- COMMAND...: runs it, logs to $out/sanitize-NAME.log, prints a line.
+# step NAME TIMEOUT ENV... -- COMMAND...: runs it, logs to $out/sanitize-NAME.log, prints a line
+# (nothing if the step was not asked for).
 step() {
   local name=$1 limit=$2
+  wanted "$name" || return 0
   shift 2
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
@@ -59,7 +91,7 @@ step() {
     fail=1
     [ -z "$note" ] && [ $rc -eq 0 ] && note=" NO TEST RAN"
   fi
-  printf '%-16s rc=%-3s %4ss %s | %s%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "${result:-no test result}" \
+  printf '%-17s rc=%-3s %4ss %s | %s%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "${result:-no test result}" \
     "${summary:-no sanitizer summary}" "$note"
 }
 
@@ -81,6 +113,23 @@ step racecheck "$t_race" -- "${cs[@]}" racecheck --kernel-name-exclude kns=GemmE
   layer_ swiglu faults:: --skip sweep:: --skip faults::nan_in_one_token
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
+
+# The CLI under memcheck, as scripts/gpu-memcheck.sh runs it: the tests start the bundle's
+# nvfp4-moe (NVFP4MOE_CLI) and --target-processes all checks those processes too, so the summary
+# counts one ERROR SUMMARY line per process. The ModelOpt oracle and its Python packages (.whl,
+# when carried) are passed as gpu-memcheck.sh does.
+if $cli_steps; then
+  abs_bundle=$(cd "$bundle" && pwd)
+  cli_env=(NVFP4MOE_CLI="$abs_bundle/nvfp4-moe" NVFP4MOE_MODELOPT_ORACLE="$abs_bundle/oracle.py")
+  if [ -f .whl/site.tgz ] && [ ! -d /tmp/nvfp4moe-py/site ]; then
+    mkdir -p /tmp/nvfp4moe-py && tar xzf .whl/site.tgz -C /tmp/nvfp4moe-py
+  fi
+  [ -d /tmp/nvfp4moe-py/site ] && cli_env+=(PYTHONPATH="/tmp/nvfp4moe-py/site${PYTHONPATH:+:$PYTHONPATH}")
+  step memcheck-cli "$t_cli" "${cli_env[@]}" -- "${cs[@]}" memcheck --target-processes all "$bin" "${common[@]}" \
+    cli:: convert::
+  step memcheck-test-cli "$t_test_cli" "${cli_env[@]}" -- "${cs[@]}" memcheck --target-processes all \
+    "$bundle/tests/test-cli" "${common[@]}"
+fi
 
 echo "gpu-sanitize: $(( $(date +%s) - start )) s in all, $([ $fail -eq 0 ] && echo "every step passed" || echo "FAILED")"
 exit $fail
