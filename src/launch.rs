@@ -83,6 +83,11 @@ impl<'a> Launch<'a> {
         Ok(Launch { stream, handle: stream.cu_stream() as u64 })
     }
 
+    /// The stream the launch is enqueued on.
+    pub fn stream(&self) -> &'a CudaStream {
+        self.stream
+    }
+
     /// A buffer the launch reads.
     pub fn input<'b, T, B: DevicePtr<T>>(&'b self, buf: &'b B) -> Buf<'b> {
         let len = buf.len();

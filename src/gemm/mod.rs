@@ -5,9 +5,9 @@
 //! ranges come from `expert_offsets` in device memory, so nothing synchronizes with the host.
 
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::abi::{GemmEpilogue, GroupedGemmArgs, PrepareWeightsArgs};
@@ -23,19 +23,61 @@ use crate::launch::{self, check_align, check_len, BufferInfo, Launch};
 /// The weight chunks are contiguous, so the kernel moves them with bulk copies and needs no tensor
 /// map for them; the activation tensor map is encoded per launch (its address changes per call).
 ///
+/// # Threads, streams and drop
 /// `Send + Sync`, read-only once prepared: launches from several threads and streams may read the
-/// same weights at once. Dropping them while a launch that reads them still runs is safe (with
-/// cudarc's event tracking, on by default, device memory is freed after the work that uses it).
+/// same weights at once. Dropping them while launches that read them still run, on any number of
+/// streams, is safe with cudarc's event tracking (on by default): their memory is freed on the
+/// stream they were prepared on (their home stream), stream-ordered after every launch that read
+/// them. cudarc keeps one read event per buffer (the last recorded), which alone would cover one
+/// stream's reads only, so the weights keep their own: each launch on a stream other than the home
+/// stream records an event there (one event per such stream, re-recorded by its next launch), and
+/// dropping the weights makes the home stream wait for each. Nothing synchronizes the host; a
+/// launch on the home stream itself records nothing (the free is ordered after it there). The
+/// weights keep these events, not the streams: a stream dropped with launches pending is released
+/// by CUDA once they finish, so its handle is not reused before. With event tracking disabled
+/// (e.g. for CUDA-graph capture) nothing is recorded and the caller must keep the weights alive
+/// until every launch that reads them has finished.
 #[derive(Debug)]
 pub struct Nvfp4Weights {
     prepared: CudaSlice<u8>,
-    /// [E, 2]: decode scale of output features f with f % 16 < 8, then of the others.
+    /// [E, 2]: decode scale of output features f with f % 16 < 8, then of the others. Allocated
+    /// on the same stream as `prepared` (the home stream).
     decode_scales: CudaSlice<f32>,
+    /// The launches on other streams than the home stream ([`Nvfp4Weights::note_read`]).
+    foreign_reads: Mutex<ForeignReads>,
     host_decode_scales: Vec<f32>,
     row_order: RowOrder,
     experts: usize,
     n: usize,
     k: usize,
+}
+
+/// The streams other than their home stream that launches read a [`Nvfp4Weights`] on: per stream
+/// (keyed by its context and raw handle) an event recorded after its last such launch.
+#[derive(Debug, Default)]
+struct ForeignReads {
+    events: Vec<((usize, usize), CudaEvent)>,
+    /// An event could not be recorded after a launch: the drop synchronizes the context instead.
+    synchronize_on_drop: bool,
+}
+
+impl Drop for Nvfp4Weights {
+    /// Orders the free of the weights' memory (on the home stream, by the fields' own drops, which
+    /// follow) after every launch on another stream that read them: the home stream waits for each
+    /// such stream's event (or, should that fail, the host waits for it).
+    fn drop(&mut self) {
+        let reads = self.foreign_reads.get_mut().unwrap_or_else(PoisonError::into_inner);
+        let home = self.prepared.stream();
+        let ctx = home.context();
+        if reads.synchronize_on_drop {
+            ctx.record_err(ctx.synchronize());
+        }
+        for (_, event) in &reads.events {
+            if home.wait(event).is_err() {
+                ctx.record_err(event.synchronize());
+            }
+        }
+    }
 }
 
 /// The order of the prepared rows (declared in `cpp/include/nvfp4moe/types.h`, generated); see
@@ -198,7 +240,37 @@ impl Nvfp4Weights {
             )));
         }
         let decode_scales = stream.clone_htod(&scale_pairs)?;
-        Ok(Nvfp4Weights { prepared, decode_scales, host_decode_scales: scale_pairs, row_order, experts, n, k })
+        Ok(Nvfp4Weights {
+            prepared,
+            decode_scales,
+            foreign_reads: Mutex::default(),
+            host_decode_scales: scale_pairs,
+            row_order,
+            experts,
+            n,
+            k,
+        })
+    }
+
+    /// Records that a launch just enqueued on `stream` reads the weights (see the type's docs):
+    /// nothing for the home stream or with event tracking off, else an event on `stream`, so that
+    /// the drop orders the free after it. Cheap: a stream comparison in the single-stream case.
+    fn note_read(&self, stream: &CudaStream) -> Result<()> {
+        let ctx = stream.context();
+        if *stream == **self.prepared.stream() || !ctx.is_managing_stream_synchronization() {
+            return Ok(());
+        }
+        let key = (ctx.cu_ctx() as usize, stream.cu_stream() as usize);
+        let mut reads = self.foreign_reads.lock().unwrap_or_else(PoisonError::into_inner);
+        let recorded = match reads.events.iter().find(|(k, _)| *k == key) {
+            // Re-recorded: it now covers every launch on `stream` so far (stream order).
+            Some((_, event)) => event.record(stream),
+            None => stream.record_event(None).map(|event| reads.events.push((key, event))),
+        };
+        if recorded.is_err() {
+            reads.synchronize_on_drop = true;
+        }
+        Ok(recorded?)
     }
 
     /// Uploads host weights and prepares them.
@@ -416,7 +488,10 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).
-        unsafe { l.launch(&args, raw::grouped_gemm_nvfp4_can_implement, raw::grouped_gemm_nvfp4) }
+        let launched = unsafe { l.launch(&args, raw::grouped_gemm_nvfp4_can_implement, raw::grouped_gemm_nvfp4) };
+        // Noted even when the launch failed: part of it may have been enqueued.
+        let noted = w.note_read(l.stream());
+        launched.and(noted)
     }
 }
 

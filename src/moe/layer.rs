@@ -154,10 +154,21 @@ pub struct MoeWorkspace {
 /// `MoeLayer` (like its [`MoeWeights`]) is `Send + Sync`, and nothing in it is written after
 /// construction: one layer may serve forwards on several threads and streams at once, each forward
 /// with its own [`MoeWorkspace`]; concurrent forwards give the bytes serial ones do. A forward's
-/// result does not depend on the stream it runs on. Dropping a layer, its workspace or a forward's
-/// buffers (or the caller's stream and context handles) while the forward still runs on the GPU
-/// is safe: each buffer keeps its stream alive, and with cudarc's event tracking (on by default)
-/// its memory is freed stream-ordered after the work that uses it.
+/// result does not depend on the stream it runs on.
+///
+/// # Drop
+/// With cudarc's event tracking (on by default), dropping a layer, its workspace or a forward's
+/// buffers (or the caller's stream and context handles) while forwards still run on the GPU is
+/// safe, without synchronizing the host: each buffer keeps its stream alive and its memory is freed
+/// stream-ordered after the work that uses it. This holds for a layer whose forwards run on
+/// several streams at once: its weights ([`Nvfp4Weights`](crate::gemm::Nvfp4Weights), the only
+/// device memory a layer holds) record an event on each stream other than the one they were made
+/// on, and their free waits for every such stream, not only for the last one cudarc recorded. A
+/// workspace or a caller's buffer is freed after its last use (each use of a workspace is ordered
+/// after the one before, as it is written); a caller's input buffer read by forwards on two
+/// streams at once is the caller's to keep alive until both finish (cudarc keeps one read event per
+/// buffer). With event tracking disabled (e.g. for CUDA-graph capture) the caller keeps every
+/// handle alive until the work that uses it has finished.
 ///
 /// # Non-finite input
 /// A NaN or Inf in one token's hidden state, in one token's routing weight ([`MoeLayer::forward`])

@@ -21,6 +21,8 @@ use crate::quantize::quantize_nvfp4;
 /// `n = 2I`, `k = H`) and W2 (`n = H`, `k = I`).
 ///
 /// `Send + Sync`, read-only once prepared: shared by threads and streams like [`super::MoeLayer`].
+/// Dropping them while launches on any number of streams still read them is safe (with cudarc's
+/// event tracking, on by default): see [`Nvfp4Weights`]' docs.
 #[derive(Debug)]
 pub struct MoeWeights {
     /// Gate and up, `[E, 2I, H]`, prepared in [`crate::RowOrder::GateUpBands8`] order.

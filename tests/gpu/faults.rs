@@ -1,5 +1,6 @@
 //! Faults (issue 21): out-of-range expert ids, forwards after rejected forwards, handles dropped in
-//! every order, concurrent forwards on two streams, and the NaN-isolation policy of the layer
+//! every order (one layer dropped mid-forward on two streams included), concurrent forwards on two
+//! streams, and the NaN-isolation policy of the layer
 //! (`MoeLayer`'s docs, "Non-finite input"). Every case prints its shape, and its assertions' context
 //! the line that replays it (`replay`: the test's seed in `NVFP4MOE_TEST_SEED`); outputs are
 //! poisoned before each forward (`poisoned_bf16`, `POISON_BF16`).
@@ -474,10 +475,9 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
 /// caller's stream and context handles only drops references. The CUDA stream is destroyed with
 /// its last user (`cuStreamDestroy` with work pending returns at once and releases the stream when
 /// the work is done), and the primary context stays retained by the buffers and by this test's
-/// other `CudaContext`s. Each buffer here is used on one stream only. Not covered, because it is not
-/// safe: a buffer read by work still in flight on two streams (one layer forwarding on both, then
-/// dropped), as cudarc keeps one read event per buffer, the last recorded, so the free would wait
-/// for one stream's reads only.
+/// other `CudaContext`s. Each buffer here is used on one stream only; one layer whose weights are
+/// read by forwards in flight on two streams when it is dropped (cudarc alone would wait for the
+/// last recorded stream's reads only) is `one_layer_forwarding_on_two_streams_dropped_mid_forward`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn handles_dropped_in_any_order_are_safe() {
@@ -590,6 +590,105 @@ fn handles_dropped_in_any_order_are_safe() {
     let mut ws = layer.workspace(&s).unwrap();
     let again = forward(&layer, &s, &upload(&s, &xa), false, &mut ws);
     assert!(same_bits(&again, &want_a), "a fresh forward after the drops: {rp}");
+}
+
+/// A gate on a stream: a host function enqueued by [`Gate::shut`] blocks the stream's later work
+/// until [`Gate::open`] (or the gate's drop, or a minute, so that a failed test cannot hang).
+struct Gate(Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>);
+
+impl Gate {
+    fn new() -> Self {
+        Gate(Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new())))
+    }
+
+    /// Enqueues the wait on `s`.
+    fn shut(&self, s: &CudaStream) {
+        extern "C" fn wait(arg: *mut std::ffi::c_void) {
+            // SAFETY: `arg` is the `Box` leaked by `shut`, passed to this one call.
+            let gate = unsafe { Box::from_raw(arg.cast::<Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>>()) };
+            let (open, cv) = &**gate;
+            let mut is_open = open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while !*is_open && std::time::Instant::now() < until {
+                is_open = cv
+                    .wait_timeout(is_open, std::time::Duration::from_millis(100))
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .0;
+            }
+        }
+        let arg = Box::into_raw(Box::new(self.0.clone())).cast();
+        s.context().bind_to_thread().unwrap();
+        // SAFETY: `wait` makes no CUDA call and frees `arg`, which lives until then.
+        unsafe { cudarc::driver::result::stream::launch_host_function(s.cu_stream(), wait, arg) }.unwrap();
+    }
+
+    fn open(&self) {
+        *self.0 .0.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.0 .1.notify_all();
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.open();
+    }
+}
+
+/// One layer (E = 16, H = 512, I = 256, k = 4, T = 512: dozens of GEMM tiles) forwarding on two
+/// streams of one context, dropped before either stream is synchronized (`MoeLayer`'s docs,
+/// "Drop"): the forward on s2 is held behind a gate (a blocking host function) and enqueued
+/// first, the one on s1 last (so cudarc's one read event per weight buffer is s1's); the layer is
+/// made on s1, or on a third stream s3 that runs no forward. After the drop, buffers of the
+/// weights' sizes are allocated and zeroed on the layer's stream (the memory pool hands memory
+/// freed there back at once, in stream order) and an event recorded after them. While the gate is
+/// shut that event must not complete (the weights' free waits for s2's gated forward: before the
+/// fix it waited for s1's only, and the zeroing overwrote the weights s2 was about to read); then
+/// the gate opens and both outputs, read back, are the bytes of a one-stream reference forward.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_layer_forwarding_on_two_streams_dropped_mid_forward() {
+    let s = stream();
+    let mut rng = test_rng();
+    let rp = replay();
+    let (e, h, i, k, t) = (16usize, 512usize, 256usize, 4usize, 512usize);
+    eprintln!("one layer on two streams, dropped: E={e} H={h} I={i} k={k} T={t}: {rp}");
+    let ck = random_checkpoint(&mut rng, e, h, i);
+    let x = host_inputs(&mut rng, t, h, e, k);
+    let want = {
+        let layer = make_layer(&s, &ck, t, k, Intermediate::Bf16);
+        let mut ws = layer.workspace(&s).unwrap();
+        forward(&layer, &s, &upload(&s, &x), false, &mut ws)
+    };
+    for home_runs_a_forward in [true, false] {
+        let ctx = CudaContext::new(0).unwrap();
+        let (s1, s2, s3) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+        let home = if home_runs_a_forward { &s1 } else { &s3 };
+        let layer = make_layer(home, &ck, t, k, Intermediate::Bf16);
+        let w = layer.weights();
+        let sizes = [w.w13.prepared_bytes(), w.w2.prepared_bytes(), e * 2 * 4, e * 2 * 4];
+        let (d1, d2) = (upload(&s1, &x), upload(&s2, &x));
+        let (mut ws1, mut ws2) = (layer.workspace(&s1).unwrap(), layer.workspace(&s2).unwrap());
+        let (mut out1, mut out2) = (poisoned_bf16(&s1, t * h), poisoned_bf16(&s2, t * h));
+        ctx.synchronize().unwrap();
+        let gate = Gate::new();
+        gate.shut(&s2);
+        forward_into(&layer, &s2, &d2, false, &mut out2, &mut ws2).unwrap();
+        forward_into(&layer, &s1, &d1, false, &mut out1, &mut ws1).unwrap();
+        drop(layer);
+        let reuse: Vec<CudaSlice<u8>> = sizes.iter().map(|&n| home.alloc_zeros::<u8>(n).unwrap()).collect();
+        let after_free = home.record_event(None).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let freed_early = after_free.is_complete();
+        gate.open();
+        let (got1, got2) = (s1.clone_dtoh(&out1).unwrap(), s2.clone_dtoh(&out2).unwrap());
+        ctx.synchronize().unwrap();
+        drop(reuse);
+        let case = format!("layer made on {}: {rp}", if home_runs_a_forward { "s1" } else { "s3" });
+        assert!(!freed_early, "the layer's memory was freed before the forward on s2 ran: {case}");
+        for (name, got) in [("s1", &got1), ("s2", &got2)] {
+            assert!(same_bits(got, &want), "forward on {name}: differs at {:?}: {case}", first_bits_diff(got, &want));
+        }
+    }
 }
 
 /// Every order of `0..n`.
