@@ -11,7 +11,7 @@ use super::MoeWeights;
 use crate::error::{Error, Result};
 use crate::gemm::{Epilogue, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
 use crate::host::weight_decode_scale;
-use crate::launch::check_len;
+use crate::launch::{check_align, check_len, BufferInfo, Launch};
 use crate::layout::grouped_scale_len;
 use crate::quantize::{dequantize_nvfp4_grouped_into, GroupedDesc};
 use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
@@ -109,6 +109,47 @@ impl<H, L> Clone for RouterInput<'_, H, L> {
 }
 
 impl<H, L> Copy for RouterInput<'_, H, L> {}
+
+/// The routing a forward takes, as the buffer checks see it: lengths in elements.
+#[derive(Clone, Copy, Debug)]
+enum Routing {
+    /// [`MoeLayer::forward`]: `topk_ids` and `topk_weights`.
+    Ids { ids: usize, weights: usize },
+    /// [`MoeLayer::forward_with_router`]: `router_logits` over `experts`.
+    Logits { logits: usize, experts: usize },
+}
+
+/// Validates the caller's buffers of a forward of `tokens` x `top_k` with hidden size
+/// `hidden_size` (pure; no GPU), every rule a launch of the forward checks, so that a forward
+/// rejects them before it enqueues anything: lengths in the order hidden, routing, out; then
+/// `hidden` and `out` 16-byte aligned (with tokens). `top_k` is checked against the layer first.
+///
+/// # Errors
+/// [`Error::BufferTooSmall`] naming the buffer, or [`Error::Misaligned`].
+fn check_forward_buffers(
+    hidden_size: usize,
+    tokens: usize,
+    top_k: usize,
+    hidden: BufferInfo,
+    out: BufferInfo,
+    routing: Routing,
+) -> Result<()> {
+    let (rows, pairs) = (tokens * hidden_size, tokens * top_k);
+    check_len("hidden", hidden.len, rows)?;
+    match routing {
+        Routing::Ids { ids, weights } => {
+            check_len("topk_ids", ids, pairs)?;
+            check_len("topk_weights", weights, pairs)?;
+        }
+        Routing::Logits { logits, experts } => check_len("router_logits", logits, tokens * experts)?,
+    }
+    check_len("out", out.len, rows)?;
+    if tokens > 0 {
+        check_align("hidden", hidden.addr, 16)?;
+        check_align("out", out.addr, 16)?;
+    }
+    Ok(())
+}
 
 /// The workspace buffers a forward writes (all but the router's).
 struct Scratch<'a> {
@@ -357,7 +398,8 @@ impl MoeLayer {
     ///
     /// # Errors
     /// More tokens or a larger top-k than the layer was made for, a workspace of another layer
-    /// (another shape or intermediate format), a buffer too small, or a failed launch.
+    /// (another shape or intermediate format), a buffer too small, `hidden` or `out` not 16-byte
+    /// aligned, or a failed launch. All but the last are found before anything is enqueued.
     pub fn forward<H, I, W, O>(
         &self,
         stream: &CudaStream,
@@ -372,8 +414,30 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         self.check_tokens(input.tokens, input.top_k, ws)?;
+        let routing = Routing::Ids { ids: input.topk_ids.len(), weights: input.topk_weights.len() };
+        self.check_buffers(stream, input.hidden, out, input.tokens, input.top_k, routing)?;
         let MoeWorkspace { perm, act, y, fp4, .. } = ws;
         self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
+    }
+
+    /// Checks the caller's buffers of a forward ([`check_forward_buffers`]) before anything is
+    /// enqueued (taking their addresses enqueues nothing).
+    fn check_buffers<H, O>(
+        &self,
+        stream: &CudaStream,
+        hidden: &H,
+        out: &mut O,
+        tokens: usize,
+        top_k: usize,
+        routing: Routing,
+    ) -> Result<()>
+    where
+        H: DevicePtr<bf16>,
+        O: DevicePtrMut<bf16>,
+    {
+        let l = Launch::new(stream)?;
+        let (hidden, out) = (l.input(hidden).info(), l.output(out).info());
+        check_forward_buffers(self.weights.hidden, tokens, top_k, hidden, out, routing)
     }
 
     /// The forward's launches over the workspace's parts (split so that the router path can
@@ -425,6 +489,9 @@ impl MoeLayer {
     /// Routes with softmax top-k over the router logits of `input` (renormalized if asked), then
     /// [`MoeLayer::forward`].
     ///
+    /// Every argument (the router logits' length included) is checked before the router's launch:
+    /// an argument error enqueues nothing, as for [`MoeLayer::forward`].
+    ///
     /// # Errors
     /// As [`MoeLayer::forward`], or bad routing arguments ([`softmax_topk_into`]).
     pub fn forward_with_router<H, L, O>(
@@ -441,6 +508,10 @@ impl MoeLayer {
     {
         let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
         self.check_tokens(tokens, top_k, ws)?;
+        // Every argument before the router's launch (its own checks come first too: top_k and
+        // experts are the layer's, its ids and weights the workspace's, sized by check_tokens).
+        let routing = Routing::Logits { logits: router_logits.len(), experts: self.weights.experts };
+        self.check_buffers(stream, hidden, out, tokens, top_k, routing)?;
         let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
         let spec = TopK { tokens, experts: self.weights.experts, top_k, renormalize };
         softmax_topk_into(stream, router_logits, spec, ids, weights)?;
@@ -455,5 +526,62 @@ impl MoeLayer {
     /// (including one from earlier asynchronous work on `stream`).
     pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
         ws.perm.check(stream, top_k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every buffer rule of a forward is checked by the one function both forwards call before
+    /// they enqueue anything: each short buffer is named with its sizes, a misaligned `hidden` or
+    /// `out` is refused (the combine used to find a misaligned `out` after the permutation and
+    /// both GEMMs were enqueued), and buffers of an empty forward need no alignment.
+    #[test]
+    fn forward_buffers_are_checked_in_one_place() {
+        let (h, t, k, e) = (64usize, 3usize, 2usize, 8usize);
+        let buf = |addr: u64, len: usize| BufferInfo { addr, len };
+        let (hidden, out) = (buf(0x1000, t * h), buf(0x9000, t * h));
+        let ids = Routing::Ids { ids: t * k, weights: t * k };
+        let logits = Routing::Logits { logits: t * e, experts: e };
+        for routing in [ids, logits] {
+            assert!(check_forward_buffers(h, t, k, hidden, out, routing).is_ok());
+        }
+        let too_small = |r: Result<()>| match r {
+            Err(Error::BufferTooSmall { name, needed, actual }) => Some((name, needed, actual)),
+            _ => None,
+        };
+        let short_hidden = buf(0x1000, t * h - 1);
+        assert_eq!(
+            too_small(check_forward_buffers(h, t, k, short_hidden, out, logits)),
+            Some(("hidden", t * h, t * h - 1))
+        );
+        let short_out = buf(0x9000, t * h - 1);
+        assert_eq!(
+            too_small(check_forward_buffers(h, t, k, hidden, short_out, logits)),
+            Some(("out", t * h, t * h - 1))
+        );
+        assert_eq!(too_small(check_forward_buffers(h, t, k, hidden, short_out, ids)), Some(("out", t * h, t * h - 1)));
+        let short_logits = Routing::Logits { logits: t * e - 1, experts: e };
+        assert_eq!(
+            too_small(check_forward_buffers(h, t, k, hidden, out, short_logits)),
+            Some(("router_logits", t * e, t * e - 1))
+        );
+        for (routing, name) in [
+            (Routing::Ids { ids: t * k - 1, weights: t * k }, "topk_ids"),
+            (Routing::Ids { ids: t * k, weights: t * k - 1 }, "topk_weights"),
+        ] {
+            assert_eq!(too_small(check_forward_buffers(h, t, k, hidden, out, routing)), Some((name, t * k, t * k - 1)));
+        }
+        for (hb, ob, name) in [(buf(0x1002, t * h), out, "hidden"), (hidden, buf(0x9008, t * h), "out")] {
+            for routing in [ids, logits] {
+                match check_forward_buffers(h, t, k, hb, ob, routing) {
+                    Err(Error::Misaligned { name: n, align: 16, .. }) => assert_eq!(n, name),
+                    other => panic!("misaligned {name}: {other:?}"),
+                }
+            }
+        }
+        let empty = Routing::Logits { logits: 0, experts: e };
+        assert!(check_forward_buffers(h, 0, k, buf(0x1002, 0), buf(0x9008, 0), empty).is_ok());
     }
 }

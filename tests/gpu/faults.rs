@@ -453,6 +453,111 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
     }
 }
 
+/// Argument errors come back before anything is enqueued (`MoeLayer::forward`'s docs), through
+/// both forwards: each rejected call is made while its stream is captured into a CUDA graph
+/// (event tracking off, as capture needs), and the captured graph must have no node. Short
+/// `hidden`, `out` and routing buffers, and a `hidden` or `out` 2 bytes off 16-byte alignment.
+/// Before the fix, `forward_with_router` launched its softmax top-k kernel before it checked
+/// `hidden` and `out` (a node in the graph), and both forwards found a misaligned `out` only in the
+/// combine, after the permutation and both GEMMs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rejected_forwards_enqueue_nothing() {
+    use cudarc::driver::sys::{cuGraphGetNodes, CUstreamCaptureMode};
+    use cudarc::driver::{result, DevicePtr, DevicePtrMut};
+    let ctx = CudaContext::new(0).unwrap();
+    // SAFETY: this test's buffers are used on one stream, synchronized before they are dropped.
+    unsafe { ctx.disable_event_tracking() };
+    let s = ctx.new_stream().unwrap();
+    let mut rng = test_rng();
+    let rp = replay();
+    let (e, h, i, t, k) = (16usize, 256usize, 192usize, 50usize, 4usize);
+    eprintln!("rejected forwards enqueue nothing: E={e} H={h} I={i} T={t} k={k}: {rp}");
+    let ck = random_checkpoint(&mut rng, e, h, i);
+    let x = host_inputs(&mut rng, t, h, e, k);
+    let d = upload(&s, &x);
+    let layer = make_layer(&s, &ck, 64, k, Intermediate::Bf16);
+    let mut ws = layer.workspace(&s).unwrap();
+    // One element more than needed, so that a view from element 1 has the length and is misaligned.
+    let mut hidden_big = s.alloc_zeros::<bf16>(t * h + 1).unwrap();
+    s.memcpy_htod(&x.hidden, &mut hidden_big.slice_mut(1..)).unwrap();
+    let (mut out, mut out_short, mut out_big) =
+        (poisoned_bf16(&s, t * h), poisoned_bf16(&s, t * h - 1), poisoned_bf16(&s, t * h + 1));
+    let short_hidden = s.clone_htod(&x.hidden[..t * h - 1]).unwrap();
+    let short_ids = s.clone_htod(&x.ids[..t * k - 1]).unwrap();
+    let short_weights = s.clone_htod(&x.weights[..t * k - 1]).unwrap();
+    let short_logits = s.clone_htod(&x.logits[..t * e - 1]).unwrap();
+    s.synchronize().unwrap();
+    /// One forward through the router (`logits` given) or with precomputed routing.
+    fn call<H: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
+        layer: &MoeLayer,
+        s: &Arc<CudaStream>,
+        hidden: &H,
+        (ids, weights, logits): (&CudaSlice<i32>, &CudaSlice<f32>, Option<&CudaSlice<f32>>),
+        out: &mut O,
+        ws: &mut MoeWorkspace,
+        (tokens, top_k): (usize, usize),
+    ) -> nvfp4_moe::Result<()> {
+        match logits {
+            Some(router_logits) => layer.forward_with_router(
+                s,
+                &RouterInput { hidden, tokens, router_logits, top_k, renormalize: true },
+                out,
+                ws,
+            ),
+            None => {
+                let input = MoeInput { hidden, tokens, topk_ids: ids, topk_weights: weights, top_k };
+                layer.forward(s, &input, out, ws)
+            }
+        }
+    }
+    let cases = [
+        "short hidden",
+        "misaligned hidden",
+        "short routing",
+        "short topk_weights",
+        "short output",
+        "misaligned output",
+    ];
+    for router in [false, true] {
+        for name in cases {
+            if router && name == "short topk_weights" {
+                continue;
+            }
+            let short_routing = name == "short routing";
+            let logits = router.then_some(if short_routing { &short_logits } else { &d.logits });
+            let ids = if short_routing { &short_ids } else { &d.ids };
+            let weights = if name == "short topk_weights" { &short_weights } else { &d.weights };
+            let routing = (ids, weights, logits);
+            let ctx_msg = format!("{name}, router={router}: {rp}");
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+            let tk = (t, k);
+            let r = match name {
+                "short hidden" => call(&layer, &s, &short_hidden, routing, &mut out, &mut ws, tk),
+                "misaligned hidden" => call(&layer, &s, &hidden_big.slice(1..), routing, &mut out, &mut ws, tk),
+                "short output" => call(&layer, &s, &d.hidden, routing, &mut out_short, &mut ws, tk),
+                "misaligned output" => call(&layer, &s, &d.hidden, routing, &mut out_big.slice_mut(1..), &mut ws, tk),
+                _ => call(&layer, &s, &d.hidden, routing, &mut out, &mut ws, tk),
+            };
+            // SAFETY: the stream is capturing (begun above on this thread).
+            let graph = unsafe { result::stream::end_capture(s.cu_stream()) }.unwrap();
+            let mut nodes = 0usize;
+            // SAFETY: `graph` is the captured graph, destroyed once its nodes are counted.
+            unsafe {
+                cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes).result().unwrap();
+                result::graph::destroy(graph).unwrap();
+            }
+            let err = r.expect_err(&format!("must be rejected: {ctx_msg}"));
+            eprintln!("rejected ({name}, router={router}): {err}");
+            assert_eq!(nodes, 0, "{nodes} operations enqueued before the error ({err}): {ctx_msg}");
+        }
+    }
+    s.synchronize().unwrap();
+    for (what, o) in [("out", &out), ("short out", &out_short), ("misaligned out", &out_big)] {
+        assert!(s.clone_dtoh(o).unwrap().iter().all(|v| v.to_bits() == POISON_BF16), "{what} written: {rp}");
+    }
+}
+
 // ------------------------------------------------------------------------------------------------
 // (c) Handles dropped in every order
 
