@@ -202,7 +202,7 @@ pub struct MoeWorkspace {
 /// buffers (or the caller's stream and context handles) while forwards still run on the GPU is
 /// safe, without synchronizing the host: each buffer keeps its stream alive and its memory is freed
 /// stream-ordered after the work that uses it. This holds for a layer whose forwards run on
-/// several streams at once: its weights ([`Nvfp4Weights`](crate::gemm::Nvfp4Weights), the only
+/// several streams at once: its weights ([`Nvfp4Weights`], the only
 /// device memory a layer holds) record an event on each stream other than the one they were made
 /// on, and their free waits for every such stream, not only for the last one cudarc recorded. A
 /// workspace or a caller's buffer is freed after its last use (each use of a workspace is ordered
