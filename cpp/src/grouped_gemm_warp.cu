@@ -95,7 +95,6 @@ struct Smem {
   int active[kMaxExperts];
   int num_active;
   float red[2][kWarps][4][32];  // K-split partial sums: (round parity, warp, accumulator, lane)
-  alignas(8) uint64_t xbar[8];  // XStaging::kBulkSegments: x's segment s has arrived (phase 0)
 };
 // The warps' weight rings follow Smem (warp w's slot i at kRingOffset + (w * kDepth + i) *
 // kSlotBytes: the lane's 16 code bytes at lane * 16, its 8 scale bytes at 512 + lane * 8), then x,
@@ -162,12 +161,11 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 }
 
 // How x reaches shared memory: after the ring's first loads are issued (plain loads by every
-// thread); first (cp.async, one group, before the expert table is read, so that its latency
-// overlaps the table's and x is not queued behind the ring's first loads); or in K segments by
-// bulk copies (TMA, issued by one thread before the table is read), each segment with its own
-// mbarrier, so that a warp waits only for the segment of the chunk it reads next.
-enum class XStaging { kAfterRing, kFirst, kBulkSegments };
-constexpr int kXSegments = 8;  // at most (fewer where K has fewer chunks)
+// thread), or first (cp.async, one group, before the expert table is read, so that its latency
+// overlaps the table's and x is not queued behind the ring's first loads). (x in 8 K segments,
+// bulk-copied by one thread with an mbarrier each so that a warp waited only for the segment of
+// its next chunk, was 2-47% slower on every warp launch: PERF_NOTES.md session 12.)
+enum class XStaging { kAfterRing, kFirst };
 
 // kDepth: the ring's slots per warp (4 or 5 in the shipped kernels: ring_choice; others for A/B).
 template <GemmEpilogue kEpilogue, int kDepth, XStaging kX>
@@ -183,25 +181,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
                  if (threadIdx.x == 0) tr[0] = trace::now(), tr[4] = ~0ull, tr[5] = ~0ull, tr[6] = 0;)
   pdl::wait_and_release();
   NVFP4MOE_TRACE(if (threadIdx.x == 0) tr[1] = trace::now();)
-  // x's K segments (kBulkSegments): segment s holds chunks [s C / S, (s + 1) C / S).
-  const int x_segments = min(kXSegments, p.k / int(weights::kChunkK));
-  if constexpr (kX == XStaging::kBulkSegments) {
-    if (threadIdx.x == 0) {
-      const int k_chunks = p.k / int(weights::kChunkK);
-      for (int sg = 0; sg < x_segments; ++sg) cutlass::arch::ClusterTransactionBarrier::init(&sm.xbar[sg], 1);
-      cutlass::arch::fence_barrier_init();
-      const uint32_t row_bytes = uint32_t(p.k) * 2u + 16u;
-      for (int sg = 0; sg < x_segments; ++sg) {
-        const int lo = sg * k_chunks / x_segments, hi = (sg + 1) * k_chunks / x_segments;
-        const uint32_t bytes = uint32_t(hi - lo) * kXChunkBytes;
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&sm.xbar[sg], bytes * uint32_t(p.total_rows));
-        for (int r = 0; r < p.total_rows; ++r) {
-          cute::SM90_BULK_COPY_G2S::copy(x + int64_t(r) * p.k + int64_t(lo) * weights::kChunkK, &sm.xbar[sg],
-                                         xs + r * row_bytes + uint32_t(lo) * kXChunkBytes, int32_t(bytes));
-        }
-      }
-    }
-  }
   if constexpr (kX == XStaging::kFirst) {
     const uint32_t xs_addr = uint32_t(__cvta_generic_to_shared(xs));
     // x into shared memory: 16-byte pieces (k % 64 == 0).
@@ -299,9 +278,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   // x into shared memory: 16-byte pieces (k % 64 == 0).
   const int pieces_per_row = k / 8;
   const uint32_t row_bytes = uint32_t(k) * 2u + 16u;
-  if constexpr (kX == XStaging::kBulkSegments) {
-    // (each warp waits for x's segments as it reads them: await_x)
-  } else if constexpr (kX == XStaging::kFirst) {
+  if constexpr (kX == XStaging::kFirst) {
     // x's group is older than the ring's kDepth groups (or, without a unit, the only one).
     if (u0 < units) {
       cp_async_wait<kDepth>();
@@ -323,19 +300,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
                    if (lane == 0) tr[4] = trace::now();
                  })
   int round = 0;
-  // kBulkSegments: x's chunks below x_ready are in shared memory (this warp saw their segments'
-  // barriers complete). A warp's units all cover the chunks [kc_begin, kc_begin + chunks), so only
-  // its first unit waits.
-  int x_ready = kc_begin;
-  auto await_x = [&](int kc) {
-    if constexpr (kX == XStaging::kBulkSegments) {
-      if (kc >= x_ready) {
-        const int sg = ((kc + 1) * x_segments - 1) / k_chunks;  // the segment that holds chunk kc
-        cutlass::arch::ClusterBarrier::wait(&sm.xbar[sg], 0);
-        x_ready = (sg + 1) * k_chunks / x_segments;
-      }
-    }
-  };
 
   const int stride = int(gridDim.x) * teams;
   for (int u = u0; u < units; u += stride, ++round) {
@@ -353,10 +317,8 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     // (half the dependent mma.sync latency per chunk: 1.5-2% faster at T = 1, H200 2026-12-03).
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     float d1[4] = {0.f, 0.f, 0.f, 0.f};
-    int kc0 = 0;
     // Event i of a round: read slot i (chunk kc0 + i) and multiply it into d.
     auto consume = [&](int i) {
-      await_x(kc_begin + kc0 + i);
       cp_async_wait<kDepth - 1>();
       const uint32_t slot = ring + uint32_t(i * kSlotBytes);
       const uint4 cw = lds128(slot + uint32_t(lane) * 16u);
@@ -377,6 +339,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     // offsets from one pointer per round.
     const uint8_t* codes_next = un.codes_at + kDepth * weights::kChunkBytes;
     const uint8_t* scales_next = un.scales_at + kDepth * weights::kChunkBytes;
+    int kc0 = 0;
     for (; kc0 + 2 * kDepth <= chunks; kc0 += kDepth) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
@@ -464,13 +427,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
                    trace::publish(tr, p);
                  })
   cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
-  if constexpr (kX == XStaging::kBulkSegments) {
-    // Every bulk copy has landed before the CTA's shared memory is released (warps without units,
-    // and segments below a warp's kc_begin, were never waited for).
-    if (threadIdx.x == 0) {
-      for (int sg = 0; sg < x_segments; ++sg) cutlass::arch::ClusterBarrier::wait(&sm.xbar[sg], 0);
-    }
-  }
 }
 
 template <GemmEpilogue kEpilogue, int kDepth, XStaging kX>
@@ -509,10 +465,10 @@ Status launch_shipped(const Params& p, const void* x, int sms, cudaStream_t stre
 // shipped kernels alone, the only ones its GPU tests run): then NVFP4MOE_WARP_VARIANT (read once;
 // PERF_NOTES.md sessions 11-12) = d5 (session 11's kernel: 5 slots, x after the ring's first
 // loads, for every launch), d7, d4 or d3 (that many slots where x fits beside them, else the
-// shipped choice), x (5 slots, x staged first, for every launch), or xs (ring_choice's slots, x
-// in bulk-copied K segments for every launch); unset or anything else: the shipped choice.
+// shipped choice), or x (5 slots, x staged first, for every launch); unset or anything else: the
+// shipped choice.
 #if defined(NVFP4MOE_WARP_VARIANTS)
-enum class Variant { kShipped, kDepth5, kDepth7, kDepth4, kDepth3, kXFirst, kXSegments };
+enum class Variant { kShipped, kDepth5, kDepth7, kDepth4, kDepth3, kXFirst };
 Variant variant() {
   static const Variant v = [] {
     const char* e = std::getenv("NVFP4MOE_WARP_VARIANT");
@@ -522,7 +478,6 @@ Variant variant() {
            : s == "d4" ? Variant::kDepth4
            : s == "d3" ? Variant::kDepth3
            : s == "x"  ? Variant::kXFirst
-           : s == "xs" ? Variant::kXSegments
                        : Variant::kShipped;
   }();
   return v;
@@ -530,7 +485,7 @@ Variant variant() {
 
 template <GemmEpilogue kEpilogue>
 Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stream) {
-  constexpr XStaging kAfter = XStaging::kAfterRing, kBulk = XStaging::kBulkSegments;
+  constexpr XStaging kAfter = XStaging::kAfterRing;
   switch (variant()) {
     case Variant::kDepth5: return launch_one<kEpilogue, 5, kAfter>(p, x, sms, stream);
     case Variant::kDepth7:
@@ -539,9 +494,6 @@ Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stre
     case Variant::kDepth4: return launch_one<kEpilogue, 4, kAfter>(p, x, sms, stream);
     case Variant::kDepth3: return launch_one<kEpilogue, 3, kAfter>(p, x, sms, stream);
     case Variant::kXFirst: return launch_one<kEpilogue, kDepth, XStaging::kFirst>(p, x, sms, stream);
-    case Variant::kXSegments:
-      return ring_choice(p.total_rows, p.k, p.splits).slots == 4 ? launch_one<kEpilogue, 4, kBulk>(p, x, sms, stream)
-                                                                 : launch_one<kEpilogue, kDepth, kBulk>(p, x, sms, stream);
     default: break;
   }
   return launch_shipped<kEpilogue>(p, x, sms, stream);
