@@ -106,9 +106,11 @@ step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memche
 # does for a minimal kernel with that pattern and not for the same kernel with __syncthreads
 # (scripts/racecheck-probe.cu). Those GEMM kernels are excluded here (their mangled names hold
 # `GemmEpilogueE3`, the enum's value); every other kernel the tests launch is checked.
-# faults::nan_in_one_token_changes_only_its_row is skipped here: under racecheck its process exited
-# with an error before reporting a result (H200, 2026-12-03; open: it passes without a sanitizer
-# and under memcheck and synccheck).
+# faults::nan_in_one_token_changes_only_its_row is skipped here: under racecheck its process is
+# killed by the host's OOM killer, as is gemm::swiglu::swiglu_epilogues_match_reference_and_each_other's
+# (dmesg: 130 GB resident on a 128 GB machine; H200, 2026-12-03, session 12): racecheck's host
+# memory for those tests' launches, not a fault (both pass without a sanitizer and under memcheck
+# and synccheck). The SwiGLU test still runs here, so the step fails until it has smaller shapes.
 step racecheck "$t_race" -- "${cs[@]}" racecheck --kernel-name-exclude kns=GemmEpilogueE3 "$bin" "${common[@]}" \
   layer_ swiglu faults:: --skip sweep:: --skip faults::nan_in_one_token
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep::
