@@ -32,7 +32,9 @@ use crate::launch::{self, check_align, check_len, BufferInfo, Launch};
 /// stream's reads only, so the weights keep their own: each launch on a stream other than the home
 /// stream records an event there (one event per such stream, re-recorded by its next launch), and
 /// dropping the weights makes the home stream wait for each. Nothing synchronizes the host; a
-/// launch on the home stream itself records nothing (the free is ordered after it there). The
+/// launch on the home stream itself records nothing (the free is ordered after it there); the
+/// per-thread default stream, one handle for a different stream in every thread, counts as
+/// another stream in every thread; events already complete are not kept. The
 /// weights keep these events, not the streams: a stream dropped with launches pending is released
 /// by CUDA once they finish, so its handle is not reused before. With event tracking disabled
 /// (e.g. for CUDA-graph capture) nothing is recorded and the caller must keep the weights alive
@@ -53,13 +55,22 @@ pub struct Nvfp4Weights {
 }
 
 /// The streams other than their home stream that launches read a [`Nvfp4Weights`] on: per stream
-/// (keyed by its context and raw handle) an event recorded after its last such launch.
+/// (keyed by its context, raw handle and, for the per-thread default stream, the thread) an event
+/// recorded after its last such launch.
 #[derive(Debug, Default)]
 struct ForeignReads {
-    events: Vec<((usize, usize), CudaEvent)>,
+    events: Vec<(StreamKey, CudaEvent)>,
     /// An event could not be recorded after a launch: the drop synchronizes the context instead.
     synchronize_on_drop: bool,
 }
+
+/// A stream's identity for [`ForeignReads`]: context, raw handle, and the thread where the handle
+/// is the per-thread default stream's.
+type StreamKey = (usize, usize, Option<std::thread::ThreadId>);
+
+/// `CU_STREAM_PER_THREAD`: the handle of every thread's own default stream (cudarc's
+/// `CudaContext::per_thread_stream`).
+const PER_THREAD_STREAM: usize = 0x2;
 
 impl Drop for Nvfp4Weights {
     /// Orders the free of the weights' memory (on the home stream, by the fields' own drops, which
@@ -255,22 +266,32 @@ impl Nvfp4Weights {
     /// Records that a launch just enqueued on `stream` reads the weights (see the type's docs):
     /// nothing for the home stream or with event tracking off, else an event on `stream`, so that
     /// the drop orders the free after it. Cheap: a stream comparison in the single-stream case.
-    fn note_read(&self, stream: &CudaStream) -> Result<()> {
+    /// A per-thread default stream (one handle, a different stream in every thread) is never
+    /// taken for the home stream, and its events are kept per thread. Events already complete
+    /// are dropped before a new one is kept, so a caller that makes a stream per request does
+    /// not grow the list. If no event can be recorded the drop synchronizes the context instead
+    /// (the launch itself is not failed: it was enqueued).
+    fn note_read(&self, stream: &CudaStream) {
         let ctx = stream.context();
-        if *stream == **self.prepared.stream() || !ctx.is_managing_stream_synchronization() {
-            return Ok(());
+        let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
+        if (!per_thread && *stream == **self.prepared.stream()) || !ctx.is_managing_stream_synchronization() {
+            return;
         }
-        let key = (ctx.cu_ctx() as usize, stream.cu_stream() as usize);
+        let thread = per_thread.then(|| std::thread::current().id());
+        let key = (ctx.cu_ctx() as usize, stream.cu_stream() as usize, thread);
         let mut reads = self.foreign_reads.lock().unwrap_or_else(PoisonError::into_inner);
-        let recorded = match reads.events.iter().find(|(k, _)| *k == key) {
+        let recorded = match reads.events.iter().position(|(k, _)| *k == key) {
             // Re-recorded: it now covers every launch on `stream` so far (stream order).
-            Some((_, event)) => event.record(stream),
-            None => stream.record_event(None).map(|event| reads.events.push((key, event))),
+            Some(i) => reads.events[i].1.record(stream),
+            None => {
+                reads.events.retain(|(_, event)| !event.is_complete());
+                stream.record_event(None).map(|event| reads.events.push((key, event)))
+            }
         };
-        if recorded.is_err() {
+        if let Err(e) = recorded {
             reads.synchronize_on_drop = true;
+            ctx.record_err(Err::<(), _>(e));
         }
-        Ok(recorded?)
     }
 
     /// Uploads host weights and prepares them.
@@ -490,8 +511,8 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
         // prepared for (E, n, k).
         let launched = unsafe { l.launch(&args, raw::grouped_gemm_nvfp4_can_implement, raw::grouped_gemm_nvfp4) };
         // Noted even when the launch failed: part of it may have been enqueued.
-        let noted = w.note_read(l.stream());
-        launched.and(noted)
+        w.note_read(l.stream());
+        launched
     }
 }
 

@@ -390,8 +390,9 @@ impl MoeLayer {
     /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
     /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
     ///
-    /// Argument errors are returned before anything is enqueued: `out` is untouched and the next
-    /// forward is unaffected. A bad expert id is not an argument error (the ids are on the
+    /// Argument errors are returned before any kernel, copy or memset is enqueued (with cudarc's
+    /// event tracking on, taking the buffers' addresses for the checks enqueues its event waits
+    /// and records, nothing else): `out` is untouched and the next forward is unaffected. A bad expert id is not an argument error (the ids are on the
     /// device): its slot contributes nothing (a token whose slots are all bad gets a zero row) and
     /// the forward's other tokens are computed as usual. See the type's docs for non-finite
     /// input.
@@ -420,8 +421,9 @@ impl MoeLayer {
         self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
     }
 
-    /// Checks the caller's buffers of a forward ([`check_forward_buffers`]) before anything is
-    /// enqueued (taking their addresses enqueues nothing).
+    /// Checks the caller's buffers of a forward ([`check_forward_buffers`]) before any kernel or
+    /// copy is enqueued (taking their addresses enqueues only cudarc's event bookkeeping, with
+    /// event tracking on).
     fn check_buffers<H, O>(
         &self,
         stream: &CudaStream,
@@ -458,10 +460,9 @@ impl MoeLayer {
         let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
         let Scratch { perm, act, y, fp4 } = scratch;
         let (h, pairs) = (self.weights.hidden, tokens * top_k);
-        check_len("hidden", hidden.len(), tokens * h)?;
-        check_len("topk_ids", topk_ids.len(), pairs)?;
-        check_len("topk_weights", topk_weights.len(), pairs)?;
-        check_len("out", out.len(), tokens * h)?;
+        // Checked by both callers (check_buffers) before anything was enqueued.
+        debug_assert!(hidden.len() >= tokens * h && out.len() >= tokens * h);
+        debug_assert!(topk_ids.len() >= pairs && topk_weights.len() >= pairs);
         let l1 = self.plan::<SwigluBf16>(&self.weights.w13)?;
         let l2 = self.plan::<PlainBf16>(&self.weights.w2)?;
         perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
@@ -490,7 +491,7 @@ impl MoeLayer {
     /// [`MoeLayer::forward`].
     ///
     /// Every argument (the router logits' length included) is checked before the router's launch:
-    /// an argument error enqueues nothing, as for [`MoeLayer::forward`].
+    /// an argument error enqueues no kernel or copy, as for [`MoeLayer::forward`].
     ///
     /// # Errors
     /// As [`MoeLayer::forward`], or bad routing arguments ([`softmax_topk_into`]).
