@@ -12,11 +12,18 @@
 #    duration (--clock-control none, caches flushed; median of 5 launches) per case and variant of
 #    $NCU_VARIANTS (default: all): the issue's measure for launches whose floor is under 5 us.
 # $NVFP4MOE_BUNDLE: the bundle's folder (default gpu-bundle).
+# The wgmma tiles' variants (built with NVFP4MOE_GEMM_VARIANTS=1) the same way:
+#   VARIANT_ENV=NVFP4MOE_GEMM_VARIANT VARIANTS="shipped h" BENCH='/T1024$' TESTS="gemm:: layer_"
+# ($BENCH: the criterion filter of step 2; $TESTS and $MEMCHECK_TESTS: the test filters of step 1.)
 # Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 variants=(${VARIANTS:-shipped d5 d4 x})
+venv=${VARIANT_ENV:-NVFP4MOE_WARP_VARIANT}
+bench=${BENCH:-/T1\$}
+tests=(${TESTS:-warp swiglu layer_ faults::})
+memcheck_tests=(${MEMCHECK_TESTS:-warp swiglu})
 rounds=${ROUNDS:-2}
 b=${NVFP4MOE_BUNDLE:-gpu-bundle}
 t=$b/tests/test-gpu
@@ -29,14 +36,14 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
 fail=0
 for v in "${variants[@]:1}"; do
   log="$out/ab-tests-$v.log"
-  NVFP4MOE_WARP_VARIANT=$v timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 warp swiglu layer_ \
-    faults:: --skip sweep:: >"$log" 2>&1 || fail=1
+  env "$venv=$v" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 "${tests[@]}" --skip sweep:: \
+    >"$log" 2>&1 || fail=1
   echo "tests [$v]: $(grep -E '^test result' "$log" | tail -1)"
   grep -E '^test .* FAILED' "$log" | head -5
   [ "${MEMCHECK:-1}" = 0 ] && continue
   log="$out/ab-memcheck-$v.log"
-  NVFP4MOE_WARP_VARIANT=$v timeout --kill-after=15s 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$t" \
-    --include-ignored --test-threads=1 warp swiglu --skip sweep:: >"$log" 2>&1 || fail=1
+  env "$venv=$v" timeout --kill-after=15s 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$t" \
+    --include-ignored --test-threads=1 "${memcheck_tests[@]}" --skip sweep:: >"$log" 2>&1 || fail=1
   echo "memcheck [$v]: $(grep -E '^test result' "$log" | tail -1) | $(grep -E 'ERROR SUMMARY' "$log" | tail -1)"
 done
 export NVFP4MOE_BF16_TFLOPS=${NVFP4MOE_BF16_TFLOPS:-790}
@@ -45,7 +52,7 @@ rows="$out/ab-gemm.txt"
 order=("${variants[@]}")
 for ((r = 0; r < rounds; r++)); do
   for v in "${order[@]}"; do
-    NVFP4MOE_WARP_VARIANT=$v timeout 120 "$g" --bench '/T1$' 2>&1 | sed -n '/: summary/,$p' | grep -E 'T1 ' |
+    env "$venv=$v" timeout 200 "$g" --bench "$bench" 2>&1 | sed -n '/: summary/,$p' | grep -E '/T[0-9]+ ' |
       awk -v v="$v" '{print v, $1, $2, $3}' >>"$rows"
   done
   # The next round in reverse order, so that no variant always runs first.
@@ -73,7 +80,7 @@ if [ ${#ncu_cases[@]} -gt 0 ]; then
     line="$c"
     for v in "${ncu_variants[@]}"; do
       log="$out/ncu-$(echo "$c" | tr -c 'A-Za-z0-9-' _)-$v.csv"
-      NVFP4MOE_WARP_VARIANT=$v timeout 150 ncu --clock-control none --cache-control all -k regex:grouped_gemm \
+      env "$venv=$v" timeout 150 ncu --clock-control none --cache-control all -k regex:grouped_gemm \
         -s 5 -c 5 --metrics gpu__time_duration.sum --csv "$g" --bench "$c" >"$log" 2>&1
       med=$(python3 -c '
 import csv, statistics, sys
