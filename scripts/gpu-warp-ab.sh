@@ -12,9 +12,10 @@
 #    duration (--clock-control none, caches flushed; median of 5 launches) per case and variant of
 #    $NCU_VARIANTS (default: all): the issue's measure for launches whose floor is under 5 us.
 # $NVFP4MOE_BUNDLE: the bundle's folder (default gpu-bundle).
-# The wgmma tiles' variants (built with NVFP4MOE_GEMM_VARIANTS=1) the same way:
-#   VARIANT_ENV=NVFP4MOE_GEMM_VARIANT VARIANTS="shipped h" BENCH='/T1024$' TESTS="gemm:: layer_"
-# ($BENCH: the criterion filter of step 2; $TESTS and $MEMCHECK_TESTS: the test filters of step 1.)
+# $BENCH: the criterion filter of step 2 (default '/T1$'); $TESTS and $MEMCHECK_TESTS: the test
+# filters of step 1 (TESTS=none: no tests, for timing probes whose results are wrong); $VARIANT_ENV:
+# the variable that picks the variant (default NVFP4MOE_WARP_VARIANT; session 13 timed the wgmma
+# tiles' variants of 504c7d8 with NVFP4MOE_GEMM_VARIANT).
 # Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -35,6 +36,7 @@ done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
 fail=0
 for v in "${variants[@]:1}"; do
+  [ "${tests[*]}" = none ] && break
   log="$out/ab-tests-$v.log"
   env "$venv=$v" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 "${tests[@]}" --skip sweep:: \
     >"$log" 2>&1 || fail=1
@@ -68,9 +70,9 @@ for line in open(rows):
     tile.setdefault(n, t)
     if n not in order:
         order.append(n)
-print("launch".ljust(40) + "".join(v.rjust(15) for v in vs))
+print("launch".ljust(40) + "".join(v.rjust(19) for v in vs))
 for n in order:
-    print(f"{n} {tile[n]}".ljust(40) + "".join("/".join(f"{x:.2f}" for x in d[(n, v)]).rjust(15) for v in vs))
+    print(f"{n} {tile[n]}".ljust(40) + "".join("/".join(f"{x:.2f}" for x in d[(n, v)]).rjust(19) for v in vs))
 PY
 ncu_cases=(${NCU_CASES:-})
 ncu_variants=(${NCU_VARIANTS:-${variants[@]}})

@@ -59,7 +59,7 @@ struct Params {
 // small-N tiles need few registers, and two CTAs double the warps that convert weights, which
 // bounds decode throughput.
 template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true,
-          int kMaxSplits_ = 1, int kChunks_ = 1, bool kHalfChunks_ = false>
+          int kMaxSplits_ = 1, int kChunks_ = 1>
 struct Config {
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
@@ -73,11 +73,6 @@ struct Config {
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
-  // Unpipelined tiles only: each 64-K chunk converted in two 32-K halves into two 8-register
-  // fragments in turn, one half's wgmma group in flight while the next half converts (the
-  // registers of one 16-register chunk fragment, the overlap of a pipelined schedule).
-  static constexpr bool kHalfChunks = kHalfChunks_;
-  static_assert(!kHalfChunks_ || !kPipelined_, "half chunks pipeline an unpipelined tile's chunks");
   // Split-K over clusters of up to kMaxSplits CTAs (gemm_splitk.cuh); 1: never split.
   static constexpr int kMaxSplits = kMaxSplits_;
   // Prepared 64-K chunks per consumer warpgroup per stage: K per stage is 64 kChunks.
@@ -97,9 +92,9 @@ struct Config {
   // 256-K stage would need 64 registers), one for N64 (32 registers of accumulators).
   static constexpr int kUnpipelinedFragChunks = (48 - kAccum) / 16;
   static constexpr int kFragChunks =
-      kHalfChunks_ ? 1 : kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
+      kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
   static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
-  static constexpr int kFragK = kHalfChunks_ ? kTileK / 2 : kTileK * kFragChunks;
+  static constexpr int kFragK = kTileK * kFragChunks;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
   static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
@@ -128,7 +123,7 @@ struct Config {
 };
 
 // The tile list: X(name, kBlockN, stages, CTAs per SM, pipelined, max split-K CTAs, 64-K chunks
-// per stage, half-chunk fragments), one line per tile (the build parses the lines that start with "  X(").
+// per stage), one line per tile (the build parses the lines that start with "  X(").
 // - N8 (and N8SplitK), at most 8 rows in all (T = 1): N16's schedule with m64n8k16 wgmmas, half
 //   the MMA work and half the x bytes per stage (15/16 of N16's are padding at one row): 4-8% faster
 //   than N16 on the T = 1 launches with few tiles, 1.5% slower on deepseek-v3 L1 (2026-12-02).
@@ -150,28 +145,20 @@ struct Config {
 //   one-CTA, chunk-pipelined N64 (8 stages) at 64 rows per expert: the GEMMs 5-11% faster
 //   (qwen3-30b-a3b L2 71.2 -> 63.5 us), the layer 5-8% (2026-12-02, PERF_NOTES.md).
 // - N128, prefill.
-#define NVFP4MOE_GEMM_TILES(X)               \
-  X(N8, 8, 4, 2, false, 1, 4, false)         \
-  X(N8SplitK, 8, 4, 2, false, 4, 4, false)   \
-  X(N16, 16, 3, 2, false, 1, 4, false)       \
-  X(N16SplitK, 16, 3, 2, false, 4, 4, false) \
-  X(N32, 32, 5, 2, false, 1, 2, false)       \
-  X(N64, 64, 3, 2, false, 1, 2, false)       \
-  X(N128, 128, 8, 1, true, 1, 1, false)
-
-// A/B variants (the same parameters), compiled only with the CMake option NVFP4MOE_GEMM_VARIANTS
-// (which defines the macro of that name; not for release), chosen at run time by
-// NVFP4MOE_GEMM_VARIANT (grouped_gemm.cu). N64H and N32H: N64 and N32 with half-chunk fragments.
-#define NVFP4MOE_GEMM_VARIANT_TILES(V)       \
-  V(N32H, 32, 5, 2, false, 1, 2, true)       \
-  V(N64H, 64, 3, 2, false, 1, 2, true)
+#define NVFP4MOE_GEMM_TILES(X)          \
+  X(N8, 8, 4, 2, false, 1, 4)           \
+  X(N8SplitK, 8, 4, 2, false, 4, 4)     \
+  X(N16, 16, 3, 2, false, 1, 4)         \
+  X(N16SplitK, 16, 3, 2, false, 4, 4)   \
+  X(N32, 32, 5, 2, false, 1, 2)         \
+  X(N64, 64, 3, 2, false, 1, 2)         \
+  X(N128, 128, 8, 1, true, 1, 1)
 
 // ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the list for epilogue E.
-#define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks, half) \
-  template <GemmEpilogue E>                                                                          \
-  using Config##name = Config<block_n, stages, min_blocks, E, pipelined, max_splits, chunks, half>;
+#define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks) \
+  template <GemmEpilogue E>                                                                    \
+  using Config##name = Config<block_n, stages, min_blocks, E, pipelined, max_splits, chunks>;
 NVFP4MOE_GEMM_TILES(NVFP4MOE_GEMM_ALIAS)
-NVFP4MOE_GEMM_VARIANT_TILES(NVFP4MOE_GEMM_ALIAS)
 #undef NVFP4MOE_GEMM_ALIAS
 
 }  // namespace nvfp4moe::gemm

@@ -173,8 +173,8 @@ struct MainloopConsumer {
     const uint64_t desc_b0 = uint64_t(tCrB.data().desc_);
     auto desc_b = [&](int kb, int s) { return desc_b0 + uint64_t(int(tCrB.layout()(0, 0, kb, s))); };
     using MmaOp = typename Cfg::MmaOp;
-    // The kFragK / 16 m64 x kBlockN x k16 wgmmas of one fragment, k-blocks [kb0, kb0 + kFragK / 16)
-    // of stage s, committed as one group. (All of them in a partial last stage too: a
+    // The 4 kFragChunks m64 x kBlockN x k16 wgmmas of one fragment, k-blocks [kb0, kb0 + 4
+    // kFragChunks) of stage s, committed as one group. (All of them in a partial last stage too: a
     // predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
     auto issue_range = [&](int s, int kb0, auto& frag) {
       fence_a(frag);
@@ -182,7 +182,7 @@ struct MainloopConsumer {
       warpgroup_arrive();
       const uint64_t desc_s = desc_b(0, s);
       CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < Cfg::kFragK / 16; ++kb) {
+      for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {
         wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb0 + kb, 0))), accum,
                         tiled_mma.accumulate_);
         tiled_mma.accumulate_ = GMMA::ScaleOut::One;
@@ -224,79 +224,6 @@ struct MainloopConsumer {
       warpgroup_wait<0>();
       warpgroup_fence_operand(accum);
       release_stage(release);
-    } else if constexpr (Cfg::kHalfChunks) {
-      // Each chunk in two 32-K halves, into tCrA0 (k-blocks 0-1) and tCrA1 (2-3): before a half is
-      // converted, the wait for at most one outstanding group retires the group that last read its
-      // fragment, so one group is always in flight while a half converts. A stage is released
-      // once the group of its last half has retired: at the wait before the next stage's first
-      // chunk's second half. The next chunk's words are read while the current groups run.
-      static_assert(Cfg::kFragK == 32, "two k-blocks per fragment");
-      // k-blocks 2 half and 2 half + 1 of chunk words c -> frag.
-      auto decode_half = [&](const ChunkWords& c, auto& frag, auto half) {
-        Tensor a_words = recast<uint32_t>(frag);  // 8 registers: bf16 pairs, 4 per k-block
-        const uint32_t cw4[4] = {c.codes.x, c.codes.y, c.codes.z, c.codes.w};
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 2; ++i) {
-          constexpr int kHalf = decltype(half)::value;
-          uint32_t a[4];
-          weights::decode_kblock(cw4[2 * kHalf + i], c.scales, 2 * kHalf + i, a);
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 4; ++j) a_words(i * 4 + j) = a[j];
-        }
-      };
-      auto wait_frag = [&](auto& frag) {
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(accum);
-        fence_a(frag);
-      };
-      // Chunks of this CTA's last stage inside K (the producer loads no others).
-      const int last_chunks = min(Cfg::kChunks, k_tiles - (kc_end - 1) * Cfg::kChunks);
-      int left = kc_end - kc_begin;  // stages left, this one included
-      int chunks = left == 1 ? last_chunks : Cfg::kChunks;
-      pipeline.consumer_wait(state);
-      int s = state.index();
-      ChunkWords cur = load_chunk(s, 0);
-      // The first chunk, peeled off: nothing is in flight before it (every later half waits, on
-      // every path, so that ptxas keeps the wgmmas asynchronous).
-      decode_half(cur, tCrA0, Int<0>{});
-      issue_range(s, 0, tCrA0);
-      decode_half(cur, tCrA1, Int<1>{});
-      issue_range(s, 2, tCrA1);
-      if (1 < chunks) cur = load_chunk(s, 1);
-      auto previous = state;
-      // Chunk h of stage s (its words in cur); `release`: the previous stage is released once its
-      // last group has retired.
-      auto step = [&](int h, bool release) {
-        wait_frag(tCrA0);
-        decode_half(cur, tCrA0, Int<0>{});
-        issue_range(s, 4 * h, tCrA0);
-        wait_frag(tCrA1);
-        if (release) release_stage(previous);
-        decode_half(cur, tCrA1, Int<1>{});
-        issue_range(s, 4 * h + 2, tCrA1);
-        if (h + 1 < chunks) cur = load_chunk(s, h + 1);
-      };
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 1; h < Cfg::kChunks; ++h) {
-        if (h < chunks) step(h, false);
-      }
-      for (--left; left > 0; --left) {
-        previous = state;
-        ++state;
-        chunks = left == 1 ? last_chunks : Cfg::kChunks;
-        pipeline.consumer_wait(state);
-        s = state.index();
-        cur = load_chunk(s, 0);
-        CUTLASS_PRAGMA_UNROLL
-        for (int h = 0; h < Cfg::kChunks; ++h) {
-          if (h == 0 || h < chunks) step(h, h == 0);
-        }
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(accum);
-      fence_a(tCrA0);
-      release_stage(state);
-      ++state;
     } else {
       // One fragment of kFragChunks chunks, kParts per stage: each part's group retires before the
       // next part is converted. The next part's shared-memory words are read while the current

@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
-#include <string>
 #include <type_traits>
 
 namespace nvfp4moe {
@@ -42,18 +41,6 @@ bool warp_kernel_on() {
   }();
   return on;
 }
-
-#if defined(NVFP4MOE_GEMM_VARIANTS)
-// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64h", "n32h" or "h" (both) runs those tiles'
-// half-chunk variants (gemm_config.cuh) instead; read once.
-bool gemm_variant(const char* tile) {
-  static const std::string v = [] {
-    const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
-    return std::string(e ? e : "");
-  }();
-  return v == "h" || v == tile;
-}
-#endif
 
 }  // namespace
 
@@ -208,17 +195,8 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       case GemmTile::kM128N16:
         return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
                             : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
-#if defined(NVFP4MOE_GEMM_VARIANTS)
-      case GemmTile::kM128N32:
-        return gemm_variant("n32h") ? launch_grouped_gemm<gemm::ConfigN32H<E>>(map, p, sms, st)
-                                    : launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
-      case GemmTile::kM128N64:
-        return gemm_variant("n64h") ? launch_grouped_gemm<gemm::ConfigN64H<E>>(map, p, sms, st)
-                                    : launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
-#else
       case GemmTile::kM128N32: return launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
-#endif
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }
   };

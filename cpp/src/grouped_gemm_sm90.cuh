@@ -348,9 +348,6 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   NVFP4MOE_GEMM_EXTERN_ONE(name, kSwigluBf16)          \
   NVFP4MOE_GEMM_EXTERN_ONE(name, kSwigluNvfp4)
 NVFP4MOE_GEMM_TILES(NVFP4MOE_GEMM_EXTERN)
-#if defined(NVFP4MOE_GEMM_VARIANTS)
-NVFP4MOE_GEMM_VARIANT_TILES(NVFP4MOE_GEMM_EXTERN)
-#endif
 #undef NVFP4MOE_GEMM_EXTERN
 #undef NVFP4MOE_GEMM_EXTERN_ONE
 
