@@ -168,15 +168,12 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 enum class XStaging { kAfterRing, kFirst };
 
 // kDepth: the ring's slots per warp (4 or 5 in the shipped kernels: ring_choice; others for A/B).
-// kSeqProbe (A/B builds only, variant "seq"): a timing probe, not a GEMM (its results are wrong):
-// each warp reads its unit's bytes as one contiguous run (576-byte chunk quarters back to back,
-// from the same expert's weights) instead of one quarter of every 2304-byte chunk, to measure what
-// a unit-contiguous weight layout would gain.
-template <GemmEpilogue kEpilogue, int kDepth, XStaging kX, bool kSeqProbe = false>
+// (Each warp reads one 576-byte quarter of every 2304-byte chunk of its unit. A probe that read a
+// unit's bytes as one contiguous run instead, as a unit-major weight layout would, ran as fast:
+// the access pattern does not bound these launches, PERF_NOTES.md session 13.)
+template <GemmEpilogue kEpilogue, int kDepth, XStaging kX>
 __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
-  constexpr int kQuarterBytes = weights::kChunkCodeBytes / 4 + weights::kChunkScaleBytes / 4;
-  constexpr int kChunkStride = kSeqProbe ? kQuarterBytes : weights::kChunkBytes;
   extern __shared__ __align__(128) char smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   char* xs = smem_raw + kXOffset<kDepth>;  // (total_rows, k) BF16, row stride k * 2 + 16 bytes
@@ -252,11 +249,6 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const int expert = sm.active[u / groups];
     const int fg = u % groups;
     const int mt = fg / 4, wq = fg % 4;  // the chunk row (64 features) and the warp's quarter of it
-    if constexpr (kSeqProbe) {
-      const uint8_t* run = p.prepared + weights::chunk_offset(expert, 0, 0, p.n, k) +
-                           (int64_t(mt * 4 + wq) * k_chunks + kc_begin) * kQuarterBytes;
-      return Unit{expert, mt, wq, run + lane * 16, run + weights::kChunkCodeBytes / 4 + g * 8};
-    }
     const uint8_t* base = p.prepared + weights::chunk_offset(expert, mt, kc_begin, p.n, k);
     return Unit{expert, mt, wq, base + (wq * 32 + lane) * 16, base + weights::kChunkCodeBytes + (wq * 8 + g) * 8};
   };
@@ -281,7 +273,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const Unit un = unit_at(u0);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kDepth; ++i) {
-      copy_chunk(i, un.codes_at + i * kChunkStride, un.scales_at + i * kChunkStride, i < chunks);
+      copy_chunk(i, un.codes_at + i * weights::kChunkBytes, un.scales_at + i * weights::kChunkBytes, i < chunks);
       cp_async_commit();
     }
   }
@@ -348,18 +340,18 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     };
     // Rounds whose every refill is this unit's chunk kDepth further: addresses as immediate
     // offsets from one pointer per round.
-    const uint8_t* codes_next = un.codes_at + kDepth * kChunkStride;
-    const uint8_t* scales_next = un.scales_at + kDepth * kChunkStride;
+    const uint8_t* codes_next = un.codes_at + kDepth * weights::kChunkBytes;
+    const uint8_t* scales_next = un.scales_at + kDepth * weights::kChunkBytes;
     int kc0 = 0;
     for (; kc0 + 2 * kDepth <= chunks; kc0 += kDepth) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
         consume(i);
-        copy_chunk(i, codes_next + i * kChunkStride, scales_next + i * kChunkStride, true);
+        copy_chunk(i, codes_next + i * weights::kChunkBytes, scales_next + i * weights::kChunkBytes, true);
         cp_async_commit();
       }
-      codes_next += kDepth * kChunkStride;
-      scales_next += kDepth * kChunkStride;
+      codes_next += kDepth * weights::kChunkBytes;
+      scales_next += kDepth * weights::kChunkBytes;
       b_addr += kDepth * kXChunkBytes;
     }
     // Fewer than 2 kDepth chunks are left. A round with more after it refills only the slots whose
@@ -373,7 +365,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kDepth; ++i) {
         consume(i);
-        copy_chunk(i, codes_next + i * kChunkStride, scales_next + i * kChunkStride,
+        copy_chunk(i, codes_next + i * weights::kChunkBytes, scales_next + i * weights::kChunkBytes,
                    kc0 + kDepth + i < chunks);
         cp_async_commit();
       }
@@ -385,7 +377,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kDepth; ++i) {
       if (kc0 + i < chunks) consume(i);
-      copy_chunk(i, next.codes_at + i * kChunkStride, next.scales_at + i * kChunkStride,
+      copy_chunk(i, next.codes_at + i * weights::kChunkBytes, next.scales_at + i * weights::kChunkBytes,
                  has_next && i < chunks);
       cp_async_commit();
     }
@@ -440,11 +432,11 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   cp_async_wait<0>();  // (nothing is in flight here: the last unit loads no next unit)
 }
 
-template <GemmEpilogue kEpilogue, int kDepth, XStaging kX, bool kSeqProbe = false>
+template <GemmEpilogue kEpilogue, int kDepth, XStaging kX>
 Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) {
   static_assert(kXOffset<kDepth> == kTableBytes + kWarps * kDepth * kSlotBytes, "smem_bytes's layout");
   const size_t smem = size_t(smem_bytes(kDepth, p.total_rows, p.k));
-  auto kernel = grouped_gemm_warp_kernel<kEpilogue, kDepth, kX, kSeqProbe>;
+  auto kernel = grouped_gemm_warp_kernel<kEpilogue, kDepth, kX>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (e != cudaSuccess) {
     return fail(Status::kCudaError, "grouped_gemm_nvfp4 (warp kernel): cudaFuncSetAttribute: %s",
@@ -459,16 +451,16 @@ Status launch_one(const Params& p, const void* x, int sms, cudaStream_t stream) 
 }
 
 // The shipped choice of ring and x staging (ring_choice, grouped_gemm_warp.hpp).
-template <GemmEpilogue kEpilogue, bool kSeqProbe = false>
+template <GemmEpilogue kEpilogue>
 Status launch_shipped(const Params& p, const void* x, int sms, cudaStream_t stream) {
   const RingChoice r = ring_choice(p.total_rows, p.k, p.splits);
   constexpr XStaging kFirst = XStaging::kFirst, kAfter = XStaging::kAfterRing;
   if (r.slots == 4) {
-    return r.x_first ? launch_one<kEpilogue, 4, kFirst, kSeqProbe>(p, x, sms, stream)
-                     : launch_one<kEpilogue, 4, kAfter, kSeqProbe>(p, x, sms, stream);
+    return r.x_first ? launch_one<kEpilogue, 4, kFirst>(p, x, sms, stream)
+                     : launch_one<kEpilogue, 4, kAfter>(p, x, sms, stream);
   }
-  return r.x_first ? launch_one<kEpilogue, kDepth, kFirst, kSeqProbe>(p, x, sms, stream)
-                   : launch_one<kEpilogue, kDepth, kAfter, kSeqProbe>(p, x, sms, stream);
+  return r.x_first ? launch_one<kEpilogue, kDepth, kFirst>(p, x, sms, stream)
+                   : launch_one<kEpilogue, kDepth, kAfter>(p, x, sms, stream);
 }
 
 // A/B variants, compiled only with NVFP4MOE_WARP_VARIANTS defined (a build with the environment
@@ -479,7 +471,7 @@ Status launch_shipped(const Params& p, const void* x, int sms, cudaStream_t stre
 // shipped choice), or x (5 slots, x staged first, for every launch); unset or anything else: the
 // shipped choice.
 #if defined(NVFP4MOE_WARP_VARIANTS)
-enum class Variant { kShipped, kDepth5, kDepth7, kDepth4, kDepth3, kXFirst, kSeqProbe };
+enum class Variant { kShipped, kDepth5, kDepth7, kDepth4, kDepth3, kXFirst };
 Variant variant() {
   static const Variant v = [] {
     const char* e = std::getenv("NVFP4MOE_WARP_VARIANT");
@@ -489,7 +481,6 @@ Variant variant() {
            : s == "d4" ? Variant::kDepth4
            : s == "d3" ? Variant::kDepth3
            : s == "x"  ? Variant::kXFirst
-           : s == "seq" ? Variant::kSeqProbe
                        : Variant::kShipped;
   }();
   return v;
@@ -506,7 +497,6 @@ Status launch_variant(const Params& p, const void* x, int sms, cudaStream_t stre
     case Variant::kDepth4: return launch_one<kEpilogue, 4, kAfter>(p, x, sms, stream);
     case Variant::kDepth3: return launch_one<kEpilogue, 3, kAfter>(p, x, sms, stream);
     case Variant::kXFirst: return launch_one<kEpilogue, kDepth, XStaging::kFirst>(p, x, sms, stream);
-    case Variant::kSeqProbe: return launch_shipped<kEpilogue, true>(p, x, sms, stream);
     default: break;
   }
   return launch_shipped<kEpilogue>(p, x, sms, stream);
