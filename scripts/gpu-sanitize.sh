@@ -7,6 +7,10 @@
 #   1. memcheck-small     memcheck over the shape sweep at NVFP4MOE_SWEEP_SIZE=small (test-gpu sweep::)
 #   2. memcheck-medium    memcheck over the shape sweep at NVFP4MOE_SWEEP_SIZE=medium
 #   3. racecheck          over the layer and epilogue tests and the faults (layer_, swiglu, faults::)
+#      racecheck-parts    the three of them whose process outgrows the host's memory under racecheck
+#                         (faults::nan_in_one_token_changes_only_its_row and the SwiGLU and
+#                         SwigluNvfp4 epilogue tests), in parts, one process each
+#                         (NVFP4MOE_TEST_PART=i/n)
 #   4. synccheck          over the same
 #   5. sweep-large        the sweep at NVFP4MOE_SWEEP_SIZE=large, without a sanitizer
 #   6. memcheck-cli       memcheck over the CLI's GPU tests in test-gpu (cli::, and convert::, which
@@ -18,13 +22,14 @@
 # $OUT (or ./gpu-out). Prints one line per step (rc, the test result, the sanitizer's summary) and
 # exits 1 if any step failed, timed out, found an error or ran no test.
 #
-# Timings on the H200 (2026-12-03, first run): memcheck small 1 s, medium 3 s, racecheck 76 s (up to
-# the NaN fault test, which it now skips), synccheck 14 s, large 6 s; steps 6 and 7 not yet run
-# (their bounds are guesses from gpu-memcheck.sh's 300 s for all of test-gpu). The bounds of all
-# seven add up to more than one 10-minute device call: if a run comes near it, run steps 6 and 7 in
-# a call of their own (bash scripts/gpu-sanitize.sh memcheck-cli memcheck-test-cli).
+# Timings on the H200 (2026-12-03): memcheck small 1 s, medium 3 s, racecheck 91 s, racecheck-parts
+# ~230 s (the NaN and SwiGLU parts 165 s, the SwigluNvfp4 parts 65 s, measured in separate calls),
+# synccheck 13 s, large 6 s. The bounds of all eight add up to more than one 10-minute device call:
+# run them in two or three calls by naming the steps (e.g. racecheck racecheck-parts synccheck; then
+# the memcheck steps).
 # The timeouts below are the bounds (NVFP4MOE_SANITIZE_TIMEOUTS="small medium race sync large [cli
-# test-cli]" overrides them, in seconds; the last two keep their defaults when left out).
+# test-cli race-parts]" overrides them, in seconds; the last three keep their defaults when left
+# out).
 set -uo pipefail
 bundle=${NVFP4MOE_BUNDLE:-gpu-bundle}
 out=${OUT:-$PWD/gpu-out}
@@ -38,13 +43,13 @@ if [ ! -x "$bin" ]; then
   exit 2
 fi
 export NVFP4MOE_TEST_SEED=${NVFP4MOE_TEST_SEED:-0x21c0ffee}
-read -r t_small t_medium t_race t_sync t_large t_cli t_test_cli <<<"${NVFP4MOE_SANITIZE_TIMEOUTS:-100 150 150 80 60}"
+read -r t_small t_medium t_race t_sync t_large t_cli t_test_cli t_race_parts <<<"${NVFP4MOE_SANITIZE_TIMEOUTS:-100 150 150 80 60}"
 if [ -z "$t_large" ]; then
   echo "gpu-sanitize: NVFP4MOE_SANITIZE_TIMEOUTS needs five values (small medium race sync large) or seven" >&2
   exit 2
 fi
-t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150}
-all_steps=(memcheck-small memcheck-medium racecheck synccheck sweep-large memcheck-cli memcheck-test-cli)
+t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-400}
+all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for w in "${steps[@]}"; do
@@ -104,16 +109,43 @@ step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memche
 # racecheck does not model bar.arrive's ordering: it reports SwigluNvfp4's named-barrier hand-over
 # (consumers write the staged tile, bar.arrive; quantizer warps bar.sync, read) as a race, as it
 # does for a minimal kernel with that pattern and not for the same kernel with __syncthreads
-# (scripts/racecheck-probe.cu). Those GEMM kernels are excluded here (their mangled names hold
-# `GemmEpilogueE3`, the enum's value); every other kernel the tests launch is checked.
-# faults::nan_in_one_token_changes_only_its_row is skipped here: under racecheck its process is
-# killed by the host's OOM killer, as is gemm::swiglu::swiglu_epilogues_match_reference_and_each_other's
-# (dmesg: 130 GB resident on a 128 GB machine; H200, 2026-12-03, session 12): racecheck's host
-# memory for those tests' launches, not a fault (both pass without a sanitizer and under memcheck
-# and synccheck); both are skipped here. (0 hazards in every test racecheck finished; the step has
-# not yet run to its end with both skipped.)
-step racecheck "$t_race" -- "${cs[@]}" racecheck --kernel-name-exclude kns=GemmEpilogueE3 "$bin" "${common[@]}" \
-  layer_ swiglu faults:: --skip sweep:: --skip faults::nan_in_one_token --skip swiglu_epilogues_match_reference
+# (scripts/racecheck-probe.cu; on the layer's N32 tile in faults::concurrent_forwards_on_two_streams_
+# equal_serial_ones, H200 2026-12-03). Those GEMM kernels are excluded (their mangled names hold
+# `GemmEpilogueE3`, the enum's value) everywhere but in the SwigluNvfp4 test itself: an excluded
+# kernel runs uninstrumented, and an uninstrumented split-K (cluster, distributed shared memory)
+# launch under racecheck ends in an MMU fault the tool cannot handle ("Internal Sanitizer Error",
+# Xid 13; the same launch passes without a sanitizer and under memcheck, and instrumented under
+# racecheck with 0 hazards, H200 2026-12-03).
+# Three tests are split over processes (racecheck-parts): under racecheck a process's host memory
+# grows with every launch it makes, 1-2 GB per GEMM launch (RSS sampled every 2 s, H200
+# 2026-12-03), and faults::nan_in_one_token_changes_only_its_row (140 forwards),
+# gemm::swiglu::swiglu_epilogues_match_reference_and_each_other (13 shapes x 5-6 tiles x 2
+# epilogues) and gemm::swiglu::swiglu_nvfp4_equals_quantized_compact each outgrew the machine's
+# 128 GB in one process (the OOM killer ended them at 130 GB). Their parts (NVFP4MOE_TEST_PART=i/n,
+# TestPart in tests/gpu/main.rs) each run 2 of the 20 NaN units, 1-2 of the 13 SwiGLU shapes or 1
+# of the 9 SwigluNvfp4 shapes.
+race=("${cs[@]}" racecheck "$bin" "${common[@]}")
+race_excl=("${cs[@]}" racecheck --kernel-name-exclude kns=GemmEpilogueE3 "$bin" "${common[@]}")
+step racecheck "$t_race" -- "${race_excl[@]}" layer_ swiglu faults:: --skip sweep:: --skip faults::nan_in_one_token \
+  --skip swiglu_epilogues_match_reference --skip swiglu_nvfp4_equals_quantized_compact
+# race_parts EXCLUDING... -- ALL...: rc 1 if any part failed; every part's lines stay in the one log.
+race_parts() {
+  local excl=() rc=0 i
+  while [ "$1" != "--" ]; do excl+=("$1"); shift; done
+  shift
+  for i in $(seq 0 9); do
+    NVFP4MOE_TEST_PART=$i/10 "${excl[@]}" --exact faults::nan_in_one_token_changes_only_its_row || rc=1
+  done
+  for i in $(seq 0 6); do
+    NVFP4MOE_TEST_PART=$i/7 "${excl[@]}" --exact gemm::swiglu::swiglu_epilogues_match_reference_and_each_other || rc=1
+  done
+  for i in $(seq 0 8); do
+    NVFP4MOE_TEST_PART=$i/9 "$@" --exact gemm::swiglu::swiglu_nvfp4_equals_quantized_compact || rc=1
+  done
+  return $rc
+}
+export -f race_parts
+step racecheck-parts "$t_race_parts" -- bash -c 'race_parts "$@"' _ "${race_excl[@]}" -- "${race[@]}"
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
 

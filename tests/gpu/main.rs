@@ -74,6 +74,48 @@ fn replay_with(env: &str) -> String {
     )
 }
 
+/// The variable that splits a long test over processes ([`TestPart`]).
+const TEST_PART_ENV: &str = "NVFP4MOE_TEST_PART";
+
+/// `NVFP4MOE_TEST_PART=i/n` (0 <= i < n): a test that honours it runs only its units u with
+/// u % n == i, so that `scripts/gpu-sanitize.sh` can spread it over processes. racecheck's host
+/// memory grows with every launch of a process (1-2 GB per GEMM launch: a whole
+/// `faults::nan_in_one_token_changes_only_its_row` outgrew the GPU machine's 128 GB, H200
+/// 2026-12-03). Unset: every unit.
+#[derive(Clone, Copy, Debug)]
+struct TestPart {
+    index: usize,
+    count: usize,
+}
+
+impl TestPart {
+    fn from_env() -> Self {
+        let Ok(v) = std::env::var(TEST_PART_ENV) else { return TestPart { index: 0, count: 1 } };
+        let parsed = v.split_once('/').and_then(|(i, n)| Some((i.trim().parse().ok()?, n.trim().parse().ok()?)));
+        match parsed {
+            Some((index, count)) if index < count => TestPart { index, count },
+            _ => panic!("{TEST_PART_ENV}={v}: expected i/n with 0 <= i < n"),
+        }
+    }
+
+    fn has(self, unit: usize) -> bool {
+        unit % self.count == self.index
+    }
+
+    fn is_whole(self) -> bool {
+        self.count == 1
+    }
+
+    /// The variable for a replay line ([`replay_with`]); empty for the whole test.
+    fn env(self) -> String {
+        if self.is_whole() {
+            String::new()
+        } else {
+            format!("{TEST_PART_ENV}={}/{}", self.index, self.count)
+        }
+    }
+}
+
 fn stream() -> Arc<CudaStream> {
     CudaContext::new(0).expect("CUDA device 0").default_stream()
 }
