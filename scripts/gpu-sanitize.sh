@@ -25,8 +25,8 @@
 # Timings on the H200 (2026-12-03): memcheck small 1 s, medium 3 s, racecheck 91 s, racecheck-parts
 # ~230 s (the NaN and SwiGLU parts 165 s, the SwigluNvfp4 parts 65 s, measured in separate calls),
 # synccheck 13 s, large 6 s. The bounds of all eight add up to more than one 10-minute device call:
-# run them in two or three calls by naming the steps (e.g. racecheck racecheck-parts synccheck; then
-# the memcheck steps).
+# run them in three calls by naming the steps (racecheck-parts alone; racecheck synccheck
+# sweep-large memcheck-small memcheck-medium; memcheck-cli memcheck-test-cli).
 # The timeouts below are the bounds (NVFP4MOE_SANITIZE_TIMEOUTS="small medium race sync large [cli
 # test-cli race-parts]" overrides them, in seconds; the last three keep their defaults when left
 # out).
@@ -43,12 +43,14 @@ if [ ! -x "$bin" ]; then
   exit 2
 fi
 export NVFP4MOE_TEST_SEED=${NVFP4MOE_TEST_SEED:-0x21c0ffee}
+unset NVFP4MOE_TEST_PART  # (a leftover would make every step run a share of the split tests)
 read -r t_small t_medium t_race t_sync t_large t_cli t_test_cli t_race_parts <<<"${NVFP4MOE_SANITIZE_TIMEOUTS:-100 150 150 80 60}"
 if [ -z "$t_large" ]; then
-  echo "gpu-sanitize: NVFP4MOE_SANITIZE_TIMEOUTS needs five values (small medium race sync large) or seven" >&2
+  echo "gpu-sanitize: NVFP4MOE_SANITIZE_TIMEOUTS needs five to eight values (small medium race sync large [cli" \
+    "test-cli race-parts])" >&2
   exit 2
 fi
-t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-400}
+t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-330}
 all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
@@ -86,13 +88,17 @@ step() {
   t0=$(date +%s)
   env "${envs[@]}" timeout --kill-after=15s "$limit" "$@" >"$log" 2>&1
   rc=$?
-  local result summary passed
+  local result summary passed runs empty
   result=$(grep -E '^test result' "$log" | tail -1)
   summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | sort | uniq -c | tr -s ' ' | tr '\n' ';')
   passed=$(sed -nE 's/^test result: ok\. ([0-9]+) passed.*/\1/p' <<<"$result")
+  # A step of several runs (racecheck-parts) passes only if each ran a test and passed.
+  runs=$(grep -cE '^test result' "$log")
+  empty=$(grep -E '^test result' "$log" | grep -cvE '^test result: ok\. [1-9][0-9]* passed')
+  [ "$runs" -gt 1 ] && result="$((runs - empty)) of $runs runs ok; last: $result"
   local note=""
   [ $rc -eq 124 ] && note=" TIMEOUT after ${limit}s"
-  if [ $rc -ne 0 ] || [ -z "$passed" ] || [ "$passed" -eq 0 ]; then
+  if [ $rc -ne 0 ] || [ -z "$passed" ] || [ "$passed" -eq 0 ] || [ "$empty" -gt 0 ]; then
     fail=1
     [ -z "$note" ] && [ $rc -eq 0 ] && note=" NO TEST RAN"
   fi
@@ -133,15 +139,15 @@ race_parts() {
   local excl=() rc=0 i
   while [ "$1" != "--" ]; do excl+=("$1"); shift; done
   shift
-  for i in $(seq 0 9); do
-    NVFP4MOE_TEST_PART=$i/10 "${excl[@]}" --exact faults::nan_in_one_token_changes_only_its_row || rc=1
-  done
-  for i in $(seq 0 6); do
-    NVFP4MOE_TEST_PART=$i/7 "${excl[@]}" --exact gemm::swiglu::swiglu_epilogues_match_reference_and_each_other || rc=1
-  done
-  for i in $(seq 0 8); do
-    NVFP4MOE_TEST_PART=$i/9 "$@" --exact gemm::swiglu::swiglu_nvfp4_equals_quantized_compact || rc=1
-  done
+  # part N/PARTS NAME TOOL...: one part in its own process; a failure is named in the log.
+  part() {
+    local p=$1 name=$2
+    shift 2
+    NVFP4MOE_TEST_PART=$p "$@" --exact "$name" || { echo "gpu-sanitize: part $p of $name failed (rc $?)"; rc=1; }
+  }
+  for i in $(seq 0 9); do part $i/10 faults::nan_in_one_token_changes_only_its_row "${excl[@]}"; done
+  for i in $(seq 0 6); do part $i/7 gemm::swiglu::swiglu_epilogues_match_reference_and_each_other "${excl[@]}"; done
+  for i in $(seq 0 8); do part $i/9 gemm::swiglu::swiglu_nvfp4_equals_quantized_compact "$@"; done
   return $rc
 }
 export -f race_parts

@@ -3,19 +3,20 @@
 # root, over a bundle built with its variants compiled in:
 #   NVFP4MOE_WARP_VARIANTS=1 NVFP4MOE_BUNDLE_CANDLE=0 bash scripts/gpu-bundle.sh     (here)
 #   bash scripts/gpu-warp-ab.sh                                                      (there)
-# 1. The GPU tests that launch the warp kernel (warp, swiglu, layer_, faults::), under each variant
-#    of $VARIANTS but the first (NVFP4MOE_WARP_VARIANT; "shipped" is the release kernel), then
-#    memcheck over the warp and SwiGLU tests under each (MEMCHECK=0: not).
-# 2. benches/gemm at T = 1 (read flush), the variants interleaved, two rounds ($ROUNDS), then a
-#    table: us per launch and variant, one column per variant, the rounds separated by "/".
+# 1. The GPU tests ($TESTS; default: those that launch the warp kernel, warp swiglu layer_
+#    faults::) under each variant of $VARIANTS but the first (NVFP4MOE_WARP_VARIANT; "shipped" is
+#    the release kernel), then memcheck over $MEMCHECK_TESTS (default: warp swiglu) under each
+#    (MEMCHECK=0 or MEMCHECK_TESTS=none: not; TESTS=none: no tests at all, for timing probes whose
+#    results are wrong).
+# 2. benches/gemm at $BENCH (default '/T1$', T = 1; read flush), the variants interleaved, two
+#    rounds ($ROUNDS), then a table: us per launch and variant, one column per variant, the rounds
+#    separated by "/".
 # 3. With NCU_CASES (criterion filters, e.g. "qwen3-30b-a3b/L2/T1$"): Nsight Compute's kernel
 #    duration (--clock-control none, caches flushed; median of 5 launches) per case and variant of
 #    $NCU_VARIANTS (default: all): the issue's measure for launches whose floor is under 5 us.
 # $NVFP4MOE_BUNDLE: the bundle's folder (default gpu-bundle).
-# $BENCH: the criterion filter of step 2 (default '/T1$'); $TESTS and $MEMCHECK_TESTS: the test
-# filters of step 1 (TESTS=none: no tests, for timing probes whose results are wrong); $VARIANT_ENV:
-# the variable that picks the variant (default NVFP4MOE_WARP_VARIANT; session 13 timed the wgmma
-# tiles' variants of 504c7d8 with NVFP4MOE_GEMM_VARIANT).
+# $VARIANT_ENV: the variable that picks the variant (default NVFP4MOE_WARP_VARIANT; session 13 timed
+# the wgmma tiles' variants of 504c7d8, since removed, with NVFP4MOE_GEMM_VARIANT).
 # Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
 set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
@@ -42,7 +43,7 @@ for v in "${variants[@]:1}"; do
     >"$log" 2>&1 || fail=1
   echo "tests [$v]: $(grep -E '^test result' "$log" | tail -1)"
   grep -E '^test .* FAILED' "$log" | head -5
-  [ "${MEMCHECK:-1}" = 0 ] && continue
+  [ "${MEMCHECK:-1}" = 0 ] || [ "${memcheck_tests[*]}" = none ] && continue
   log="$out/ab-memcheck-$v.log"
   env "$venv=$v" timeout --kill-after=15s 200 compute-sanitizer --tool memcheck --error-exitcode 9 "$t" \
     --include-ignored --test-threads=1 "${memcheck_tests[@]}" --skip sweep:: >"$log" 2>&1 || fail=1

@@ -167,10 +167,11 @@ CUTLASS_DEVICE void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 // its next chunk, was 2-47% slower on every warp launch: PERF_NOTES.md session 12.)
 enum class XStaging { kAfterRing, kFirst };
 
-// kDepth: the ring's slots per warp (4 or 5 in the shipped kernels: ring_choice; others for A/B).
-// (Each warp reads one 576-byte quarter of every 2304-byte chunk of its unit. A probe that read a
+// Each warp reads one 576-byte quarter of every 2304-byte chunk of its unit. (A probe that read a
 // unit's bytes as one contiguous run instead, as a unit-major weight layout would, ran as fast:
 // the access pattern does not bound these launches, PERF_NOTES.md session 13.)
+//
+// kDepth: the ring's slots per warp (4 or 5 in the shipped kernels: ring_choice; others for A/B).
 template <GemmEpilogue kEpilogue, int kDepth, XStaging kX>
 __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Params p, const __nv_bfloat16* x) {
   static_assert(kEpilogue != GemmEpilogue::kSwigluNvfp4, "SwigluNvfp4 runs on the wgmma tiles");
