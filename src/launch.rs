@@ -198,10 +198,25 @@ mod tests {
             k: 1 << 16,
             ..gemm
         })));
+        // Only the NVFP4 epilogue reads the activation decode scales, but every launch narrows
+        // their count.
+        for count in [-1, 9, 1 << 40] {
+            let bad = GroupedGemmArgs { num_act_decode_scales: count, ..gemm };
+            assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&bad)), "{count} activation decode scales");
+        }
+        // Permutation: rows wider than the gather's grid reaches.
+        assert!(shape(raw::permute_and_gather_can_implement(&PermuteArgs { hidden_size: 1 << 27, ..p })));
         // combine: top_k unbounded (the kernel takes it as an i32). Pointers are never read when
         // the shape is rejected.
         // SAFETY: the core rejects the shape before it looks at any pointer or the stream.
         let r = unsafe { raw::combine(0, 0, 0, 1 << 20, 1 << 40, 64, 0, 0) };
         assert!(shape(r));
+        // softmax_topk: tokens beyond i32; swiglu_bf16: rows x inter / 8 beyond the grid's CTAs
+        // (a product of unbounded factors before), inter beyond i32.
+        // SAFETY: as above, each shape is rejected before any pointer or the stream is looked at.
+        assert!(shape(unsafe { raw::softmax_topk(0, 1 << 40, 8, 2, false, 0, 0, 0) }));
+        assert!(shape(unsafe { raw::swiglu_bf16(0, 1 << 40, 16, 0, 0) }));
+        assert!(shape(unsafe { raw::swiglu_bf16(0, 1 << 30, 1 << 16, 0, 0) }));
+        assert!(shape(unsafe { raw::swiglu_bf16(0, 1, 1 << 32, 0, 0) }));
     }
 }

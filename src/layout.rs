@@ -2,8 +2,10 @@
 //! swizzled "128x4" layout Blackwell block-scaled MMA and the TensorRT-LLM / FlashInfer / vLLM
 //! activation quantizers produce, and the grouped per-expert form of the swizzled layout.
 //!
-//! All offsets are pure index arithmetic (no allocation, no panics) so the CUDA kernels can mirror
-//! them; shapes are validated by the callers (see [`crate::host::validate_quantize_shape`]).
+//! All offsets are pure index arithmetic (no allocation) so the CUDA kernels can mirror them;
+//! shapes are validated by the callers (see [`crate::host::validate_quantize_shape`]), which
+//! bound them so that no product here overflows. Given sizes beyond that, the arithmetic
+//! overflows (a panic in debug builds, a wrapped value in release ones): validate first.
 
 use crate::error::{Error, Result};
 
@@ -166,6 +168,9 @@ pub fn expert_of_row(expert_offsets: &[i32], row: usize) -> usize {
 /// a `[total_rows, cols]` activation: the row's expert region start plus its row within the
 /// expert, swizzled. `expert_offsets` must pass [`validate_expert_offsets`] and `row` must be
 /// below its last entry.
+///
+/// # Panics
+/// On an empty `expert_offsets` (which [`validate_expert_offsets`] refuses).
 #[inline]
 pub fn grouped_swizzled_offset(expert_offsets: &[i32], row: usize, k: usize, cols: usize) -> usize {
     let expert = expert_of_row(expert_offsets, row);

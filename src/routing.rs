@@ -10,6 +10,7 @@ use half::bf16;
 use crate::abi::PermuteArgs;
 use crate::error::{Error, Result};
 use crate::ffi::raw;
+use crate::host::checked_len;
 use crate::launch::{check_align, check_len, Launch};
 
 // ------------------------------------------------------------------------------------------------
@@ -34,7 +35,8 @@ pub struct TopK {
 /// FP32 rounding). `1 <= top_k <= min(experts, 32)`, `experts <= 1024`.
 ///
 /// # Errors
-/// A shape out of those ranges, a buffer too small, or a failed launch.
+/// A shape out of those ranges or whose element counts overflow, a buffer too small, or a failed
+/// launch.
 pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMut<f32>>(
     stream: &CudaStream,
     logits: &L,
@@ -48,11 +50,12 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
             "need 1 <= top_k ({top_k}) <= min(experts ({experts}), 32), experts <= 1024"
         )));
     }
+    let (logits_len, pairs) = (checked_len(&[tokens, experts])?, checked_len(&[tokens, top_k])?);
     let l = Launch::new(stream)?;
     let (lg, i, w) = (l.input(logits), l.output(ids), l.output(weights));
-    check_len("router_logits", lg.len, tokens * experts)?;
-    check_len("topk_ids", i.len, tokens * top_k)?;
-    check_len("topk_weights", w.len, tokens * top_k)?;
+    check_len("router_logits", lg.len, logits_len)?;
+    check_len("topk_ids", i.len, pairs)?;
+    check_len("topk_weights", w.len, pairs)?;
     if tokens == 0 {
         return Ok(());
     }
@@ -116,7 +119,8 @@ impl PermuteBuffers {
     /// left out and the first one is recorded for [`Self::check`]. No host synchronization.
     ///
     /// # Errors
-    /// More pairs than the buffers hold, short or misaligned inputs, or a failed launch.
+    /// A zero top-k, more pairs than the buffers hold, a shape whose element counts overflow, short
+    /// or misaligned inputs, or a failed launch.
     pub fn permute<I: DevicePtr<i32>, H: DevicePtr<bf16>>(
         &mut self,
         stream: &CudaStream,
@@ -125,17 +129,17 @@ impl PermuteBuffers {
         top_k: usize,
         hidden: &H,
     ) -> Result<()> {
-        let pairs = tokens * top_k;
-        if top_k == 0 || pairs > self.max_pairs {
-            return Err(Error::InvalidShape(format!(
-                "{tokens} tokens x top_k {top_k} = {pairs} pairs exceeds the {} these buffers hold",
+        let pairs = tokens.checked_mul(top_k).filter(|&p| top_k > 0 && p <= self.max_pairs).ok_or_else(|| {
+            Error::InvalidShape(format!(
+                "{tokens} tokens x top_k {top_k}: need top_k > 0 and at most the {} pairs these buffers hold",
                 self.max_pairs
-            )));
-        }
+            ))
+        })?;
+        let hidden_len = checked_len(&[tokens, self.hidden])?;
         let l = Launch::new(stream)?;
         let (ids, h) = (l.input(topk_ids), l.input(hidden));
         check_len("topk_ids", ids.len, pairs)?;
-        check_len("hidden", h.len, tokens * self.hidden)?;
+        check_len("hidden", h.len, hidden_len)?;
         if tokens > 0 {
             check_align("hidden", h.addr, 16)?;
         }
@@ -200,8 +204,8 @@ pub struct CombineShape {
 /// skipped) rounded to bf16 `[tokens, hidden]`: bit-identical across runs.
 ///
 /// # Errors
-/// A zero top-k, a hidden size that is not a positive multiple of 8, a buffer too small or
-/// misaligned, or a failed launch.
+/// A zero top-k, a hidden size that is not a positive multiple of 8, a shape whose element counts
+/// overflow, a buffer too small or misaligned, or a failed launch.
 pub fn combine_into<Y, R, W, O>(
     stream: &CudaStream,
     y: &Y,
@@ -220,12 +224,14 @@ where
     if top_k == 0 || hidden == 0 || !hidden.is_multiple_of(8) {
         return Err(Error::InvalidShape(format!("need top_k > 0 and hidden ({hidden}) a positive multiple of 8")));
     }
+    let (y_len, pairs) = (checked_len(&[tokens, top_k, hidden])?, checked_len(&[tokens, top_k])?);
+    let out_len = checked_len(&[tokens, hidden])?;
     let l = Launch::new(stream)?;
     let (y, r, w, o) = (l.input(y), l.input(row_of_pair), l.input(topk_weights), l.output(out));
-    check_len("y", y.len, tokens * top_k * hidden)?;
-    check_len("row_of_pair", r.len, tokens * top_k)?;
-    check_len("topk_weights", w.len, tokens * top_k)?;
-    check_len("out", o.len, tokens * hidden)?;
+    check_len("y", y.len, y_len)?;
+    check_len("row_of_pair", r.len, pairs)?;
+    check_len("topk_weights", w.len, pairs)?;
+    check_len("out", o.len, out_len)?;
     if tokens == 0 {
         return Ok(());
     }

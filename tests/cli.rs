@@ -630,6 +630,17 @@ fn run_checks_its_files_before_looking_for_a_gpu() {
     }
     write_run_inputs(&inputs, &mut r, h + 16, [0.5; 6], [0, 1, 0, 1, 0, 1]);
     assert_fails(&run(&ckpt), 1, &["tensor `hidden_states`", &format!("hidden size is {h}")]);
+    // k = 0: no expert for any token (the library would divide by it).
+    let x: Vec<u8> = r.varied_bf16(3 * h).iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+    write_raw(
+        &inputs,
+        &[
+            ("hidden_states", Dtype::BF16, vec![3, h], x),
+            ("topk_ids", Dtype::I32, vec![3, 0], vec![]),
+            ("topk_weights", Dtype::F32, vec![3, 0], vec![]),
+        ],
+    );
+    assert_fails(&run(&ckpt), 1, &["tensor `topk_ids`"]);
 
     // Good inputs, a malformed checkpoint.
     write_run_inputs(&inputs, &mut r, h, [0.5; 6], [0, 1, 2, 0, 1, 2]);

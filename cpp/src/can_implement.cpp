@@ -4,6 +4,7 @@
 // crate's GroupedGemm, MoeLayer) report a typed error once, at construction.
 #include "nvfp4moe/nvfp4moe.h"
 #include "grouped_gemm_warp.hpp"
+#include "routing_limits.hpp"
 #include "status.hpp"
 
 #include <cmath>
@@ -89,11 +90,12 @@ Status dequantize_nvfp4_grouped_can_implement(const DequantizeGroupedArgs& a) no
 
 Status permute_and_gather_can_implement(const PermuteArgs& a) noexcept {
   if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kExpertLimit || a.hidden_size <= 0 ||
-      a.hidden_size % 8 || a.tokens > kMaxInt32 || a.top_k > kMaxInt32 || a.tokens * a.top_k > kMaxInt32) {
+      a.hidden_size % 8 || a.hidden_size > routing::kMaxHidden || a.tokens > kMaxInt32 || a.top_k > kMaxInt32 ||
+      a.tokens * a.top_k > kMaxInt32) {
     return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %lld, "
-                "hidden_size a positive multiple of 8 (tokens=%lld top_k=%lld experts=%lld hidden_size=%lld)",
-                (long long)kExpertLimit, (long long)a.tokens, (long long)a.top_k, (long long)a.experts,
-                (long long)a.hidden_size);
+                "hidden_size a positive multiple of 8 up to %lld (tokens=%lld top_k=%lld experts=%lld "
+                "hidden_size=%lld)", (long long)kExpertLimit, (long long)routing::kMaxHidden, (long long)a.tokens,
+                (long long)a.top_k, (long long)a.experts, (long long)a.hidden_size);
   }
   return Status::kSuccess;
 }
@@ -119,8 +121,10 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
   if (a.total_rows < 0 || a.total_rows > kMaxInt32) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
   }
-  if (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&
-      a.num_act_decode_scales != a.experts) {
+  // (Narrowed to int at every launch, read only by SwigluNvfp4.)
+  if (a.num_act_decode_scales < 0 || a.num_act_decode_scales > a.experts ||
+      (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&
+       a.num_act_decode_scales != a.experts)) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
                 (long long)a.num_act_decode_scales);
   }

@@ -72,7 +72,8 @@ __global__ void prepare_kernel(const uint8_t* __restrict__ codes, const uint8_t*
     bool ok0 = encode_scale(s0, e0), ok8 = encode_scale(s8, e8);
     if ((!ok0 || !ok8) && c == 0) {
       int64_t bad = ok0 ? row8 * kbs + kblock : row0 * kbs + kblock;
-      if (atomicCAS(error, -1, int(bad < 0x7FFFFFFF ? bad : 0x7FFFFFFF)) == -1) {
+      // bad < E n k / 16 < 2^31: can_implement bounds a tensor to kMaxWeightChunks 64x64 chunks.
+      if (atomicCAS(error, -1, int(bad)) == -1) {
         error[1] = int(ok0 ? s8 : s0);
       }
     }

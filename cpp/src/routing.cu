@@ -11,6 +11,7 @@
 //            of its id.
 #include "nvfp4moe/nvfp4moe.h"
 #include "pdl.cuh"
+#include "routing_limits.hpp"
 #include "status.hpp"
 
 #include <cuda_bf16.h>
@@ -247,11 +248,9 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   scatter_chunk(id, t, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
-// Rows are copied and combined in pieces of kVecsPerCta 16-byte vectors, one per thread: CTA
-// (r, c) takes piece c of row r, so that a decode step's few rows still spread over many SMs
-// (one CTA per row looped 7 times over a 7168-wide row, latency-bound at T = 1).
-constexpr int kVecsPerCta = 128;
-constexpr int64_t kMaxHidden = int64_t(65535) * kVecsPerCta * 8;  // pieces index gridDim.y
+// Rows are copied and combined in pieces of kVecsPerCta vectors (routing_limits.hpp).
+using routing::kMaxHidden;
+using routing::kVecsPerCta;
 
 // With many rows, a CTA takes kGatherWide pieces of its row instead of one, each thread's
 // vectors loaded together before they are stored: one vector per thread in flight left the copy
@@ -369,13 +368,9 @@ size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
 }
 
 Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
-  // (The product is formed once both factors are bounded.)
-  if (a.tokens < 0 || a.top_k <= 0 || a.experts <= 0 || a.experts > kMaxExperts || a.hidden_size <= 0 ||
-      a.hidden_size % 8 || a.hidden_size > kMaxHidden || a.tokens > 0x7FFFFFFF || a.top_k > 0x7FFFFFFF ||
-      a.tokens * a.top_k > 0x7FFFFFFF) {
-    return fail(Status::kInvalidShape, "permute_and_gather: need tokens >= 0, top_k > 0, 0 < experts <= %d, "
-                "hidden_size a positive multiple of 8 up to %lld", kMaxExperts, (long long)kMaxHidden);
-  }
+  // Shapes and counts: the rules live in can_implement.cpp only.
+  static_assert(kMaxExperts == kExpertLimit, "the routing kernels' expert table holds every expert the API allows");
+  if (Status s = permute_and_gather_can_implement(a); s != Status::kSuccess) return s;
   const int64_t pairs = a.tokens * a.top_k;
   if (!a.topk_ids || !a.hidden || !a.expert_offsets || !a.row_of_pair || !a.pair_of_row || !a.x_perm || !a.error ||
       (pairs > 0 && !a.workspace)) {

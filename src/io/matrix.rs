@@ -54,12 +54,14 @@ pub struct ModelOptWeight {
 }
 
 /// Reads the 2-D tensor `name` as BF16 `(data, rows, cols, source dtype)`. BF16 is read as is; F32
-/// is rounded to BF16 (round-to-nearest-even, NaN kept) and reported as [`SourceDtype::F32`]. Any
-/// other dtype, or a tensor that is not 2-D, is an [`Error::Tensor`].
+/// is rounded to BF16 (round-to-nearest-even, NaN and infinities kept) and reported as
+/// [`SourceDtype::F32`]. A finite F32 value that rounds beyond the BF16 range is an error naming
+/// the tensor and the first such index (it would silently become an infinity). Any other dtype,
+/// or a tensor that is not 2-D or has a zero-sized dimension, is an [`Error::Tensor`].
 ///
 /// # Errors
-/// An unreadable file ([`Error::Io`]), a malformed one ([`Error::Invalid`]), or a missing, non-2-D
-/// or non-BF16/F32 tensor ([`Error::Tensor`]).
+/// An unreadable file ([`Error::Io`]), a malformed one ([`Error::Invalid`]), or a missing, non-2-D,
+/// zero-sized or non-BF16/F32 tensor, or finite F32 beyond the BF16 range ([`Error::Tensor`]).
 pub fn read_matrix_bf16(path: impl AsRef<Path>, name: &str) -> Result<(Vec<bf16>, usize, usize, SourceDtype)> {
     let file = SafetensorsFile::open(path)?;
     let t = file.get(name)?;

@@ -8,7 +8,7 @@ use super::BufferInfo;
 use crate::abi::{DequantizeGroupedArgs, QuantizeGroupedArgs};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
-use crate::host::validate_quantize_shape;
+use crate::host::{checked_len, validate_quantize_shape};
 use crate::launch::{check_align, check_len, Launch};
 
 /// Where [`quantize_nvfp4_grouped_into`] reads from: bf16 `[rows, cols]`, or an
@@ -182,8 +182,8 @@ where
 /// `[rows, inter]` = `silu(gate) * up` in FP32 from the BF16 inputs.
 ///
 /// # Errors
-/// An `inter` that is not a positive multiple of 8, a buffer too small or misaligned, or a failed
-/// launch.
+/// An `inter` that is not a positive multiple of 8, a shape whose element counts overflow, a
+/// buffer too small or misaligned, or a failed launch.
 pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
     stream: &CudaStream,
     gate_up: &X,
@@ -194,10 +194,11 @@ pub fn swiglu_bf16_into<X: DevicePtr<bf16>, O: DevicePtrMut<bf16>>(
     if inter == 0 || !inter.is_multiple_of(8) {
         return Err(Error::InvalidShape(format!("inter must be a positive multiple of 8, got {inter}")));
     }
+    let (in_len, out_len) = (checked_len(&[rows, 2, inter])?, checked_len(&[rows, inter])?);
     let l = Launch::new(stream)?;
     let (i, o) = (l.input(gate_up), l.output(out));
-    check_len("gate_up", i.len, rows * 2 * inter)?;
-    check_len("out", o.len, rows * inter)?;
+    check_len("gate_up", i.len, in_len)?;
+    check_len("out", o.len, out_len)?;
     if rows == 0 {
         return Ok(());
     }

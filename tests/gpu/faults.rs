@@ -453,6 +453,34 @@ fn forward_after_a_rejected_forward_equals_a_clean_one() {
     }
 }
 
+/// Counts whose element products overflow are shape errors before anything is enqueued, in
+/// every routing and SwiGLU wrapper (issue 21: they multiplied unchecked, which panics in debug
+/// builds and wraps in release ones).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn overflowing_counts_are_shape_errors() {
+    use nvfp4_moe::quantize::swiglu_bf16_into;
+    use nvfp4_moe::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
+    let s = stream();
+    let huge = usize::MAX / 2;
+    let shape = |r: nvfp4_moe::Result<()>| matches!(r, Err(Error::InvalidShape(_)));
+    let (logits, mut ids, mut weights) =
+        (s.alloc_zeros::<f32>(64).unwrap(), s.alloc_zeros::<i32>(64).unwrap(), s.alloc_zeros::<f32>(64).unwrap());
+    let spec = TopK { tokens: huge, experts: 4, top_k: 2, renormalize: false };
+    assert!(shape(softmax_topk_into(&s, &logits, spec, &mut ids, &mut weights)));
+    let (y, mut out) = (s.alloc_zeros::<bf16>(1024).unwrap(), s.alloc_zeros::<bf16>(1024).unwrap());
+    let cs = CombineShape { tokens: huge, top_k: 2, hidden: 64 };
+    assert!(shape(combine_into(&s, &y, &ids, &weights, cs, &mut out)));
+    assert!(shape(swiglu_bf16_into(&s, &y, huge, 16, &mut out)));
+    let mut perm = PermuteBuffers::new(&s, 16, 4, 64).unwrap();
+    assert!(shape(perm.permute(&s, &ids, huge, 4, &y)));
+    // The same calls with sane counts and these buffers succeed: the errors above were the counts'.
+    let spec = TopK { tokens: 8, ..spec };
+    softmax_topk_into(&s, &logits, spec, &mut ids, &mut weights).unwrap();
+    perm.permute(&s, &ids, 8, 2, &y).unwrap();
+    s.synchronize().unwrap();
+}
+
 /// Argument errors come back before anything is enqueued (`MoeLayer::forward`'s docs), through
 /// both forwards: each rejected call is made while its stream is captured into a CUDA graph
 /// (event tracking off, as capture needs), and the captured graph must have no node. Short
