@@ -157,8 +157,9 @@ mod tests {
     }
 
     /// Every count is range-checked before a launch narrows it to 32 bits, and no product is formed
-    /// from unbounded factors (issue 21): each case was accepted (or overflowed) before. The launch
-    /// functions run the same checks (the GPU tests' launches go through them).
+    /// from unbounded factors (issue 21): each case but softmax_topk's was accepted (or overflowed,
+    /// or got past the shape checks to the pointer checks) before; the limits themselves pass. The
+    /// launch functions run the same checks (the GPU tests' launches go through them).
     #[test]
     fn core_range_checks_come_before_any_narrowing() {
         use crate::abi::{DequantizeGroupedArgs, PermuteArgs, PrepareWeightsArgs, QuantizeGroupedArgs};
@@ -204,8 +205,12 @@ mod tests {
             let bad = GroupedGemmArgs { num_act_decode_scales: count, ..gemm };
             assert!(shape(raw::grouped_gemm_nvfp4_can_implement(&bad)), "{count} activation decode scales");
         }
-        // Permutation: rows wider than the gather's grid reaches.
-        assert!(shape(raw::permute_and_gather_can_implement(&PermuteArgs { hidden_size: 1 << 27, ..p })));
+        let e_scales = GroupedGemmArgs { num_act_decode_scales: 8, ..gemm };
+        assert!(status(raw::grouped_gemm_nvfp4_can_implement(&e_scales)).is_ok());
+        // Permutation: rows wider than the gather's grid reaches (65535 pieces of 128 x 8).
+        let widest = 65535 * 128 * 8;
+        assert!(status(raw::permute_and_gather_can_implement(&PermuteArgs { hidden_size: widest, ..p })).is_ok());
+        assert!(shape(raw::permute_and_gather_can_implement(&PermuteArgs { hidden_size: widest + 8, ..p })));
         // combine: top_k unbounded (the kernel takes it as an i32). Pointers are never read when
         // the shape is rejected.
         // SAFETY: the core rejects the shape before it looks at any pointer or the stream.
@@ -218,5 +223,8 @@ mod tests {
         assert!(shape(unsafe { raw::swiglu_bf16(0, 1 << 40, 16, 0, 0) }));
         assert!(shape(unsafe { raw::swiglu_bf16(0, 1 << 30, 1 << 16, 0, 0) }));
         assert!(shape(unsafe { raw::swiglu_bf16(0, 1, 1 << 32, 0, 0) }));
+        // At the limit the shape passes and the null pointers are what is refused.
+        let null = |r: i32| matches!(status(r), Err(Error::Rejected { status: Status::NullPointer, .. }));
+        assert!(null(unsafe { raw::swiglu_bf16(0, 0x7FFF_FFFF * 256 / 2, 16, 0, 0) }));
     }
 }

@@ -51,6 +51,7 @@ pub fn softmax_topk_into<L: DevicePtr<f32>, I: DevicePtrMut<i32>, W: DevicePtrMu
         )));
     }
     let (logits_len, pairs) = (checked_len(&[tokens, experts])?, checked_len(&[tokens, top_k])?);
+    check_i32_count("tokens", tokens)?;
     let l = Launch::new(stream)?;
     let (lg, i, w) = (l.input(logits), l.output(ids), l.output(weights));
     check_len("router_logits", lg.len, logits_len)?;
@@ -189,6 +190,15 @@ impl PermuteBuffers {
     }
 }
 
+/// A count the kernels index with 32-bit integers: more is a shape error here, before anything is
+/// enqueued (the core refuses it too, at the launch).
+fn check_i32_count(what: &str, count: usize) -> Result<()> {
+    if count > i32::MAX as usize {
+        return Err(Error::InvalidShape(format!("{count} {what} exceed 2^31 - 1")));
+    }
+    Ok(())
+}
+
 /// The shape of a combine: `tokens` tokens of `top_k` expert rows of `hidden` features.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CombineShape {
@@ -226,6 +236,7 @@ where
     }
     let (y_len, pairs) = (checked_len(&[tokens, top_k, hidden])?, checked_len(&[tokens, top_k])?);
     let out_len = checked_len(&[tokens, hidden])?;
+    check_i32_count("(token, slot) pairs", pairs)?;
     let l = Launch::new(stream)?;
     let (y, r, w, o) = (l.input(y), l.input(row_of_pair), l.input(topk_weights), l.output(out));
     check_len("y", y.len, y_len)?;

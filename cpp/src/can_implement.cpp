@@ -125,8 +125,8 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
   if (a.num_act_decode_scales < 0 || a.num_act_decode_scales > a.experts ||
       (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&
        a.num_act_decode_scales != a.experts)) {
-    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 1 or E activation decode scales (got %lld)",
-                (long long)a.num_act_decode_scales);
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: 0 to E activation decode scales, 1 or E for kSwigluNvfp4 "
+                "(got %lld for %lld experts)", (long long)a.num_act_decode_scales, (long long)a.experts);
   }
   if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N8 && a.tile != GemmTile::kM128N16 &&
       a.tile != GemmTile::kM128N32 && a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128 &&

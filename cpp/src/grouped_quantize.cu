@@ -222,8 +222,9 @@ Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, 
   // only as a bound on rows, never from two unbounded factors.
   constexpr int64_t kMaxGroups = int64_t(0x7FFFFFFF) * kThreads;
   if (rows < 0 || inter <= 0 || inter % 8 || inter > 0x7FFFFFFF || rows > kMaxGroups / (inter / 8)) {
-    return fail(Status::kInvalidShape, "swiglu_bf16: rows >= 0 and inter a positive multiple of 8, rows x inter / 8 "
-                "at most %lld (rows=%lld inter=%lld)", (long long)kMaxGroups, (long long)rows, (long long)inter);
+    return fail(Status::kInvalidShape, "swiglu_bf16: rows >= 0 and inter a positive multiple of 8 below 2^31, rows x "
+                "inter / 8 at most %lld (rows=%lld inter=%lld)", (long long)kMaxGroups, (long long)rows,
+                (long long)inter);
   }
   if (rows == 0) return Status::kSuccess;
   if (!gate_up || !out) return fail(Status::kNullPointer, "swiglu_bf16: null pointer");

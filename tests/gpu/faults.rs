@@ -464,6 +464,8 @@ fn overflowing_counts_are_shape_errors() {
     let s = stream();
     let huge = usize::MAX / 2;
     let shape = |r: nvfp4_moe::Result<()>| matches!(r, Err(Error::InvalidShape(_)));
+    let shape_saying =
+        |r: nvfp4_moe::Result<()>, want: &str| matches!(r, Err(Error::InvalidShape(m)) if m.contains(want));
     let (logits, mut ids, mut weights) =
         (s.alloc_zeros::<f32>(64).unwrap(), s.alloc_zeros::<i32>(64).unwrap(), s.alloc_zeros::<f32>(64).unwrap());
     let spec = TopK { tokens: huge, experts: 4, top_k: 2, renormalize: false };
@@ -473,11 +475,19 @@ fn overflowing_counts_are_shape_errors() {
     assert!(shape(combine_into(&s, &y, &ids, &weights, cs, &mut out)));
     assert!(shape(swiglu_bf16_into(&s, &y, huge, 16, &mut out)));
     let mut perm = PermuteBuffers::new(&s, 16, 4, 64).unwrap();
-    assert!(shape(perm.permute(&s, &ids, huge, 4, &y)));
+    // (Before the fix the product wrapped in release builds and was refused only as too many pairs.)
+    assert!(shape_saying(perm.permute(&s, &ids, huge, 4, &y), "need top_k > 0 and at most"));
+    // Counts that fit usize but not the kernels' 32-bit indices: 2^31 tokens; 2^31 pairs.
+    let tokens = TopK { tokens: 1 << 31, ..spec };
+    assert!(shape_saying(softmax_topk_into(&s, &logits, tokens, &mut ids, &mut weights), "2^31"));
+    let pairs = CombineShape { tokens: 1 << 30, ..cs };
+    assert!(shape_saying(combine_into(&s, &y, &ids, &weights, pairs, &mut out), "2^31"));
     // The same calls with sane counts and these buffers succeed: the errors above were the counts'.
-    let spec = TopK { tokens: 8, ..spec };
-    softmax_topk_into(&s, &logits, spec, &mut ids, &mut weights).unwrap();
+    softmax_topk_into(&s, &logits, TopK { tokens: 8, ..spec }, &mut ids, &mut weights).unwrap();
     perm.permute(&s, &ids, 8, 2, &y).unwrap();
+    perm.check(&s, 2).unwrap();
+    combine_into(&s, &y, &ids, &weights, CombineShape { tokens: 8, ..cs }, &mut out).unwrap();
+    swiglu_bf16_into(&s, &y, 8, 16, &mut out).unwrap();
     s.synchronize().unwrap();
 }
 

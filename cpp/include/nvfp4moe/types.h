@@ -212,7 +212,7 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   void* out NVFP4MOE_INIT();                                // bf16 [total_rows, n] (n / 2 for kSwigluBf16; codes for kSwigluNvfp4), 16-byte aligned
   void* out_scales NVFP4MOE_INIT();                         // kSwigluNvfp4: the E4M3 scales
   const float* act_decode_scales NVFP4MOE_INIT();           // kSwigluNvfp4: device f32 [1] or [E]
-  int64_t num_act_decode_scales NVFP4MOE_INIT();            // kSwigluNvfp4: 1 or E
+  int64_t num_act_decode_scales NVFP4MOE_INIT();            // kSwigluNvfp4: 1 or E; other epilogues: 0 to E, unread
   NVFP4MOE_ENUM_T(GemmTile) tile NVFP4MOE_INIT();           // the tile configuration (kAuto: choose_gemm_tile)
   NVFP4MOE_ENUM_T(GemmEpilogue) epilogue NVFP4MOE_INIT();   // the SwiGLU ones need kGateUpBands8 weights
   // Split-K: at most this many CTAs (the warp kernel: warps) share a tile's K (0: the library's
