@@ -69,6 +69,7 @@ mod cuda {
             "NVFP4MOE_CORE_BUILD_DIR",
             "CMAKE_BUILD_PARALLEL_LEVEL",
             "NVFP4MOE_WARP_VARIANTS",
+            "NVFP4MOE_GEMM_VARIANTS",
         ] {
             println!("cargo:rerun-if-env-changed={var}");
         }
@@ -143,6 +144,11 @@ mod cuda {
             .define(
                 "NVFP4MOE_WARP_VARIANTS",
                 if env::var("NVFP4MOE_WARP_VARIANTS").is_ok_and(|v| v == "1") { "ON" } else { "OFF" },
+            )
+            // NVFP4MOE_GEMM_VARIANTS=1: the wgmma tiles' A/B variants (gemm_config.cuh).
+            .define(
+                "NVFP4MOE_GEMM_VARIANTS",
+                if env::var("NVFP4MOE_GEMM_VARIANTS").is_ok_and(|v| v == "1") { "ON" } else { "OFF" },
             )
             .define("CMAKE_INSTALL_LIBDIR", "lib")
             .build();

@@ -24,19 +24,10 @@ namespace nvfp4moe::gemm {
 using namespace cute;
 
 constexpr int kMaxExperts = 1024;
-// A producer warpgroup and two consumer warpgroups; setmaxnreg moves the producer's registers to
-// the consumers. (A 288-thread CTA with one producer warp and no setmaxnreg was measured 5-10%
-// slower on the N64 and N128 tiles, 2026-11-29.)
-constexpr int kConsumerThreads = 256;
-constexpr int kThreads = 128 + kConsumerThreads;
-constexpr int kTileM = 128;  // two consumer warpgroups x 64 features
-constexpr int kTileK = 64;   // K of one prepared chunk; a stage holds Cfg::kChunks of them per consumer
-// kSwigluNvfp4: the quantizer warps (warps 1-3 of the producer warpgroup) and the named barriers
-// (CUTLASS user ids) of the hand-over: consumer cw arrives on full + cw when its tile is staged;
-// the quantizer warps arrive on empty + cw when they have read it.
+constexpr int kTileK = 64;  // K of one prepared chunk; a stage holds Cfg::kChunks of them per consumer
+// kSwigluNvfp4: the quantizer warps (warps 1-3 of the producer warpgroup); the named barriers of
+// their hand-over are Config::kBarEpiFull and kBarEpiEmpty.
 constexpr int kQuantizerThreads = 96;
-constexpr int kBarEpiFull = 3;
-constexpr int kBarEpiEmpty = 5;
 constexpr int kEpiHandOffThreads = 128 + kQuantizerThreads;
 
 struct Params {
@@ -59,8 +50,22 @@ struct Params {
 // small-N tiles need few registers, and two CTAs double the warps that convert weights, which
 // bounds decode throughput.
 template <int kBlockN_, int kStages_, int kMinBlocks_, GemmEpilogue kEpilogue_, bool kPipelined_ = true,
-          int kMaxSplits_ = 1, int kChunks_ = 1>
+          int kMaxSplits_ = 1, int kChunks_ = 1, int kConsumers_ = 2>
 struct Config {
+  // A producer warpgroup and kConsumers consumer warpgroups of 64 features each; setmaxnreg moves
+  // the producer's registers to the consumers. (A 288-thread CTA with one producer warp and no
+  // setmaxnreg was measured 5-10% slower on the N64 and N128 tiles, 2026-11-29.)
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kConsumerThreads = 128 * kConsumers_;
+  static constexpr int kThreads = 128 + kConsumerThreads;
+  static constexpr int kTileM = 64 * kConsumers_;  // features per tile
+  static_assert(kConsumers_ == 2 || (kConsumers_ == 4 && kMinBlocks_ == 1 && kMaxSplits_ == 1),
+                "two consumer warpgroups, or four at one CTA per SM without split-K");
+  // kSwigluNvfp4's hand-over (CUTLASS user ids, 0-7): consumer cw arrives on kBarEpiFull + cw when
+  // its tile is staged; the quantizer warps arrive on kBarEpiEmpty + cw when they have read it.
+  // The other epilogues use 1 + cw.
+  static constexpr int kBarEpiFull = kConsumers_ == 2 ? 3 : 0;
+  static constexpr int kBarEpiEmpty = kBarEpiFull + kConsumers_;
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -68,8 +73,11 @@ struct Config {
   // kSwigluNvfp4: the producer warpgroup also quantizes (one CTA per SM: 56 registers, 40 spill,
   // its consumers keep 224; two: 48, which uses all of the 80 x 384 a CTA is given).
   static constexpr bool kQuantizerWarps = kEpilogue_ == GemmEpilogue::kSwigluNvfp4;
-  static constexpr int kProducerRegs = kQuantizerWarps ? (kMinBlocks == 1 ? 56 : 48) : 40;
-  static constexpr int kConsumerRegs = kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
+  // Four consumer warpgroups (640 threads): 112 each beside the producer's 40 or 56 (ptxas
+  // compiles the kernel for 96 all the same).
+  static constexpr int kProducerRegs = kQuantizerWarps || kConsumers_ == 4 ? (kMinBlocks == 1 ? 56 : 48) : 40;
+  static constexpr int kConsumerRegs =
+      kConsumers_ == 4 ? 112 : kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
@@ -90,6 +98,8 @@ struct Config {
   // many chunks (16 registers each) as fit beside the accumulators in 48 of the 80 registers of
   // two CTAs per SM, the stage converted and retired in parts: two for N8, N16 and N32 (a whole
   // 256-K stage would need 64 registers), one for N64 (32 registers of accumulators).
+  // (Four consumers at one CTA per SM: ptxas compiles the 640-thread kernel for 96 registers, the
+  // same budget: a whole 128-K N64 stage fragment spilled.)
   static constexpr int kUnpipelinedFragChunks = (48 - kAccum) / 16;
   static constexpr int kFragChunks =
       kPipelined_ || kChunks_ < kUnpipelinedFragChunks ? kChunks_ : kUnpipelinedFragChunks;
@@ -97,7 +107,7 @@ struct Config {
   static constexpr int kFragK = kTileK * kFragChunks;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
   // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
-  static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
                 "register budget");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
 
@@ -112,18 +122,19 @@ struct Config {
 
   struct alignas(1024) SharedStorage {
     alignas(1024) bfloat16_t b[kBlockN * kStageK * kStages];           // (kBlockN, kStageK, stages)
-    alignas(128) uint8_t a[kStages][2][kChunks * weights::kChunkBytes];  // (stage, consumer, chunk)
-    alignas(16) bfloat16_t epi[2][kBlockN * 64];                   // per consumer: (rows, 64 features)
+    alignas(128) uint8_t a[kStages][kConsumers][kChunks * weights::kChunkBytes];  // (stage, consumer, chunk)
+    alignas(16) bfloat16_t epi[kConsumers][kBlockN * 64];  // per consumer: (rows, 64 features)
     int tile_prefix[kMaxExperts + 1];
     typename Pipeline::SharedStorage pipeline;
     std::conditional_t<(kMaxSplits > 1), splitk::Storage<kMaxSplits, kAccum>, splitk::NoStorage> split;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
-  static constexpr uint32_t kStageBytes = kChunks * (2 * weights::kChunkBytes + kBlockN * kTileK * 2);
+  static constexpr uint32_t kStageBytes = kChunks * (kConsumers * weights::kChunkBytes + kBlockN * kTileK * 2);
 };
 
 // The tile list: X(name, kBlockN, stages, CTAs per SM, pipelined, max split-K CTAs, 64-K chunks
-// per stage), one line per tile (the build parses the lines that start with "  X(").
+// per stage, consumer warpgroups), one line per tile (the build parses the lines that start with
+// "  X(").
 // - N8 (and N8SplitK), at most 8 rows in all (T = 1): N16's schedule with m64n8k16 wgmmas, half
 //   the MMA work and half the x bytes per stage (15/16 of N16's are padding at one row): 4-8% faster
 //   than N16 on the T = 1 launches with few tiles, 1.5% slower on deepseek-v3 L1 (2026-12-02).
@@ -145,20 +156,30 @@ struct Config {
 //   one-CTA, chunk-pipelined N64 (8 stages) at 64 rows per expert: the GEMMs 5-11% faster
 //   (qwen3-30b-a3b L2 71.2 -> 63.5 us), the layer 5-8% (2026-12-02, PERF_NOTES.md).
 // - N128, prefill.
-#define NVFP4MOE_GEMM_TILES(X)          \
-  X(N8, 8, 4, 2, false, 1, 4)           \
-  X(N8SplitK, 8, 4, 2, false, 4, 4)     \
-  X(N16, 16, 3, 2, false, 1, 4)         \
-  X(N16SplitK, 16, 3, 2, false, 4, 4)   \
-  X(N32, 32, 5, 2, false, 1, 2)         \
-  X(N64, 64, 3, 2, false, 1, 2)         \
-  X(N128, 128, 8, 1, true, 1, 1)
+#define NVFP4MOE_GEMM_TILES(X)             \
+  X(N8, 8, 4, 2, false, 1, 4, 2)           \
+  X(N8SplitK, 8, 4, 2, false, 4, 4, 2)     \
+  X(N16, 16, 3, 2, false, 1, 4, 2)         \
+  X(N16SplitK, 16, 3, 2, false, 4, 4, 2)   \
+  X(N32, 32, 5, 2, false, 1, 2, 2)         \
+  X(N64, 64, 3, 2, false, 1, 2, 2)         \
+  X(N128, 128, 8, 1, true, 1, 1, 2)
 
-// ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the list for epilogue E.
-#define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks) \
-  template <GemmEpilogue E>                                                                    \
-  using Config##name = Config<block_n, stages, min_blocks, E, pipelined, max_splits, chunks>;
+// A/B variants (the same parameters), compiled only with the CMake option NVFP4MOE_GEMM_VARIANTS
+// (which defines the macro of that name for the dispatcher; not for release), chosen at run time by
+// NVFP4MOE_GEMM_VARIANT (grouped_gemm.cu). N64Q and N64QP: the N64 tile as four consumer
+// warpgroups (256 features) sharing one x tile at one CTA per SM (640 threads, 112 registers per
+// consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages.
+#define NVFP4MOE_GEMM_VARIANT_TILES(V)     \
+  V(N64Q, 64, 5, 1, false, 1, 2, 4)        \
+  V(N64QP, 64, 10, 1, true, 1, 1, 4)
+
+// ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the lists for epilogue E.
+#define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks, consumers) \
+  template <GemmEpilogue E>                                                                               \
+  using Config##name = Config<block_n, stages, min_blocks, E, pipelined, max_splits, chunks, consumers>;
 NVFP4MOE_GEMM_TILES(NVFP4MOE_GEMM_ALIAS)
+NVFP4MOE_GEMM_VARIANT_TILES(NVFP4MOE_GEMM_ALIAS)
 #undef NVFP4MOE_GEMM_ALIAS
 
 }  // namespace nvfp4moe::gemm

@@ -56,23 +56,25 @@ template <class Cfg>
 CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Params& p, int qt, int unit0, int units,
                                     int total_tiles, int m_tiles) {
   constexpr int kBlockN = Cfg::kBlockN;
-  cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 0);
-  cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + 1);
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < Cfg::kConsumers; ++c) {
+    cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiEmpty + c);
+  }
   for (int tile = unit0; tile < total_tiles; tile += units) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
     bool more = tile + units < total_tiles;
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < 2; ++c) {
-      int feature0 = tc.m_tile * kTileM + c * 64;
-      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, kBarEpiFull + c);
+    for (int c = 0; c < Cfg::kConsumers; ++c) {
+      int feature0 = tc.m_tile * Cfg::kTileM + c * 64;
+      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, Cfg::kBarEpiFull + c);
       if (feature0 < p.n) {
         quantize_staged_tile<kBlockN>(p, ss.epi[c], qt, kQuantizerThreads, tc.expert, rr.x, row_begin, rr.y,
                                       feature0);
       }
       if (more) {
-        cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiEmpty + c);
+        cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiEmpty + c);
       }
     }
   }

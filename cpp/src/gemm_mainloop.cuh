@@ -46,10 +46,12 @@ struct MainloopProducer {
                                        int k_tiles) {
     const int chunks_m = p.n / weights::kChunkRows;
     int row0 = expert_rows(p, tc.expert).x + tc.n_tile * kBlockN;
-    int mt0 = tc.m_tile * 2;
-    // With n % 128 == 64 the last tile has one 64-row half: the second consumer gets the
-    // first half again (its results are not stored), so every stage moves the same bytes.
-    int mt1 = mt0 + 1 < chunks_m ? mt0 + 1 : mt0;
+    constexpr int kConsumers = Cfg::kConsumers;
+    // Consumer c's 64-feature chunk row. Where the last tile reaches past n (n % kTileM != 0), the
+    // consumers past it get the tile's first row again (their results are not stored), so every
+    // stage moves the same bytes.
+    const int mt0 = tc.m_tile * kConsumers;
+    auto chunk_row = [&](int c) { return mt0 + c < chunks_m ? mt0 + c : mt0; };
     // Not unrolled: with split-K's runtime K range, unrolling spills on the producer's
     // kProducerRegs registers (and measured no faster without split-K, 2026-12-02).
 #pragma unroll 1
@@ -61,10 +63,11 @@ struct MainloopProducer {
       if (c0 + Cfg::kChunks <= k_tiles) {
         // A stage's chunks are consecutive in K, so adjacent in the prepared layout: one bulk
         // copy per consumer.
-        SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c0, p.n, p.k), bar,
-                                 ss.a[s][0], Cfg::kChunks * weights::kChunkBytes);
-        SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c0, p.n, p.k), bar,
-                                 ss.a[s][1], Cfg::kChunks * weights::kChunkBytes);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kConsumers; ++c) {
+          SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, chunk_row(c), c0, p.n, p.k), bar,
+                                   ss.a[s][c], Cfg::kChunks * weights::kChunkBytes);
+        }
       } else {
         // The partial last stage. Its x pieces past K are zero-filled by the TMA unit. Its weight
         // chunks past K repeat the last one where they share an A fragment with a chunk inside K
@@ -79,15 +82,16 @@ struct MainloopProducer {
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < Cfg::kChunks; ++h) {
           if (!kSkipParts || h < loaded) {
-            const int c = min(c0 + h, k_tiles - 1);
-            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt0, c, p.n, p.k), bar,
-                                     ss.a[s][0] + h * weights::kChunkBytes, weights::kChunkBytes);
-            SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, mt1, c, p.n, p.k), bar,
-                                     ss.a[s][1] + h * weights::kChunkBytes, weights::kChunkBytes);
+            const int kt = min(c0 + h, k_tiles - 1);
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < kConsumers; ++c) {
+              SM90_BULK_COPY_G2S::copy(p.prepared + weights::chunk_offset(tc.expert, chunk_row(c), kt, p.n, p.k), bar,
+                                       ss.a[s][c] + h * weights::kChunkBytes, weights::kChunkBytes);
+            }
           }
         }
         if (kSkipParts && loaded < Cfg::kChunks) {
-          const uint32_t skipped = uint32_t(Cfg::kChunks - loaded) * 2 * weights::kChunkBytes;
+          const uint32_t skipped = uint32_t(Cfg::kChunks - loaded) * kConsumers * weights::kChunkBytes;
           asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(bar)),
                        "r"(skipped)
                        : "memory");

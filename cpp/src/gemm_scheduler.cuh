@@ -36,7 +36,7 @@ CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, i
 // The tile prefix in shared memory, prefix[e] = the first tile of expert e (prefix[E] = all
 // tiles): counts first (e's count stored at e + 1), then an exclusive scan. Called by all kThreads
 // threads of the CTA; ends with __syncthreads().
-template <int kBlockN>
+template <int kBlockN, int kThreads>
 CUTLASS_DEVICE void build_tile_prefix(int* prefix, const Params& p, int m_tiles) {
   for (int e = threadIdx.x; e < p.experts; e += kThreads) {
     int2 rr = expert_rows(p, e);

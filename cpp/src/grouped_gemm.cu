@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <type_traits>
 
 namespace nvfp4moe {
@@ -41,6 +42,18 @@ bool warp_kernel_on() {
   }();
   return on;
 }
+
+#if defined(NVFP4MOE_GEMM_VARIANTS)
+// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
+// (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES) instead; read once.
+const std::string& gemm_variant() {
+  static const std::string v = [] {
+    const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
+    return std::string(e ? e : "");
+  }();
+  return v;
+}
+#endif
 
 }  // namespace
 
@@ -196,7 +209,14 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
         return p.splits > 1 ? launch_grouped_gemm<gemm::ConfigN16SplitK<E>>(map, p, sms, st)
                             : launch_grouped_gemm<gemm::ConfigN16<E>>(map, p, sms, st);
       case GemmTile::kM128N32: return launch_grouped_gemm<gemm::ConfigN32<E>>(map, p, sms, st);
+#if defined(NVFP4MOE_GEMM_VARIANTS)
+      case GemmTile::kM128N64:
+        if (gemm_variant() == "n64q") return launch_grouped_gemm<gemm::ConfigN64Q<E>>(map, p, sms, st);
+        if (gemm_variant() == "n64qp") return launch_grouped_gemm<gemm::ConfigN64QP<E>>(map, p, sms, st);
+        return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
+#else
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
+#endif
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }
   };

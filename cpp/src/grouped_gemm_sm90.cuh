@@ -3,17 +3,18 @@
 //   out[r, f] = sum_k x[r, k] * W_e[f, k] * g_e      for rows r of expert e
 //
 // GEMM view: M = output features f (weights, register-sourced wgmma A), N = rows/tokens (x, wgmma B
-// from shared memory), K = k. A CTA tile is 128 features x kBlockN rows; a K stage is kChunks x 64
+// from shared memory), K = k. A CTA tile is 64 kConsumers features (128 on the shipped tiles) x
+// kBlockN rows; a K stage is kChunks x 64
 // wide (N8 and N16 take 256 per stage, N32 and N64 128, N128 64: gemm_config.cuh's tile list); a
 // partial last stage loads and converts only its parts with a chunk inside K, and its x pieces past
 // K are zero-filled by the TMA unit.
 //
-// Roles (384 threads):
+// Roles (128 + 128 kConsumers threads; 384 on the shipped tiles):
 //   warpgroup 0 (producer, one elected thread): per stage, one bulk copy of kChunks prepared
 //     weight chunks per consumer warpgroup (nvfp4_weights.cuh) and kChunks TMA 2-D loads of the
 //     x tile (kBlockN rows x 64 k each, 128-byte swizzle, the GMMA K-major SW128 layout), all
 //     completing on the stage's full barrier (cutlass::PipelineTmaAsync).
-//   warpgroups 1, 2 (consumers): each owns 64 of the 128 features. Per 64-K chunk, each thread
+//   warpgroups 1.. kConsumers (consumers): each owns 64 of the tile's features. Per 64-K chunk, each thread
 //     reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 //     (shift/mask/or and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas
 //     as one group. Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
@@ -70,7 +71,7 @@ CUTLASS_DEVICE int unhoisted(int v) {
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_x, Params p) {
   using SharedStorage = typename Cfg::SharedStorage;
   using Pipeline = typename Cfg::Pipeline;
@@ -81,13 +82,14 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
 
   const int warp_group = threadIdx.x / 128;
   const bool producer = warp_group == 0;
+  constexpr int kTileM = Cfg::kTileM;
   const int m_tiles = (p.n + kTileM - 1) / kTileM;
   const int k_tiles = p.k / kTileK;                                // 64-K chunks
   const int k_stages = (k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;  // the last one may be partial
 
   // Launched with programmatic dependent launch: nothing global is touched before this.
   pdl::wait_and_release();
-  build_tile_prefix<kBlockN>(ss.tile_prefix, p, m_tiles);
+  build_tile_prefix<kBlockN, Cfg::kThreads>(ss.tile_prefix, p, m_tiles);
   const int total_tiles = ss.tile_prefix[p.experts];
   // Split-K: the cluster of `splits` CTAs is one unit of the persistent tile walk; CTA `rank`
   // takes K stages [kc_begin, kc_end) of every tile, an even partition (non-empty: the host keeps
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
   pp.transaction_bytes = Cfg::kStageBytes;
   pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
-  pp.num_consumers = kConsumerThreads;
+  pp.num_consumers = Cfg::kConsumerThreads;
   pp.num_producers = 1;
   Pipeline pipeline(ss.pipeline, pp, Shape<_1, _1, _1>{});
   __syncthreads();
@@ -172,9 +174,9 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     };
     // Loaded before the mainloop, so that their latency hides behind it (loaded after it,
     // qwen3-30b-a3b's one-tile-per-CTA launches at T = 1 took 6% longer, 2026-12-02); after it
-    // where the accumulators leave no registers for them (N64 at two CTAs per SM, whose other CTA
-    // hides the latency; kept across the mainloop they spilled).
-    constexpr bool kLateTileValues = kBlockN >= 64 && Cfg::kMinBlocks == 2;
+    // where the accumulators leave no registers for them (the unpipelined N64 tiles, whose other
+    // warpgroups hide the latency; kept across the mainloop they spilled).
+    constexpr bool kLateTileValues = kBlockN >= 64 && !Cfg::kPipelined;
     TileValues tv{};
     if constexpr (!kLateTileValues) tv = tile_values();
 
@@ -209,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
     constexpr bool kNvfp4 = Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
     if constexpr (kNvfp4) {
-      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, kBarEpiEmpty + cw);  // the quantizer has read epi
+      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, Cfg::kBarEpiEmpty + cw);  // the quantizer has read epi
     } else {
       cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
     }
@@ -236,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, Cfg::kMinBlocks)
     if constexpr (kNvfp4) {
       // Hand the staged tile to the quantizer warps (the arrive orders the stores above before
       // their reads) and go on to the next tile.
-      cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, kBarEpiFull + cw);
+      cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiFull + cw);
       continue;
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
@@ -279,7 +281,7 @@ int max_active_clusters(int splits, int ctas) {
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks / splits * splits));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(Cfg::kThreads);
   cfg.dynamicSmemBytes = Cfg::kSmemBytes;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
@@ -311,7 +313,7 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   const bool pdl_on = pdl::enabled(p.splits > 1);
   cudaLaunchAttribute attr[2] = {pdl::attribute(), {}};
   cfg.gridDim = dim3(unsigned(ctas * Cfg::kMinBlocks));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(Cfg::kThreads);
   cfg.dynamicSmemBytes = Cfg::kSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
@@ -348,6 +350,9 @@ Status launch_grouped_gemm(const CUtensorMap& tma_x, const Params& p, int ctas, 
   NVFP4MOE_GEMM_EXTERN_ONE(name, kSwigluBf16)          \
   NVFP4MOE_GEMM_EXTERN_ONE(name, kSwigluNvfp4)
 NVFP4MOE_GEMM_TILES(NVFP4MOE_GEMM_EXTERN)
+#if defined(NVFP4MOE_GEMM_VARIANTS)
+NVFP4MOE_GEMM_VARIANT_TILES(NVFP4MOE_GEMM_EXTERN)
+#endif
 #undef NVFP4MOE_GEMM_EXTERN
 #undef NVFP4MOE_GEMM_EXTERN_ONE
 
