@@ -164,7 +164,7 @@ mod cuda {
             .compile("nvfp4moe_bridge");
 
         println!("cargo:rustc-link-search=native={}", dst.join("lib").display());
-        println!("cargo:rustc-link-lib=static=nvfp4moe_core");
+        println!("cargo:rustc-link-lib=static=nvfp4moe_static");
         for lib in ["lib64", "lib"] {
             let d = cuda_root.join(lib);
             if d.join("libcudart_static.a").is_file() {

@@ -33,6 +33,20 @@ mod tests {
         assert_eq!(EXPERT_LIMIT, 1024);
         assert_eq!(TOP_K_LIMIT, 32);
     }
+
+    /// The core's version (version.h, which CMake's project version and the shared library's
+    /// SONAME come from) is the crate's.
+    #[test]
+    fn the_core_version_is_the_crates() {
+        let header = include_str!("../cpp/include/nvfp4moe/version.h");
+        let part = |name: &str| {
+            let prefix = format!("#define NVFP4MOE_VERSION_{name} ");
+            let line = header.lines().find_map(|l| l.strip_prefix(prefix.as_str()));
+            line.unwrap_or_else(|| panic!("version.h has no {prefix}")).trim().to_string()
+        };
+        let core = format!("{}.{}.{}", part("MAJOR"), part("MINOR"), part("PATCH"));
+        assert_eq!(core, env!("CARGO_PKG_VERSION"), "cpp/include/nvfp4moe/version.h and Cargo.toml disagree");
+    }
 }
 
 /// A build check: the generated C++ checks reject a header that drifted from the Rust side.

@@ -17,8 +17,12 @@ if command -v cmake >/dev/null 2>&1; then
   v=$(cmake --version | head -1 | awk '{print $3}')
   if [ "$(printf '%s\n3.24\n' "$v" | sort -V | head -1)" = "3.24" ]; then need_cmake=0; fi
 fi
+# The wheel ships libcudart.so.13 only; CMake's FindCUDAToolkit (CUDA::cudart, for the shared core
+# library) looks for the development name. (Made on every run: older fetches lack it.)
+dev_links() { [ ! -e cuda/lib/libcudart.so.13 ] || [ -e cuda/lib/libcudart.so ] || ln -s libcudart.so.13 cuda/lib/libcudart.so; }
 if [ -f .stamp ] && [ "$(cat .stamp)" = "$want" ] && [ -x cuda/bin/nvcc ] \
    && [ -f cutlass/include/cutlass/cutlass.h ] && { [ $need_cmake = 0 ] || [ -x cmake/bin/cmake ]; }; then
+  dev_links
   exit 0
 fi
 
@@ -40,6 +44,7 @@ done
 mv .stage/nvidia/cu13 cuda
 # The wheels keep libraries in lib/ while nvcc looks in lib64/.
 [ -e cuda/lib64 ] || ln -s lib cuda/lib64
+dev_links
 chmod +x cuda/bin/* cuda/nvvm/bin/* 2>/dev/null || true
 
 rm -rf .stage && mkdir -p .stage

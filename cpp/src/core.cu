@@ -52,6 +52,8 @@ BuildInfo build_info() noexcept {
   return BuildInfo{CUDART_VERSION, NVFP4MOE_CUDA_ARCHS, CUTLASS_MAJOR, CUTLASS_MINOR, CUTLASS_PATCH};
 }
 
+int version() noexcept { return NVFP4MOE_VERSION; }
+
 int runtime_version() noexcept {
   int v = 0;
   return cudaRuntimeGetVersion(&v) == cudaSuccess ? v : 0;

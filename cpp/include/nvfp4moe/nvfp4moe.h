@@ -16,30 +16,32 @@
 // Status, the enums (ScaleLayout, GroupedSource, RowOrder, GemmTile, GemmEpilogue) and the launch
 // argument structs (*Args): declared once, C-compatible, for every language that calls the core.
 #include "nvfp4moe/types.h"
+#include "nvfp4moe/export.h"
+#include "nvfp4moe/version.h"
 
 namespace nvfp4moe {
 
 // A short static description of a status.
-const char* status_string(Status status) noexcept;
+NVFP4MOE_API const char* status_string(Status status) noexcept;
 
 // The message of the last non-success status returned on this thread (with CUDA's own error text
 // for kCudaError). Valid until the next call into the core on this thread.
-const char* last_error_message() noexcept;
+NVFP4MOE_API const char* last_error_message() noexcept;
 
 // Bytes of the scale buffer of a [rows, cols] NVFP4 tensor in `layout` (padding included).
 // Returns 0 for invalid arguments.
-size_t scale_bytes(ScaleLayout layout, int64_t rows, int64_t cols) noexcept;
+NVFP4MOE_API size_t scale_bytes(ScaleLayout layout, int64_t rows, int64_t cols) noexcept;
 
 // quantize_nvfp4: bf16 [rows, cols] -> codes u8 [rows, cols/2] + e4m3 scales, by recipe v2 (ModelOpt's
 // bytes on every finite input; a NaN block gets scale 0x7F and zero codes, Inf saturates).
 // Byte-identical to the crate's CPU reference for any input, NaN and Inf included. Padding bytes of
 // the swizzled layout are written (0).
-Status quantize_nvfp4(const QuantizeNvfp4Args& args, void* stream) noexcept;
+NVFP4MOE_API Status quantize_nvfp4(const QuantizeNvfp4Args& args, void* stream) noexcept;
 
 // dequantize_nvfp4: codes + scales -> bf16 [rows, cols]:
 //   out = bf16_rne((e2m1(code) * e4m3(scale)) * g)   (the first product is exact in FP32)
 // A NaN scale gives the canonical bf16 NaN 0x7FC0 for its 16 elements.
-Status dequantize_nvfp4(const DequantizeNvfp4Args& args, void* stream) noexcept;
+NVFP4MOE_API Status dequantize_nvfp4(const DequantizeNvfp4Args& args, void* stream) noexcept;
 
 // ---------------------------------------------------------------------------------------------
 // Grouped activations (one region per expert, rows permuted by expert): NVFP4 with 128x4 scales
@@ -48,23 +50,23 @@ Status dequantize_nvfp4(const DequantizeNvfp4Args& args, void* stream) noexcept;
 
 // Bytes of a grouped 128x4 scale buffer for `rows` permuted rows (padding included):
 // round_up(rows + 127 E, 128) * round_up(cols / 16, 4).
-size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept;
+NVFP4MOE_API size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept;
 
 // Bit-exact with the CPU reference (reference::quantize_grouped) for the rows of every expert.
 // No host synchronization; rows past expert_offsets[E] are not written.
-Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& args, void* stream) noexcept;
+NVFP4MOE_API Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& args, void* stream) noexcept;
 
 // The inverse for grouped activations: codes [rows, cols/2] + grouped 128x4 scales with
 // per-expert regions + decode scale(s) -> bf16 [rows, cols], out = bf16_rne((e2m1 * e4m3) * g)
 // like dequantize_nvfp4 (a NaN scale gives NaN for the block). Rows past expert_offsets[E] are
 // not written. No host synchronization.
-Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& args, void* stream) noexcept;
+NVFP4MOE_API Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& args, void* stream) noexcept;
 
 // The "separate SwiGLU kernel" of other libraries (a measured baseline for the fused epilogue):
 // gate_up is a GemmEpilogue::kPlain output of kGateUpBands8 weights, bf16 [rows, 2 inter]
 // ([gate 8b..8b+7, up 8b..8b+7] per 16 columns); out bf16 [rows, inter] = silu(gate) * up
 // computed in FP32 from the BF16 inputs.
-Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept;
+NVFP4MOE_API Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept;
 
 // ---------------------------------------------------------------------------------------------
 // MoE routing, permutation and combine (device-side; no host synchronization).
@@ -72,19 +74,19 @@ Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, 
 // Softmax top-k over router logits f32 [tokens, experts]: experts chosen by comparing the logits
 // (ties: the lower id), weights = their softmax probabilities, divided by their sum when
 // `renormalize`. 1 <= top_k <= min(experts, 32), experts <= 1024.
-Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
+NVFP4MOE_API Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
                     int* topk_ids, float* topk_weights, void* stream) noexcept;
 
 // Scratch bytes of permute_and_gather for `pairs` = tokens x top_k pairs.
-size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept;
+NVFP4MOE_API size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept;
 
 // The stable counting sort of the (token, slot) pairs by expert (deterministic: pair t*k + j goes
 // before every later pair of its expert), and the gather of the hidden rows.
-Status permute_and_gather(const PermuteArgs& args, void* stream) noexcept;
+NVFP4MOE_API Status permute_and_gather(const PermuteArgs& args, void* stream) noexcept;
 
 // out[t] = sum over j = 0..k-1 (in order, FP32) of topk_weights[t, j] * y[row_of_pair[t, j]]
 // (pairs with row -1 skipped), rounded to bf16: bit-identical across runs.
-Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+NVFP4MOE_API Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
                int64_t hidden_size, void* out, void* stream) noexcept;
 
 // What this core was built with.
@@ -93,11 +95,15 @@ struct BuildInfo {
   const char* cuda_archs;    // the CUDA architectures compiled in, e.g. "90a-real"
   int cutlass_major, cutlass_minor, cutlass_patch;
 };
-BuildInfo build_info() noexcept;
+NVFP4MOE_API BuildInfo build_info() noexcept;
+
+// The library's version, NVFP4MOE_VERSION as it was built (version.h): equal to the headers' when
+// they match.
+NVFP4MOE_API int version() noexcept;
 
 // The CUDA runtime and driver versions found at run time (0 when unavailable).
-int runtime_version() noexcept;
-int driver_version() noexcept;
+NVFP4MOE_API int runtime_version() noexcept;
+NVFP4MOE_API int driver_version() noexcept;
 
 
 // ---------------------------------------------------------------------------------------------
@@ -117,15 +123,15 @@ constexpr int kWeightChunkK = 64;
 constexpr int kWeightChunkBytes = 64 * 64 / 2 + 64 * 64 / 16;  // 2304
 
 // Bytes of the prepared weight buffer for E experts of [n, k] weights.
-size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept;
+NVFP4MOE_API size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k) noexcept;
 
 // Enqueues the preparation. Blocks whose scale is zero get zero codes (they decode to 0 whatever
 // the encoded scale). The caller checks `error` after synchronizing.
-Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexcept;
+NVFP4MOE_API Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexcept;
 
 // The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
 // rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
-GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
+NVFP4MOE_API GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
 // The tile a grouped_gemm_nvfp4 launch with these arguments runs on a device of `sms` SMs (<= 0:
 // the current device's; with none, as if the warp kernel never took a launch): args.tile, or for
@@ -137,23 +143,23 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 // (deepseek-v3 L1 and qwen3-235b-a22b L2 at T = 1, 256 tiles on 264 slots: 5% and 7% faster than
 // the warp kernel of 2026-12-03, session 9; mixtral-8x7b at T = 2 and 4 3-4%, session 8; every
 // other T = 1 launch of the presets faster on the warp kernel, H200 2026-12-03).
-GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noexcept;
+NVFP4MOE_API GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noexcept;
 
 // One launch for all experts; per-expert row counts are read on the device (no host sync; valid
 // inside CUDA-graph capture). Rows past expert_offsets[E] are not written.
-Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;
+NVFP4MOE_API Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;
 
 // ---------------------------------------------------------------------------------------------
 // can_implement: the host-side checks of an entry point (shapes, counts, enum values, decode
 // scales) without launching anything. Pointers are not looked at: a plan checks its shapes once,
 // before any buffer exists. Returns the status the launch would return for these arguments (with
 // last_error_message() set), so a wrapper can report a typed error at construction.
-Status quantize_nvfp4_can_implement(const QuantizeNvfp4Args& args) noexcept;
-Status dequantize_nvfp4_can_implement(const DequantizeNvfp4Args& args) noexcept;
-Status quantize_nvfp4_grouped_can_implement(const QuantizeGroupedArgs& args) noexcept;
-Status dequantize_nvfp4_grouped_can_implement(const DequantizeGroupedArgs& args) noexcept;
-Status permute_and_gather_can_implement(const PermuteArgs& args) noexcept;
-Status prepare_nvfp4_weights_can_implement(const PrepareWeightsArgs& args) noexcept;
-Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& args) noexcept;
+NVFP4MOE_API Status quantize_nvfp4_can_implement(const QuantizeNvfp4Args& args) noexcept;
+NVFP4MOE_API Status dequantize_nvfp4_can_implement(const DequantizeNvfp4Args& args) noexcept;
+NVFP4MOE_API Status quantize_nvfp4_grouped_can_implement(const QuantizeGroupedArgs& args) noexcept;
+NVFP4MOE_API Status dequantize_nvfp4_grouped_can_implement(const DequantizeGroupedArgs& args) noexcept;
+NVFP4MOE_API Status permute_and_gather_can_implement(const PermuteArgs& args) noexcept;
+NVFP4MOE_API Status prepare_nvfp4_weights_can_implement(const PrepareWeightsArgs& args) noexcept;
+NVFP4MOE_API Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& args) noexcept;
 
 }  // namespace nvfp4moe

@@ -1,0 +1,105 @@
+// GPU-free tests of the C++ API (ctest; run on CI's machine, which has no GPU and no driver):
+// every argument error is a status and a message from the host-side checks, before anything
+// touches CUDA; the size helpers; the version and build information. Built twice, against the
+// shared and the static library.
+#include "nvfp4moe/nvfp4moe.h"
+
+#include <cstdio>
+#include <cstring>
+
+namespace {
+
+int failures = 0;
+
+void expect(bool ok, const char* what, int line) {
+  if (!ok) {
+    std::fprintf(stderr, "api_errors.cpp:%d: FAILED: %s\n", line, what);
+    ++failures;
+  }
+}
+#define EXPECT(cond) expect((cond), #cond, __LINE__)
+
+// `s` is `want` and the thread's last message contains `needle`.
+void expect_status(nvfp4moe::Status s, nvfp4moe::Status want, const char* needle, int line) {
+  const char* msg = nvfp4moe::last_error_message();
+  if (s != want || std::strstr(msg, needle) == nullptr) {
+    std::fprintf(stderr, "api_errors.cpp:%d: FAILED: status %d (%s), message \"%s\"; wanted %d with \"%s\"\n", line,
+                 int(s), nvfp4moe::status_string(s), msg, int(want), needle);
+    ++failures;
+  }
+}
+#define EXPECT_STATUS(call, want, needle) expect_status((call), nvfp4moe::Status::want, (needle), __LINE__)
+
+}  // namespace
+
+int main() {
+  using namespace nvfp4moe;
+  // Version: the library's is the headers'.
+  EXPECT(version() == NVFP4MOE_VERSION);
+  EXPECT(std::strcmp(status_string(Status::kNullPointer), "null pointer") == 0);
+  EXPECT(std::strcmp(status_string(static_cast<Status>(99)), "unknown status") == 0);
+  const BuildInfo bi = build_info();
+  EXPECT(bi.cuda_version >= 13000 && bi.cutlass_major == 4 && bi.cuda_archs != nullptr);
+
+  // Size helpers (pure).
+  EXPECT(scale_bytes(ScaleLayout::kLinear, 3, 32) == 6);
+  EXPECT(scale_bytes(ScaleLayout::kSwizzled128x4, 3, 32) == 128 * 4);
+  EXPECT(scale_bytes(ScaleLayout::kLinear, 3, 33) == 0);  // cols not a multiple of 16
+  EXPECT(prepared_weight_bytes(2, 128, 128) == size_t(2) * 2 * 2 * kWeightChunkBytes);
+  EXPECT(choose_gemm_tile(1024 * 8, 128) == GemmTile::kM128N64);
+
+  // Bad shapes and null pointers: a status and a message, nothing enqueued (no GPU here).
+  QuantizeNvfp4Args q;
+  q.rows = 4;
+  q.cols = 30;
+  EXPECT_STATUS(quantize_nvfp4(q, nullptr), kInvalidShape, "");
+  q.cols = 32;
+  EXPECT_STATUS(quantize_nvfp4(q, nullptr), kNullPointer, "quantize_nvfp4");
+  q.decode_scale = -1.0f;
+  EXPECT_STATUS(quantize_nvfp4(q, nullptr), kInvalidDecodeScale, "");
+  q.decode_scale = 1.0f;
+  q.layout = static_cast<ScaleLayout>(7);
+  EXPECT_STATUS(quantize_nvfp4(q, nullptr), kUnsupportedLayout, "");
+
+  EXPECT_STATUS(softmax_topk(nullptr, 2, 8, 0, false, nullptr, nullptr, nullptr), kInvalidShape, "softmax_topk");
+  EXPECT_STATUS(softmax_topk(nullptr, 2, 8, 2, false, nullptr, nullptr, nullptr), kNullPointer, "softmax_topk");
+  EXPECT_STATUS(combine(nullptr, nullptr, nullptr, 2, 2, 64, nullptr, nullptr), kNullPointer, "combine");
+  EXPECT_STATUS(combine(nullptr, nullptr, nullptr, 2, 0, 64, nullptr, nullptr), kInvalidShape, "combine");
+  EXPECT_STATUS(swiglu_bf16(nullptr, 2, 64, nullptr, nullptr), kNullPointer, "");
+
+  GroupedGemmArgs g;
+  g.experts = 4;
+  g.n = 256;
+  g.k = 100;  // not a multiple of 64
+  EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "");
+  g.k = 256;
+  EXPECT(grouped_gemm_nvfp4_can_implement(g) == Status::kSuccess);
+  g.total_rows = 8;
+  EXPECT_STATUS(grouped_gemm_nvfp4(g, nullptr), kNullPointer, "grouped_gemm_nvfp4");
+  g.experts = kExpertLimit + 1;
+  EXPECT_STATUS(grouped_gemm_nvfp4(g, nullptr), kInvalidShape, "");
+
+  PrepareWeightsArgs pw;
+  pw.experts = 2;
+  pw.n = 128;
+  pw.k = 128;
+  EXPECT_STATUS(prepare_nvfp4_weights(pw, nullptr), kNullPointer, "");
+  pw.n = 96;
+  EXPECT_STATUS(prepare_nvfp4_weights_can_implement(pw), kInvalidShape, "");
+
+  PermuteArgs pa;
+  pa.tokens = 3;
+  pa.top_k = 2;
+  pa.experts = 8;
+  pa.hidden_size = 64;
+  EXPECT_STATUS(permute_and_gather(pa, nullptr), kNullPointer, "");
+  pa.hidden_size = 60;  // not a multiple of 8
+  EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "");
+
+  if (failures) {
+    std::fprintf(stderr, "api_errors: %d failed\n", failures);
+    return 1;
+  }
+  std::printf("api_errors: all passed (nvfp4moe %d, CUDA %d)\n", version(), bi.cuda_version);
+  return 0;
+}
