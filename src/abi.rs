@@ -28,7 +28,8 @@ mod tests {
         assert_eq!(GemmTile::M128N8 as i32, 5);
         assert_eq!(GemmEpilogue::SwigluNvfp4 as i32, 3);
         assert_eq!(Status::from_raw(6), Some(Status::CudaError));
-        assert_eq!(Status::from_raw(7), None);
+        assert_eq!(Status::from_raw(9), Some(Status::OutOfMemory));
+        assert_eq!(Status::from_raw(10), None);
         assert_eq!(RowOrder::GateUpBands8.cxx_name(), "kGateUpBands8");
         assert_eq!(EXPERT_LIMIT, 1024);
         assert_eq!(TOP_K_LIMIT, 32);

@@ -30,6 +30,8 @@ pub(crate) mod raw {
         type PermuteArgs = crate::abi::PermuteArgs;
         type PrepareWeightsArgs = crate::abi::PrepareWeightsArgs;
         type GroupedGemmArgs = crate::abi::GroupedGemmArgs;
+        type MoeLayerDesc = crate::abi::MoeLayerDesc;
+        type MoeForwardArgs = crate::abi::MoeForwardArgs;
     }
 
     unsafe extern "C++" {
@@ -92,7 +94,30 @@ pub(crate) mod raw {
             stream: u64,
         ) -> i32;
 
+        /// # Safety
+        /// The descriptor's weight pointers name prepared weights of its shape, and `workspace`
+        /// holds `workspace_bytes` bytes, on the context of `stream`.
+        unsafe fn moe_layer_initialize(d: &MoeLayerDesc, workspace: u64, workspace_bytes: i64, stream: u64) -> i32;
+        /// # Safety
+        /// As for `moe_layer_initialize`; every buffer of `a` holds what its shape implies and
+        /// stays alive until the enqueued work has finished.
+        unsafe fn moe_layer_forward(d: &MoeLayerDesc, a: &MoeForwardArgs, stream: u64) -> i32;
+        /// # Safety
+        /// As for `moe_layer_forward`; `act_out` holds tokens x top_k x intermediate bf16.
+        unsafe fn moe_layer_first_gemm(d: &MoeLayerDesc, a: &MoeForwardArgs, act_out: u64, stream: u64) -> i32;
+        /// # Safety
+        /// As for `moe_layer_initialize`. Synchronizes `stream`.
+        unsafe fn moe_layer_read_error(
+            d: &MoeLayerDesc,
+            workspace: u64,
+            workspace_bytes: i64,
+            stream: u64,
+            word: &mut u64,
+        ) -> i32;
+
         // The core's shape checks (pointers are not read: safe to call with any values).
+        fn moe_layer_can_implement(d: &MoeLayerDesc) -> i32;
+        fn core_moe_layer_workspace_bytes(d: &MoeLayerDesc) -> u64;
         fn quantize_nvfp4_can_implement(args: &QuantizeNvfp4Args) -> i32;
         fn dequantize_nvfp4_can_implement(args: &DequantizeNvfp4Args) -> i32;
         fn quantize_nvfp4_grouped_can_implement(args: &QuantizeGroupedArgs) -> i32;

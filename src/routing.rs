@@ -176,18 +176,26 @@ impl PermuteBuffers {
             return Ok(());
         }
         stream.memcpy_htod(&[u64::MAX], &mut self.error)?;
-        let (pair, id) = ((word >> 32) as usize, word as u32 as i32);
-        // The recorded pair is flattened t * k + j: it cannot be placed without k.
-        let (Some(t), Some(j)) = (pair.checked_div(top_k), pair.checked_rem(top_k)) else {
-            return Err(Error::InvalidShape(format!(
-                "top_k must be >= 1 to name the bad expert id {id} recorded at pair {pair}"
-            )));
-        };
-        Err(Error::Invalid(format!(
-            "topk_ids[{t}, {j}] = {id} is not an expert id in [0, {}): that slot was routed nowhere",
-            self.experts
-        )))
+        bad_id_error(word, top_k, self.experts)
     }
+}
+
+/// The error a permutation's error word (`(pair << 32) | id` of the smallest bad pair, `u64::MAX`
+/// for none) reports for a forward of `top_k` experts per token over `experts` experts.
+pub(crate) fn bad_id_error(word: u64, top_k: usize, experts: usize) -> Result<()> {
+    if word == u64::MAX {
+        return Ok(());
+    }
+    let (pair, id) = ((word >> 32) as usize, word as u32 as i32);
+    // The recorded pair is flattened t * k + j: it cannot be placed without k.
+    let (Some(t), Some(j)) = (pair.checked_div(top_k), pair.checked_rem(top_k)) else {
+        return Err(Error::InvalidShape(format!(
+            "top_k must be >= 1 to name the bad expert id {id} recorded at pair {pair}"
+        )));
+    };
+    Err(Error::Invalid(format!(
+        "topk_ids[{t}, {j}] = {id} is not an expert id in [0, {experts}): that slot was routed nowhere"
+    )))
 }
 
 /// A count the kernels index with 32-bit integers: more is a shape error here, before anything is

@@ -51,6 +51,25 @@ int32_t combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t toke
                                  stream_ptr(stream)));
 }
 
+int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream) {
+  return raw(::nvfp4moe::moe_layer_initialize(d, dptr_mut(workspace), workspace_bytes, stream_ptr(stream)));
+}
+int32_t moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t stream) {
+  return raw(::nvfp4moe::moe_layer_forward(d, a, stream_ptr(stream)));
+}
+int32_t moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t act_out, uint64_t stream) {
+  return raw(::nvfp4moe::moe_layer_first_gemm(d, a, dptr_mut(act_out), stream_ptr(stream)));
+}
+int32_t moe_layer_read_error(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream,
+                             uint64_t& word) {
+  unsigned long long w = 0;
+  const Status s = ::nvfp4moe::moe_layer_read_error(d, dptr_mut(workspace), workspace_bytes, stream_ptr(stream), &w);
+  word = w;
+  return raw(s);
+}
+int32_t moe_layer_can_implement(const MoeLayerDesc& d) { return raw(::nvfp4moe::moe_layer_can_implement(d)); }
+uint64_t core_moe_layer_workspace_bytes(const MoeLayerDesc& d) { return ::nvfp4moe::moe_layer_workspace_bytes(d); }
+
 int32_t quantize_nvfp4_can_implement(const QuantizeNvfp4Args& a) {
   return raw(::nvfp4moe::quantize_nvfp4_can_implement(a));
 }

@@ -27,6 +27,14 @@ int32_t softmax_topk(uint64_t logits, int64_t tokens, int64_t experts, int64_t t
 int32_t combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t tokens, int64_t top_k, int64_t hidden_size,
                 uint64_t out, uint64_t stream);
 
+int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
+int32_t moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t stream);
+int32_t moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t act_out, uint64_t stream);
+int32_t moe_layer_read_error(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream,
+                             uint64_t& word);
+int32_t moe_layer_can_implement(const MoeLayerDesc& d);
+uint64_t core_moe_layer_workspace_bytes(const MoeLayerDesc& d);
+
 int32_t quantize_nvfp4_can_implement(const QuantizeNvfp4Args& a);
 int32_t dequantize_nvfp4_can_implement(const DequantizeNvfp4Args& a);
 int32_t quantize_nvfp4_grouped_can_implement(const QuantizeGroupedArgs& a);

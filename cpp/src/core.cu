@@ -26,6 +26,9 @@ const char* status_string(Status status) noexcept {
     case Status::kUnsupportedLayout: return "unsupported scale layout";
     case Status::kNullPointer: return "null pointer";
     case Status::kCudaError: return "CUDA error";
+    case Status::kInvalidValue: return "invalid value";
+    case Status::kInvalidHandle: return "invalid handle";
+    case Status::kOutOfMemory: return "out of memory";
   }
   return "unknown status";
 }

@@ -96,6 +96,76 @@ int main() {
   pa.hidden_size = 60;  // not a multiple of 8
   EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "");
 
+  // The MoE layer: the descriptor's rules, the workspace size, and a forward's argument errors.
+  MoeLayerDesc d;
+  d.experts = 8;
+  d.hidden = 256;
+  d.intermediate = 128;
+  d.max_tokens = 16;
+  d.max_top_k = 2;
+  EXPECT(moe_layer_can_implement(d) == Status::kSuccess);
+  const size_t ws_bytes = moe_layer_workspace_bytes(d);
+  // At least x_perm, act and y of 32 pairs.
+  EXPECT(ws_bytes >= size_t(32) * (256 + 128 + 256) * 2);
+  MoeLayerDesc bad = d;
+  bad.max_top_k = 9;  // more than the experts
+  EXPECT_STATUS(moe_layer_can_implement(bad), kInvalidShape, "max_top_k");
+  EXPECT(moe_layer_workspace_bytes(bad) == 0);
+  bad = d;
+  bad.intermediate = 96;  // not a multiple of 64
+  EXPECT_STATUS(moe_layer_can_implement(bad), kInvalidShape, "intermediate");
+  bad = d;
+  bad.max_tokens = int64_t(1) << 31;
+  EXPECT_STATUS(moe_layer_can_implement(bad), kInvalidShape, "max_tokens");
+  bad = d;
+  bad.intermediate_format = IntermediateFormat::kNvfp4;
+  bad.intermediate_decode_scale = 0.0f;
+  EXPECT_STATUS(moe_layer_can_implement(bad), kInvalidDecodeScale, "decode scale");
+  bad.intermediate_decode_scale = 0.5f;
+  EXPECT(moe_layer_can_implement(bad) == Status::kSuccess);
+  EXPECT(moe_layer_workspace_bytes(bad) > ws_bytes);  // the NVFP4 codes and scales
+  bad.tile = GemmTile::kWarpM16N8;
+  EXPECT_STATUS(moe_layer_can_implement(bad), kInvalidShape, "kWarpM16N8");
+  bad = d;
+  bad.intermediate_format = static_cast<IntermediateFormat>(5);
+  EXPECT_STATUS(moe_layer_can_implement(bad), kUnsupportedLayout, "intermediate format");
+
+  MoeForwardArgs f;
+  f.tokens = 4;
+  f.top_k = 2;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "workspace");
+  EXPECT_STATUS(moe_layer_initialize(d, nullptr, int64_t(ws_bytes), nullptr), kNullPointer, "workspace");
+  // A fake, never dereferenced workspace address: the checks before any launch read no memory.
+  alignas(16) static char fake[16];
+  f.workspace = fake;
+  f.workspace_bytes = int64_t(ws_bytes) - 1;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kInvalidShape, "moe_layer_workspace_bytes");
+  f.workspace_bytes = int64_t(ws_bytes);
+  f.workspace = fake + 1;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "workspace");
+  f.workspace = fake;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "hidden");
+  f.tokens = 17;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kInvalidShape, "tokens");
+  f.tokens = 4;
+  f.top_k = 3;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kInvalidShape, "top_k");
+  f.top_k = 2;
+  f.hidden = fake;
+  f.out = fake;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "router_logits");
+  f.topk_ids = reinterpret_cast<const int*>(fake);
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "topk_weights");
+  EXPECT_STATUS(moe_layer_first_gemm(d, f, nullptr, nullptr), kNullPointer, "act_out");
+  f.topk_weights = reinterpret_cast<const float*>(fake);
+  f.out = fake + 2;
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "16-byte");
+  f.tokens = 0;  // an empty forward: nothing to do, nothing enqueued
+  EXPECT(moe_layer_forward(d, f, nullptr) == Status::kSuccess);
+  unsigned long long word = 0;
+  EXPECT_STATUS(moe_layer_read_error(d, fake, int64_t(ws_bytes), nullptr, nullptr), kNullPointer, "word");
+  EXPECT_STATUS(moe_layer_read_error(d, fake, 8, nullptr, &word), kInvalidShape, "workspace");
+
   if (failures) {
     std::fprintf(stderr, "api_errors: %d failed\n", failures);
     return 1;

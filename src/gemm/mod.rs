@@ -271,7 +271,7 @@ impl Nvfp4Weights {
     /// are dropped before a new one is kept, so a caller that makes a stream per request does
     /// not grow the list. If no event can be recorded the drop synchronizes the context instead
     /// (the launch itself is not failed: it was enqueued).
-    fn note_read(&self, stream: &CudaStream) {
+    pub(crate) fn note_read(&self, stream: &CudaStream) {
         let ctx = stream.context();
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
         if (!per_thread && *stream == **self.prepared.stream()) || !ctx.is_managing_stream_synchronization() {
@@ -292,6 +292,12 @@ impl Nvfp4Weights {
             reads.synchronize_on_drop = true;
             ctx.record_err(Err::<(), _>(e));
         }
+    }
+
+    /// The prepared chunks and the `[E, 2]` decode scales, for a launch that reads them (which
+    /// then calls [`Nvfp4Weights::note_read`]).
+    pub(crate) fn device_buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<f32>) {
+        (&self.prepared, &self.decode_scales)
     }
 
     /// Uploads host weights and prepares them.

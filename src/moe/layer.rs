@@ -1,6 +1,9 @@
 //! The MoE feed-forward layer: routing -> permutation -> first GEMM with SwiGLU in the epilogue
 //! (compact BF16) -> second GEMM -> combine, all on one stream with no host synchronization and
-//! no allocation inside a forward (every buffer lives in a [`MoeWorkspace`] sized once).
+//! no allocation inside a forward (every buffer lives in a [`MoeWorkspace`] sized once). The
+//! layer itself is the C++ core's (`moe_layer_*` in `cpp/include/nvfp4moe/nvfp4moe.h`, one
+//! implementation for Rust, C++ and C): this module validates, keeps the buffers alive and
+//! stream-ordered (cudarc), and maps the core's statuses to typed errors.
 
 use std::sync::Arc;
 
@@ -8,13 +11,13 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::MoeWeights;
+use crate::abi::{IntermediateFormat, MoeForwardArgs, MoeLayerDesc};
 use crate::error::{Error, Result};
-use crate::gemm::{Epilogue, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4, SwigluNvfp4Out};
+use crate::ffi::raw;
+use crate::gemm::{Epilogue, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4};
 use crate::host::weight_decode_scale;
-use crate::launch::{check_align, check_len, BufferInfo, Launch};
-use crate::layout::grouped_scale_len;
-use crate::quantize::{dequantize_nvfp4_grouped_into, GroupedDesc};
-use crate::routing::{combine_into, softmax_topk_into, CombineShape, PermuteBuffers, TopK};
+use crate::launch::{check_align, check_len, status, BufferInfo, Launch};
+use crate::routing::bad_id_error;
 
 /// What the first GEMM hands the second.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -151,25 +154,8 @@ fn check_forward_buffers(
     Ok(())
 }
 
-/// The workspace buffers a forward writes (all but the router's).
-struct Scratch<'a> {
-    perm: &'a mut PermuteBuffers,
-    act: &'a mut CudaSlice<bf16>,
-    y: &'a mut CudaSlice<bf16>,
-    fp4: Option<&'a mut Fp4Buffers>,
-}
-
-/// The NVFP4 intermediate's buffers ([`Intermediate::Nvfp4`]).
-#[derive(Debug)]
-struct Fp4Buffers {
-    codes: CudaSlice<u8>,
-    scales: CudaSlice<u8>,
-    decode_scale: CudaSlice<f32>,
-    /// The host value of `decode_scale`, to match the workspace to its layer.
-    decode_scale_host: f32,
-}
-
-/// Every buffer a forward needs, allocated once by [`MoeLayer::workspace`] for that layer's shape
+/// Every buffer a forward needs, in one device allocation whose layout is the core's
+/// (`moe_layer_workspace_bytes`), allocated once by [`MoeLayer::workspace`] for that layer's shape
 /// and intermediate format (a forward given another layer's workspace is refused).
 ///
 /// `Send + Sync`. Every forward writes it (it is taken `&mut`), so one workspace serves one
@@ -178,15 +164,12 @@ struct Fp4Buffers {
 /// one (with event tracking disabled, e.g. for graph capture, the caller orders the streams).
 #[derive(Debug)]
 pub struct MoeWorkspace {
-    perm: PermuteBuffers,
-    act: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    ids: CudaSlice<i32>,
-    weights: CudaSlice<f32>,
-    fp4: Option<Fp4Buffers>,
+    buf: CudaSlice<u8>,
     max_pairs: usize,
     /// (E, H, I) of the layer that allocated it: a forward checks them against its own.
     shape: (usize, usize, usize),
+    /// The intermediate format (and the NVFP4 decode scale) it was set up for.
+    intermediate: Intermediate,
 }
 
 /// One MoE feed-forward layer over prepared NVFP4 weights.
@@ -253,7 +236,52 @@ impl MoeLayer {
                 ));
             }
         }
-        Ok(MoeLayer { weights, opts })
+        let layer = MoeLayer { weights, opts };
+        // The core's own rules for the layer (both GEMMs' and the permutation's shapes).
+        status(raw::moe_layer_can_implement(&layer.desc([0; 4])))?;
+        Ok(layer)
+    }
+
+    /// The core's descriptor of the layer, with `ptrs` = the device addresses of W13's prepared
+    /// chunks and decode scales, then W2's (zeros where nothing is launched: the core's checks and
+    /// sizes do not read them).
+    fn desc(&self, ptrs: [u64; 4]) -> MoeLayerDesc {
+        let w = &self.weights;
+        let (format, g) = match self.opts.intermediate {
+            Intermediate::Bf16 => (IntermediateFormat::Bf16, 1.0),
+            Intermediate::Nvfp4 { decode_scale } => (IntermediateFormat::Nvfp4, decode_scale),
+        };
+        MoeLayerDesc {
+            w13_prepared: ptrs[0],
+            w13_decode_scales: ptrs[1],
+            w2_prepared: ptrs[2],
+            w2_decode_scales: ptrs[3],
+            experts: w.experts as i64,
+            hidden: w.hidden as i64,
+            intermediate: w.intermediate as i64,
+            max_tokens: self.opts.max_tokens as i64,
+            max_top_k: self.opts.max_top_k as i64,
+            tile: self.opts.tile,
+            intermediate_format: format,
+            intermediate_decode_scale: g,
+            batch_invariant: i32::from(self.opts.batch_invariant),
+        }
+    }
+
+    /// Runs `f` (a core call enqueuing on the launch's stream) with the descriptor over the
+    /// weights' device buffers, held (and stream-ordered) for the call; notes the weights' read on
+    /// that stream afterwards, also after a failure (part of it may have been enqueued).
+    fn with_weights(&self, l: &Launch<'_>, f: impl FnOnce(&MoeLayerDesc, u64) -> i32) -> Result<()> {
+        let (w13, w2) = (&self.weights.w13, &self.weights.w2);
+        let ((p13, s13), (p2, s2)) = (w13.device_buffers(), w2.device_buffers());
+        let (p13, s13, p2, s2) = (l.input(p13), l.input(s13), l.input(p2), l.input(s2));
+        let desc = self.desc([p13.addr, s13.addr, p2.addr, s2.addr]);
+        // SAFETY (of the callers' `f`): the weights were prepared for the descriptor's shape (they
+        // are the layer's); the callers checked every other buffer.
+        let r = unsafe { l.run(|st| f(&desc, st)) };
+        w13.note_read(l.stream());
+        w2.note_read(l.stream());
+        r
     }
 
     /// The layer's prepared weights.
@@ -291,9 +319,10 @@ impl MoeLayer {
     }
 
     /// Calibrates [`Intermediate::Nvfp4`]'s activation decode scale on these tokens: runs the
-    /// permutation and the first GEMM with the BF16 intermediate into the workspace and returns
-    /// `amax / (6 * 448)` over its finite values (ModelOpt's `input_scale` recipe). Synchronizes
-    /// `stream` and reads the intermediate back; meant for set-up and benches, not per forward.
+    /// permutation and the first GEMM with the BF16 intermediate (the core's
+    /// `moe_layer_first_gemm`, into a buffer of its own) and returns `amax / (6 * 448)` over its
+    /// finite values (ModelOpt's `input_scale` recipe). Synchronizes `stream` and reads the
+    /// intermediate back; meant for set-up and benches, not per forward.
     ///
     /// # Errors
     /// As [`MoeLayer::forward`], or an intermediate with no finite non-zero value.
@@ -311,40 +340,59 @@ impl MoeLayer {
         I: DevicePtr<i32>,
     {
         self.check_tokens(tokens, top_k, ws)?;
-        let pairs = tokens * top_k;
-        let MoeWorkspace { perm, act, .. } = ws;
-        perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
-        let l1 = self.plan::<SwigluBf16>(&self.weights.w13)?;
-        l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?;
-        let host = stream.clone_dtoh(&act.slice(..pairs * self.weights.intermediate))?;
+        let (pairs, inter) = (tokens * top_k, self.weights.intermediate);
+        let mut act = stream.alloc_zeros::<bf16>((pairs * inter).max(1))?;
+        {
+            let l = Launch::new(stream)?;
+            let (h, ids) = (l.input(hidden), l.input(topk_ids));
+            check_len("hidden", h.len, tokens * self.weights.hidden)?;
+            check_len("topk_ids", ids.len, pairs)?;
+            if tokens > 0 {
+                check_align("hidden", h.addr, 16)?;
+            }
+            let (a, w) = (l.output(&mut act), l.output(&mut ws.buf));
+            let args = MoeForwardArgs {
+                hidden: h.addr,
+                tokens: tokens as i64,
+                top_k: top_k as i64,
+                topk_ids: ids.addr,
+                workspace: w.addr,
+                workspace_bytes: w.len as i64,
+                ..Default::default()
+            };
+            // SAFETY: `act` holds pairs x I, the inputs were checked above, the workspace is this
+            // layer's (check_tokens).
+            self.with_weights(&l, |d, st| unsafe { raw::moe_layer_first_gemm(d, &args, a.addr, st) })?;
+        }
+        let host = stream.clone_dtoh(&act.slice(..pairs * inter))?;
         weight_decode_scale(&host).map_err(|e| Error::Invalid(format!("calibrating the NVFP4 intermediate: {e}")))
     }
 
-    /// Allocates the workspace for `max_tokens` x `max_top_k` rows.
+    /// Allocates the workspace for `max_tokens` x `max_top_k` rows and sets it up (the core's
+    /// `moe_layer_initialize`, enqueued on `stream`).
     ///
     /// # Errors
     /// A CUDA error (out of memory).
     pub fn workspace(&self, stream: &Arc<CudaStream>) -> Result<MoeWorkspace> {
-        let pairs = self.opts.max_tokens * self.opts.max_top_k;
-        let (h, i) = (self.weights.hidden, self.weights.intermediate);
-        let fp4 = match self.opts.intermediate {
-            Intermediate::Bf16 => None,
-            Intermediate::Nvfp4 { decode_scale } => Some(Fp4Buffers {
-                codes: stream.alloc_zeros::<u8>((pairs * i / 2).max(1))?,
-                scales: stream.alloc_zeros::<u8>(grouped_scale_len(pairs, self.weights.experts, i).max(1))?,
-                decode_scale: stream.clone_htod(&[decode_scale])?,
-                decode_scale_host: decode_scale,
-            }),
-        };
+        let desc = self.desc([0; 4]);
+        let bytes = raw::core_moe_layer_workspace_bytes(&desc) as usize;
+        if bytes == 0 {
+            // The layer passed the same check at construction.
+            status(raw::moe_layer_can_implement(&desc))?;
+        }
+        let mut buf = stream.alloc_zeros::<u8>(bytes)?;
+        {
+            let l = Launch::new(stream)?;
+            let b = l.output(&mut buf);
+            // SAFETY: `buf` holds the bytes the core asked for; the descriptor's weights are not read.
+            unsafe { l.run(|st| raw::moe_layer_initialize(&desc, b.addr, b.len as i64, st))? };
+        }
+        let w = &self.weights;
         Ok(MoeWorkspace {
-            fp4,
-            perm: PermuteBuffers::new(stream, pairs, self.weights.experts, h)?,
-            act: stream.alloc_zeros::<bf16>((pairs * i).max(1))?,
-            y: stream.alloc_zeros::<bf16>((pairs * h).max(1))?,
-            ids: stream.alloc_zeros::<i32>(pairs.max(1))?,
-            weights: stream.alloc_zeros::<f32>(pairs.max(1))?,
-            max_pairs: pairs,
-            shape: (self.weights.experts, h, i),
+            buf,
+            max_pairs: self.opts.max_tokens * self.opts.max_top_k,
+            shape: (w.experts, w.hidden, w.intermediate),
+            intermediate: self.opts.intermediate,
         })
     }
 
@@ -369,10 +417,13 @@ impl MoeLayer {
                 (w.experts, w.hidden, w.intermediate)
             )));
         }
-        // The forward takes its path from the workspace's buffers: they must be this layer's.
-        let matches = match (self.opts.intermediate, &ws.fp4) {
-            (Intermediate::Bf16, None) => true,
-            (Intermediate::Nvfp4 { decode_scale }, Some(b)) => decode_scale.to_bits() == b.decode_scale_host.to_bits(),
+        // The forward takes its path from the layer's format, the workspace's layout and decode
+        // scale from the one it was made for: they must be the same.
+        let matches = match (self.opts.intermediate, ws.intermediate) {
+            (Intermediate::Bf16, Intermediate::Bf16) => true,
+            (Intermediate::Nvfp4 { decode_scale: a }, Intermediate::Nvfp4 { decode_scale: b }) => {
+                a.to_bits() == b.to_bits()
+            }
             _ => false,
         };
         if !matches {
@@ -414,77 +465,27 @@ impl MoeLayer {
         W: DevicePtr<f32>,
         O: DevicePtrMut<bf16>,
     {
-        self.check_tokens(input.tokens, input.top_k, ws)?;
-        let routing = Routing::Ids { ids: input.topk_ids.len(), weights: input.topk_weights.len() };
-        self.check_buffers(stream, input.hidden, out, input.tokens, input.top_k, routing)?;
-        let MoeWorkspace { perm, act, y, fp4, .. } = ws;
-        self.run(stream, input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
-    }
-
-    /// Checks the caller's buffers of a forward ([`check_forward_buffers`]) before any kernel or
-    /// copy is enqueued (taking their addresses enqueues only cudarc's event bookkeeping, with
-    /// event tracking on).
-    fn check_buffers<H, O>(
-        &self,
-        stream: &CudaStream,
-        hidden: &H,
-        out: &mut O,
-        tokens: usize,
-        top_k: usize,
-        routing: Routing,
-    ) -> Result<()>
-    where
-        H: DevicePtr<bf16>,
-        O: DevicePtrMut<bf16>,
-    {
-        let l = Launch::new(stream)?;
-        let (hidden, out) = (l.input(hidden).info(), l.output(out).info());
-        check_forward_buffers(self.weights.hidden, tokens, top_k, hidden, out, routing)
-    }
-
-    /// The forward's launches over the workspace's parts (split so that the router path can
-    /// read its own workspace buffers while the rest are written).
-    fn run<H, I, W, O>(
-        &self,
-        stream: &CudaStream,
-        input: &MoeInput<'_, H, I, W>,
-        out: &mut O,
-        scratch: Scratch<'_>,
-    ) -> Result<()>
-    where
-        H: DevicePtr<bf16>,
-        I: DevicePtr<i32>,
-        W: DevicePtr<f32>,
-        O: DevicePtrMut<bf16>,
-    {
         let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
-        let Scratch { perm, act, y, fp4 } = scratch;
-        let (h, pairs) = (self.weights.hidden, tokens * top_k);
-        // Checked by both callers (check_buffers) before anything was enqueued.
-        debug_assert!(hidden.len() >= tokens * h && out.len() >= tokens * h);
-        debug_assert!(topk_ids.len() >= pairs && topk_weights.len() >= pairs);
-        let l1 = self.plan::<SwigluBf16>(&self.weights.w13)?;
-        let l2 = self.plan::<PlainBf16>(&self.weights.w2)?;
-        perm.permute(stream, topk_ids, tokens, top_k, hidden)?;
-        match fp4 {
-            None => l1.launch(stream, &perm.x_perm, pairs, &perm.expert_offsets, act)?,
-            Some(b) => {
-                let l1 = self.plan::<SwigluNvfp4>(&self.weights.w13)?;
-                let nvfp4 =
-                    SwigluNvfp4Out { act_decode_scales: &b.decode_scale, codes: &mut b.codes, scales: &mut b.scales };
-                l1.launch_nvfp4(stream, &perm.x_perm, pairs, &perm.expert_offsets, nvfp4)?;
-                let desc = GroupedDesc {
-                    rows: pairs,
-                    cols: self.weights.intermediate,
-                    expert_offsets: &perm.expert_offsets,
-                    decode_scales: &b.decode_scale,
-                };
-                dequantize_nvfp4_grouped_into(stream, &b.codes, &b.scales, &desc, act)?;
-            }
-        }
-        l2.launch(stream, &*act, pairs, &perm.expert_offsets, y)?;
-        let shape = CombineShape { tokens, top_k, hidden: h };
-        combine_into(stream, &*y, &perm.row_of_pair, topk_weights, shape, out)
+        self.check_tokens(tokens, top_k, ws)?;
+        let l = Launch::new(stream)?;
+        let (h, ids, w) = (l.input(hidden), l.input(topk_ids), l.input(topk_weights));
+        let o = l.output(out);
+        let routing = Routing::Ids { ids: ids.len, weights: w.len };
+        check_forward_buffers(self.weights.hidden, tokens, top_k, h.info(), o.info(), routing)?;
+        let b = l.output(&mut ws.buf);
+        let args = MoeForwardArgs {
+            hidden: h.addr,
+            tokens: tokens as i64,
+            top_k: top_k as i64,
+            topk_ids: ids.addr,
+            topk_weights: w.addr,
+            out: o.addr,
+            workspace: b.addr,
+            workspace_bytes: b.len as i64,
+            ..Default::default()
+        };
+        // SAFETY: every buffer checked above; the workspace is this layer's (check_tokens).
+        self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward(d, &args, st) })
     }
 
     /// Routes with softmax top-k over the router logits of `input` (renormalized if asked), then
@@ -494,7 +495,7 @@ impl MoeLayer {
     /// an argument error enqueues no kernel or copy, as for [`MoeLayer::forward`].
     ///
     /// # Errors
-    /// As [`MoeLayer::forward`], or bad routing arguments ([`softmax_topk_into`]).
+    /// As [`MoeLayer::forward`], or bad routing arguments.
     pub fn forward_with_router<H, L, O>(
         &self,
         stream: &CudaStream,
@@ -509,30 +510,81 @@ impl MoeLayer {
     {
         let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
         self.check_tokens(tokens, top_k, ws)?;
-        // Every argument before the router's launch (its own checks come first too: top_k and
-        // experts are the layer's, its ids and weights the workspace's, sized by check_tokens).
-        let routing = Routing::Logits { logits: router_logits.len(), experts: self.weights.experts };
-        self.check_buffers(stream, hidden, out, tokens, top_k, routing)?;
-        let MoeWorkspace { perm, act, y, ids, weights, fp4, .. } = ws;
-        let spec = TopK { tokens, experts: self.weights.experts, top_k, renormalize };
-        softmax_topk_into(stream, router_logits, spec, ids, weights)?;
-        let input = MoeInput { hidden, tokens, topk_ids: &*ids, topk_weights: &*weights, top_k };
-        self.run(stream, &input, out, Scratch { perm, act, y, fp4: fp4.as_mut() })
+        let l = Launch::new(stream)?;
+        let (h, lg) = (l.input(hidden), l.input(router_logits));
+        let o = l.output(out);
+        let routing = Routing::Logits { logits: lg.len, experts: self.weights.experts };
+        check_forward_buffers(self.weights.hidden, tokens, top_k, h.info(), o.info(), routing)?;
+        let b = l.output(&mut ws.buf);
+        let args = MoeForwardArgs {
+            hidden: h.addr,
+            tokens: tokens as i64,
+            top_k: top_k as i64,
+            router_logits: lg.addr,
+            renormalize: i32::from(renormalize),
+            out: o.addr,
+            workspace: b.addr,
+            workspace_bytes: b.len as i64,
+            ..Default::default()
+        };
+        // SAFETY: every buffer checked above; the workspace is this layer's (check_tokens).
+        self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward(d, &args, st) })
     }
 
-    /// Synchronizes `stream` and reports the first bad expert id seen since the last check.
+    /// Synchronizes `stream` and reports the first bad expert id seen since the last check (the
+    /// core's `moe_layer_read_error`, which clears it).
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the token, slot and id of the first bad expert id, or a CUDA error
     /// (including one from earlier asynchronous work on `stream`).
     pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
-        ws.perm.check(stream, top_k)
+        let desc = self.desc([0; 4]);
+        let mut word = u64::MAX;
+        {
+            let l = Launch::new(stream)?;
+            let b = l.output(&mut ws.buf);
+            // SAFETY: the workspace's own bytes; the descriptor's weights are not read.
+            unsafe { l.run(|st| raw::moe_layer_read_error(&desc, b.addr, b.len as i64, st, &mut word))? };
+        }
+        bad_id_error(word, top_k, self.weights.experts)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The core's layer rules surface as typed errors (what `MoeLayer::new` reports for a shape
+    /// its own checks let through), and its workspace grows with the NVFP4 intermediate.
+    #[test]
+    fn the_cores_layer_checks_are_typed_errors() {
+        let d = MoeLayerDesc {
+            experts: 8,
+            hidden: 256,
+            intermediate: 128,
+            max_tokens: 16,
+            max_top_k: 2,
+            ..Default::default()
+        };
+        assert!(status(raw::moe_layer_can_implement(&d)).is_ok());
+        let bf16_bytes = raw::core_moe_layer_workspace_bytes(&d);
+        assert!(bf16_bytes >= 32 * (256 + 128 + 256) * 2, "{bf16_bytes}");
+        let fp4 = MoeLayerDesc { intermediate_format: IntermediateFormat::Nvfp4, intermediate_decode_scale: 0.5, ..d };
+        assert!(raw::core_moe_layer_workspace_bytes(&fp4) > bf16_bytes);
+        let odd = MoeLayerDesc { intermediate: 96, ..d };
+        match status(raw::moe_layer_can_implement(&odd)) {
+            Err(Error::InvalidShape(m)) => assert!(m.contains("intermediate"), "{m}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(raw::core_moe_layer_workspace_bytes(&odd), 0);
+        let bad_g = MoeLayerDesc { intermediate_decode_scale: f32::NAN, ..fp4 };
+        assert!(matches!(
+            status(raw::moe_layer_can_implement(&bad_g)),
+            Err(Error::Rejected { status: crate::abi::Status::InvalidDecodeScale, .. })
+        ));
+        let too_many = MoeLayerDesc { max_tokens: 1 << 31, ..d };
+        assert!(matches!(status(raw::moe_layer_can_implement(&too_many)), Err(Error::InvalidShape(_))));
+    }
 
     /// Every buffer rule of a forward is checked by the one function both forwards call before
     /// they enqueue anything: each short buffer is named with its sizes, a misaligned `hidden` or

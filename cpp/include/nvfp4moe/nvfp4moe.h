@@ -150,6 +150,51 @@ NVFP4MOE_API GemmTile launch_gemm_tile(const GroupedGemmArgs& args, int sms) noe
 NVFP4MOE_API Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream) noexcept;
 
 // ---------------------------------------------------------------------------------------------
+// The MoE feed-forward layer: routing (or the caller's top-k) -> permutation -> first GEMM with
+// SwiGLU in the epilogue (compact BF16, or NVFP4 then dequantized) -> second GEMM -> combine, on
+// one stream, in the CUTLASS manner: can_implement, workspace_bytes, initialize, forward. The
+// layer works over non-owning views (MoeLayerDesc) and a caller-supplied workspace: it allocates
+// nothing, never synchronizes the host in a forward, and a forward is valid inside CUDA-graph
+// capture. The device is the stream's; every pointer must be on it.
+//
+// Concurrency: a descriptor and the weights it names are read-only; forwards on several streams
+// at once are allowed, each with its own workspace. A workspace serves one forward at a time (in
+// stream order).
+//
+// Non-finite input: a NaN or Inf in one token's hidden state, routing weight or router logits
+// changes only that token's output row. Expert ids outside [0, E) are never used as an index:
+// the slot contributes nothing, and the smallest such (pair, id) since the last
+// moe_layer_read_error is kept in the workspace's error word.
+
+// The descriptor's shapes, counts, enum values and decode scale, and both GEMMs' and the
+// permutation's rules for them (pointers are not looked at).
+NVFP4MOE_API Status moe_layer_can_implement(const MoeLayerDesc& desc) noexcept;
+
+// Bytes of the workspace for forwards of up to max_tokens x max_top_k pairs (0 for a descriptor
+// that moe_layer_can_implement refuses).
+NVFP4MOE_API size_t moe_layer_workspace_bytes(const MoeLayerDesc& desc) noexcept;
+
+// Prepares a workspace (once, before its first forward; again to reuse it for another layer):
+// enqueues the writes of its error word (no bad id yet) and of the intermediate's decode scale.
+NVFP4MOE_API Status moe_layer_initialize(const MoeLayerDesc& desc, void* workspace, int64_t workspace_bytes,
+                                         void* stream) noexcept;
+
+// One forward (see MoeForwardArgs). All arguments are checked before anything is enqueued.
+NVFP4MOE_API Status moe_layer_forward(const MoeLayerDesc& desc, const MoeForwardArgs& args, void* stream) noexcept;
+
+// The routing, permutation and first GEMM of a forward with the BF16 SwiGLU epilogue, its output
+// written to act_out (bf16 [tokens x top_k, I] in permuted order, 16-byte aligned) instead of the
+// workspace: what calibrating the NVFP4 intermediate's decode scale reads (args.out is unused).
+NVFP4MOE_API Status moe_layer_first_gemm(const MoeLayerDesc& desc, const MoeForwardArgs& args, void* act_out,
+                                         void* stream) noexcept;
+
+// Synchronizes `stream` (the caller chooses when), reads the workspace's error word into *word
+// and clears it: ~0 when no forward since the last read met a bad expert id, else
+// (pair << 32) | uint32(id) of the smallest bad pair t * top_k + j.
+NVFP4MOE_API Status moe_layer_read_error(const MoeLayerDesc& desc, void* workspace, int64_t workspace_bytes,
+                                         void* stream, unsigned long long* word) noexcept;
+
+// ---------------------------------------------------------------------------------------------
 // can_implement: the host-side checks of an entry point (shapes, counts, enum values, decode
 // scales) without launching anything. Pointers are not looked at: a plan checks its shapes once,
 // before any buffer exists. Returns the status the launch would return for these arguments (with

@@ -57,6 +57,9 @@ NVFP4MOE_ENUM(Status) {
   NVFP4MOE_ENUMERATOR(Status, kUnsupportedLayout, 4),   // An unknown enum value (scale layout, ...).
   NVFP4MOE_ENUMERATOR(Status, kNullPointer, 5),         // A required pointer is null.
   NVFP4MOE_ENUMERATOR(Status, kCudaError, 6),           // A CUDA runtime call or a launch failed.
+  NVFP4MOE_ENUMERATOR(Status, kInvalidValue, 7),        // A tensor holds a value its format forbids (a NaN or negative block scale).
+  NVFP4MOE_ENUMERATOR(Status, kInvalidHandle, 8),       // A null handle, or handles that do not belong together.
+  NVFP4MOE_ENUMERATOR(Status, kOutOfMemory, 9),         // A host or device allocation of the C ABI failed.
 };
 
 // How the E4M3 block scales of a `[rows, cols]` tensor are laid out in memory.
@@ -221,6 +224,50 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   int64_t max_splits NVFP4MOE_INIT();
 };
 
+// The format between a MoE layer's two GEMMs.
+NVFP4MOE_ENUM(IntermediateFormat) {
+  // Compact BF16 from the first GEMM's kSwigluBf16 epilogue (the default).
+  NVFP4MOE_ENUMERATOR(IntermediateFormat, kBf16, 0),
+  // NVFP4 from its kSwigluNvfp4 epilogue with the layer's activation decode scale, dequantized by
+  // dequantize_nvfp4_grouped for the second GEMM (Hopper has no FP4 MMA): the path FP4 consumers
+  // take; it adds NVFP4's quantization error to the layer.
+  NVFP4MOE_ENUMERATOR(IntermediateFormat, kNvfp4, 1),
+};
+// A MoE feed-forward layer (moe_layer_*): non-owning views of its prepared weights and what its
+// forwards may take. Nothing here is written by a forward: one descriptor serves any number of
+// concurrent forwards, each with its own workspace.
+NVFP4MOE_STRUCT(MoeLayerDesc) {
+  // W13, gate and up: prepare_nvfp4_weights(E, n = 2I, k = H, kGateUpBands8) output.
+  const void* w13_prepared NVFP4MOE_INIT();
+  const float* w13_decode_scales NVFP4MOE_INIT();           // device f32 [E, 2]: gate and up decode scale per expert
+  const void* w2_prepared NVFP4MOE_INIT();                  // W2, down: prepare_nvfp4_weights(E, n = H, k = I, kIdentity)
+  const float* w2_decode_scales NVFP4MOE_INIT();            // device f32 [E, 2]: the down decode scale, twice
+  int64_t experts NVFP4MOE_INIT();                          // E, in [1, kExpertLimit]
+  int64_t hidden NVFP4MOE_INIT();                           // H, a multiple of 64
+  int64_t intermediate NVFP4MOE_INIT();                     // I, a multiple of 64
+  int64_t max_tokens NVFP4MOE_INIT();                       // most tokens a forward takes (sizes the workspace)
+  int64_t max_top_k NVFP4MOE_INIT();                        // most experts per token, in [1, min(E, kTopKLimit)]
+  NVFP4MOE_ENUM_T(GemmTile) tile NVFP4MOE_INIT();           // both GEMMs' tile (kAuto: chosen per launch)
+  NVFP4MOE_ENUM_T(IntermediateFormat) intermediate_format NVFP4MOE_INIT();  // the format between the GEMMs
+  float intermediate_decode_scale NVFP4MOE_INIT(1.0f);      // kNvfp4: the activation decode scale g (finite, > 0)
+  // Non-zero: no GEMM splits K (max_splits 1), so a token's output bits do not depend on T.
+  int32_t batch_invariant NVFP4MOE_INIT();
+};
+// One forward of a MoE layer (moe_layer_forward): out = sum_j topk_weights[t, j] *
+// expert_{topk_ids[t, j]}(hidden[t]), routed by the given top-k or by softmax top-k over logits.
+NVFP4MOE_STRUCT(MoeForwardArgs) {
+  const void* hidden NVFP4MOE_INIT();                       // bf16 [tokens, H], 16-byte aligned
+  int64_t tokens NVFP4MOE_INIT();                           // in [0, max_tokens]
+  int64_t top_k NVFP4MOE_INIT();                            // in [1, max_top_k]
+  const int* topk_ids NVFP4MOE_INIT();                      // device i32 [tokens, top_k]; null: route with router_logits
+  const float* topk_weights NVFP4MOE_INIT();                // device f32 [tokens, top_k] (with topk_ids)
+  const float* router_logits NVFP4MOE_INIT();               // device f32 [tokens, E] (without topk_ids)
+  int32_t renormalize NVFP4MOE_INIT();                      // router: a token's k weights divided by their sum
+  void* out NVFP4MOE_INIT();                                // bf16 [tokens, H], 16-byte aligned
+  // moe_layer_workspace_bytes(desc) bytes, 16-byte aligned (256 is best), set up by moe_layer_initialize.
+  void* workspace NVFP4MOE_INIT();
+  int64_t workspace_bytes NVFP4MOE_INIT();                  // its size
+};
 /* NVFP4MOE_ABI_END (the generator reads up to here) */
 
 #ifdef __cplusplus
