@@ -51,8 +51,15 @@ pub(crate) mod raw {
         /// As for `quantize_nvfp4`.
         unsafe fn dequantize_nvfp4_grouped(args: &DequantizeGroupedArgs, stream: u64) -> i32;
         /// # Safety
-        /// As for `quantize_nvfp4`.
-        unsafe fn prepare_nvfp4_weights(args: &PrepareWeightsArgs, stream: u64) -> i32;
+        /// As for `quantize_nvfp4`; `decode_scales` and (for gate/up weights, else empty)
+        /// `up_decode_scales` hold E values, `pairs` 2 E floats. Synchronizes `stream`.
+        unsafe fn prepare_moe_weights(
+            args: &PrepareWeightsArgs,
+            decode_scales: &[f32],
+            up_decode_scales: &[f32],
+            pairs: u64,
+            stream: u64,
+        ) -> i32;
         /// # Safety
         /// As for `quantize_nvfp4`, and `prepared` must hold weights prepared for the same experts,
         /// n and k.

@@ -38,6 +38,7 @@ pub(crate) fn status(raw_status: i32) -> Result<()> {
         Some(Status::InvalidShape) => Error::InvalidShape(message),
         Some(Status::UnsupportedLayout) => Error::UnsupportedLayout(message),
         Some(Status::CudaError) => Error::Core(message),
+        Some(Status::InvalidValue) => Error::Invalid(message),
         Some(status) => Error::Rejected { status, message },
         None => Error::Core(format!("unknown status {raw_status}: {message}")),
     })

@@ -23,8 +23,12 @@ int32_t quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, uint64_t s) {
 int32_t dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, uint64_t s) {
   return raw(::nvfp4moe::dequantize_nvfp4_grouped(a, stream_ptr(s)));
 }
-int32_t prepare_nvfp4_weights(const PrepareWeightsArgs& a, uint64_t s) {
-  return raw(::nvfp4moe::prepare_nvfp4_weights(a, stream_ptr(s)));
+int32_t prepare_moe_weights(const PrepareWeightsArgs& a, rust::Slice<const float> decode_scales,
+                            rust::Slice<const float> up_decode_scales, uint64_t pairs, uint64_t s) {
+  // The core reads E values from each (the Rust side checked the lengths); empty: no up rows.
+  return raw(::nvfp4moe::prepare_moe_weights(a, decode_scales.data(),
+                                             up_decode_scales.empty() ? nullptr : up_decode_scales.data(),
+                                             static_cast<float*>(dptr_mut(pairs)), stream_ptr(s)));
 }
 int32_t grouped_gemm_nvfp4(const GroupedGemmArgs& a, uint64_t s) {
   return raw(::nvfp4moe::grouped_gemm_nvfp4(a, stream_ptr(s)));

@@ -18,7 +18,8 @@ int32_t quantize_nvfp4(const QuantizeNvfp4Args& a, uint64_t stream);
 int32_t dequantize_nvfp4(const DequantizeNvfp4Args& a, uint64_t stream);
 int32_t quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, uint64_t stream);
 int32_t dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, uint64_t stream);
-int32_t prepare_nvfp4_weights(const PrepareWeightsArgs& a, uint64_t stream);
+int32_t prepare_moe_weights(const PrepareWeightsArgs& a, rust::Slice<const float> decode_scales,
+                            rust::Slice<const float> up_decode_scales, uint64_t pairs, uint64_t stream);
 int32_t grouped_gemm_nvfp4(const GroupedGemmArgs& a, uint64_t stream);
 int32_t permute_and_gather(const PermuteArgs& a, uint64_t stream);
 int32_t swiglu_bf16(uint64_t gate_up, int64_t rows, int64_t inter, uint64_t out, uint64_t stream);

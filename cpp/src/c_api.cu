@@ -7,8 +7,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cmath>
-#include <memory>
 #include <new>
 
 using nvfp4moe::fail;
@@ -87,16 +85,6 @@ Status check_struct(const T* args, const char* what) {
   return Status::kSuccess;
 }
 
-Status check_decode_scales(const float* g, int64_t experts, const char* which) {
-  for (int64_t e = 0; e < experts; ++e) {
-    if (!(std::isfinite(g[e]) && g[e] > 0.0f)) {
-      return fail(Status::kInvalidDecodeScale, "nvfp4moe_weights_create: %s of expert %lld is %g: not finite and > 0",
-                  which, static_cast<long long>(e), double(g[e]));
-    }
-  }
-  return Status::kSuccess;
-}
-
 Status weights_create(const nvfp4moe_WeightsCreateArgs* a, void* stream, nvfp4moe_weights** out) {
   constexpr const char* what = "nvfp4moe_weights_create";
   if (!out) return fail(Status::kNullPointer, "%s: null out", what);
@@ -104,64 +92,37 @@ Status weights_create(const nvfp4moe_WeightsCreateArgs* a, void* stream, nvfp4mo
   if (Status s = check_struct(a, what); s != Status::kSuccess) return s;
   const bool gate_up = a->up_decode_scales != nullptr;
   nvfp4moe::PrepareWeightsArgs p;
+  p.codes = a->codes;
+  p.scales = a->scales;
   p.experts = a->experts;
   p.n = a->n;
   p.k = a->k;
   p.row_order = gate_up ? nvfp4moe::RowOrder::kGateUpBands8 : nvfp4moe::RowOrder::kIdentity;
-  if (Status s = nvfp4moe::prepare_nvfp4_weights_can_implement(p); s != Status::kSuccess) return s;
-  if (!a->codes || !a->scales || !a->decode_scales) {
-    return fail(Status::kNullPointer, "%s: codes, scales and decode_scales are required", what);
-  }
-  if (Status s = check_decode_scales(a->decode_scales, a->experts, gate_up ? "the gate decode scale" : "the decode scale");
+  // The shapes and the decode scales before anything is allocated.
+  if (Status s = nvfp4moe::prepare_moe_weights_can_implement(p, a->decode_scales, a->up_decode_scales);
       s != Status::kSuccess) {
     return s;
   }
-  if (gate_up) {
-    if (Status s = check_decode_scales(a->up_decode_scales, a->experts, "the up decode scale"); s != Status::kSuccess) {
-      return s;
-    }
-  }
-  // [E, 2]: the decode scale of output features f % 16 < 8 (gate), then of the others (up).
-  const size_t n_pairs = size_t(2 * a->experts);
-  std::unique_ptr<float[]> pairs(new (std::nothrow) float[n_pairs]);
-  if (!pairs) return fail(Status::kOutOfMemory, "%s: out of host memory", what);
-  int error_host[2] = {-1, 0};
-  for (int64_t e = 0; e < a->experts; ++e) {
-    pairs[size_t(2 * e)] = a->decode_scales[e];
-    pairs[size_t(2 * e + 1)] = gate_up ? a->up_decode_scales[e] : a->decode_scales[e];
-  }
-
+  if (!a->codes || !a->scales) return fail(Status::kNullPointer, "%s: codes and scales are required", what);
   DeviceGuard guard;
   if (Status s = guard.enter(stream, what); s != Status::kSuccess) return s;
-  const auto st = static_cast<cudaStream_t>(stream);
-  DeviceBuffer prepared, scales, error;
+  DeviceBuffer prepared, pairs, error;
   const size_t bytes = nvfp4moe::prepared_weight_bytes(a->experts, a->n, a->k);
   cudaError_t e = cudaMalloc(&prepared.p, bytes);
-  if (e == cudaSuccess) e = cudaMalloc(&scales.p, n_pairs * sizeof(float));
+  if (e == cudaSuccess) e = cudaMalloc(&pairs.p, size_t(2 * a->experts) * sizeof(float));
   if (e == cudaSuccess) e = cudaMalloc(&error.p, 2 * sizeof(int));
-  if (e == cudaSuccess) e = cudaMemcpyAsync(scales.p, pairs.get(), n_pairs * sizeof(float), cudaMemcpyHostToDevice, st);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(error.p, error_host, sizeof(error_host), cudaMemcpyHostToDevice, st);
   if (e != cudaSuccess) return cuda_fail(what, e);
-  p.codes = a->codes;
-  p.scales = a->scales;
   p.prepared = prepared.p;
   p.error = static_cast<int*>(error.p);
-  if (Status s = nvfp4moe::prepare_nvfp4_weights(p, stream); s != Status::kSuccess) return s;
-  e = cudaMemcpyAsync(error_host, error.p, sizeof(error_host), cudaMemcpyDeviceToHost, st);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(st);
-  if (e != cudaSuccess) return cuda_fail(what, e);
-  if (error_host[0] >= 0) {
-    const int64_t kbs = a->k / 16, row = error_host[0] / kbs;
-    return fail(Status::kInvalidValue,
-                "%s: the block scale of expert %lld row %lld block %lld is 0x%02x (NaN or negative): not a valid NVFP4 "
-                "scale",
-                what, static_cast<long long>(row / a->n), static_cast<long long>(row % a->n),
-                static_cast<long long>(error_host[0] % kbs), unsigned(error_host[1]) & 0xFFu);
+  if (Status s = nvfp4moe::prepare_moe_weights(p, a->decode_scales, a->up_decode_scales, static_cast<float*>(pairs.p),
+                                               stream);
+      s != Status::kSuccess) {
+    return s;
   }
   auto* w = new (std::nothrow) nvfp4moe_weights{guard.device(), nullptr, nullptr, a->experts, a->n, a->k, p.row_order};
   if (!w) return fail(Status::kOutOfMemory, "%s: out of host memory", what);
   w->prepared = prepared.release();
-  w->decode_scales = static_cast<float*>(scales.release());
+  w->decode_scales = static_cast<float*>(pairs.release());
   *out = w;
   return Status::kSuccess;
 }

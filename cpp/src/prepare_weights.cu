@@ -9,6 +9,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
+#include <memory>
+#include <new>
+
 namespace nvfp4moe {
 namespace {
 
@@ -129,6 +133,59 @@ Status prepare_nvfp4_weights(const PrepareWeightsArgs& a, void* stream) noexcept
       static_cast<const uint8_t*>(a.codes), static_cast<const uint8_t*>(a.scales), a.experts, a.n, a.k,
       a.row_order, static_cast<uint8_t*>(a.prepared), a.error);
   return check_launch("prepare_nvfp4_weights");
+}
+
+Status prepare_moe_weights_can_implement(const PrepareWeightsArgs& a, const float* g, const float* up) noexcept {
+  constexpr const char* what = "prepare_moe_weights";
+  if (Status s = prepare_nvfp4_weights_can_implement(a); s != Status::kSuccess) return s;
+  const bool gate_up = a.row_order == RowOrder::kGateUpBands8;
+  if (!g || gate_up != (up != nullptr)) {
+    return fail(Status::kNullPointer, "%s: decode scales (and, for kGateUpBands8 weights only, the up rows') are required",
+                what);
+  }
+  for (int64_t e = 0; e < a.experts; ++e) {
+    for (const float* s : {g, up}) {
+      if (s && !(std::isfinite(s[e]) && s[e] > 0.0f)) {
+        return fail(Status::kInvalidDecodeScale, "%s: the %sdecode scale of expert %lld is %g: not finite and > 0", what,
+                    s == up ? "up rows' " : gate_up ? "gate rows' " : "", static_cast<long long>(e), double(s[e]));
+      }
+    }
+  }
+  return Status::kSuccess;
+}
+
+Status prepare_moe_weights(const PrepareWeightsArgs& a, const float* g, const float* up, float* pairs_out,
+                           void* stream) noexcept {
+  constexpr const char* what = "prepare_moe_weights";
+  if (Status s = prepare_moe_weights_can_implement(a, g, up); s != Status::kSuccess) return s;
+  const bool gate_up = a.row_order == RowOrder::kGateUpBands8;
+  if (!pairs_out || !a.codes || !a.scales || !a.prepared || !a.error) return fail(Status::kNullPointer, "%s: null pointer", what);
+  // [E, 2]: the decode scale of output features f % 16 < 8 (gate), then of the others (up).
+  const size_t n_pairs = size_t(2 * a.experts);
+  std::unique_ptr<float[]> pairs(new (std::nothrow) float[n_pairs]);
+  if (!pairs) return fail(Status::kOutOfMemory, "%s: out of host memory", what);
+  for (int64_t e = 0; e < a.experts; ++e) {
+    pairs[size_t(2 * e)] = g[e];
+    pairs[size_t(2 * e + 1)] = gate_up ? up[e] : g[e];
+  }
+  const auto st = static_cast<cudaStream_t>(stream);
+  int error[2] = {-1, 0};
+  // Pageable host memory: each copy has read its source when it returns.
+  cudaError_t e = cudaMemcpyAsync(pairs_out, pairs.get(), n_pairs * sizeof(float), cudaMemcpyHostToDevice, st);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(a.error, error, sizeof(error), cudaMemcpyHostToDevice, st);
+  if (e != cudaSuccess) return fail(Status::kCudaError, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  if (Status s = prepare_nvfp4_weights(a, stream); s != Status::kSuccess) return s;
+  e = cudaMemcpyAsync(error, a.error, sizeof(error), cudaMemcpyDeviceToHost, st);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(st);
+  if (e != cudaSuccess) return fail(Status::kCudaError, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  if (error[0] >= 0) {
+    const int64_t kbs = a.k / 16, row = error[0] / kbs;
+    return fail(Status::kInvalidValue,
+                "weight_scale of expert %lld row %lld block %lld is 0x%02x (NaN or negative): not a valid NVFP4 scale",
+                static_cast<long long>(row / a.n), static_cast<long long>(row % a.n),
+                static_cast<long long>(error[0] % kbs), unsigned(error[1]) & 0xFFu);
+  }
+  return Status::kSuccess;
 }
 
 }  // namespace nvfp4moe

@@ -44,7 +44,7 @@ int main(void) {
   wa.k = 128;
   EXPECT_STATUS(nvfp4moe_weights_create(&wa, NULL, &w), kInvalidShape, "");
   wa.n = 128;
-  EXPECT_STATUS(nvfp4moe_weights_create(&wa, NULL, &w), kNullPointer, "decode_scales");
+  EXPECT_STATUS(nvfp4moe_weights_create(&wa, NULL, &w), kNullPointer, "decode scales");
   static unsigned char fake[64];
   const float g[2] = {0.5f, NAN};
   wa.codes = fake;
@@ -54,7 +54,7 @@ int main(void) {
   const float g_ok[2] = {0.5f, 0.25f}, up_bad[2] = {1.0f, -1.0f};
   wa.decode_scales = g_ok;
   wa.up_decode_scales = up_bad;
-  EXPECT_STATUS(nvfp4moe_weights_create(&wa, NULL, &w), kInvalidDecodeScale, "up decode scale of expert 1");
+  EXPECT_STATUS(nvfp4moe_weights_create(&wa, NULL, &w), kInvalidDecodeScale, "up rows' decode scale of expert 1");
   EXPECT(nvfp4moe_weights_destroy(NULL) == NVFP4MOE_Status_kSuccess);
 
   /* Layers: null handles. */

@@ -168,8 +168,7 @@ impl Nvfp4Weights {
         if decode_scales.len() != experts {
             return Err(Error::InvalidShape(format!("{} decode scales for {experts} experts", decode_scales.len())));
         }
-        let pairs: Vec<f32> = decode_scales.iter().flat_map(|&g| [g, g]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::Identity, shape)
+        Self::prepare_ordered(stream, codes, scales, (decode_scales, None), shape)
     }
 
     /// Prepares fused first-layer weights: per expert the gate rows then the up rows (`n = 2I`
@@ -196,34 +195,40 @@ impl Nvfp4Weights {
                 up_decode_scales.len()
             )));
         }
-        let pairs: Vec<f32> = gate_decode_scales.iter().zip(up_decode_scales).flat_map(|(&g, &u)| [g, u]).collect();
-        Self::prepare_ordered(stream, codes, scales, pairs, RowOrder::GateUpBands8, shape)
+        Self::prepare_ordered(stream, codes, scales, (gate_decode_scales, Some(up_decode_scales)), shape)
     }
 
+    /// Prepares with the core's `prepare_moe_weights` (the one preparation of every API): the
+    /// decode scales are `(all, None)` for a plain projection, `(gate, Some(up))` for gate/up
+    /// weights, whose rows then come in [`RowOrder::GateUpBands8`] order.
     fn prepare_ordered<C: DevicePtr<u8>, S: DevicePtr<u8>>(
         stream: &Arc<CudaStream>,
         codes: &C,
         scales: &S,
-        scale_pairs: Vec<f32>,
-        row_order: RowOrder,
+        decode_scales: (&[f32], Option<&[f32]>),
         shape: ExpertShape,
     ) -> Result<Self> {
         let ExpertShape { experts, n, k } = shape;
+        let (gate, up) = decode_scales;
+        let row_order = if up.is_some() { RowOrder::GateUpBands8 } else { RowOrder::Identity };
         check_gemm_shape(experts, n, k)?;
-        for &g in &scale_pairs {
+        for &g in gate.iter().chain(up.unwrap_or_default()) {
             crate::host::validate_decode_scale(g)?;
         }
         check_len("codes", codes.len(), experts * n * k / 2)?;
         check_len("scales", scales.len(), experts * n * k / 16)?;
         let bytes = raw::core_prepared_weight_bytes(experts as i64, n as i64, k as i64) as usize;
-        // SAFETY: the kernel writes every byte of `prepared` (every chunk, every thread's slot).
+        // SAFETY: the kernel writes every byte of `prepared` (every chunk, every thread's slot), and
+        // the core every pair of `decode_scales`.
         let mut prepared = unsafe { stream.alloc::<u8>(bytes)? };
-        let mut error = stream.clone_htod(&[-1i32, 0])?;
+        let mut decode_scales = unsafe { stream.alloc::<f32>(2 * experts)? };
+        let mut error = stream.alloc_zeros::<i32>(2)?;
         {
             let l = Launch::new(stream)?;
-            // The buffers (and their stream-ordering guards) live until the launch is enqueued.
+            // The buffers (and their stream-ordering guards) live until the call returns (it
+            // synchronizes the stream).
             let (c, sc) = (l.input(codes), l.input(scales));
-            let (p, e) = (l.output(&mut prepared), l.output(&mut error));
+            let (p, d, e) = (l.output(&mut prepared), l.output(&mut decode_scales), l.output(&mut error));
             let args = PrepareWeightsArgs {
                 codes: c.addr,
                 scales: sc.addr,
@@ -234,28 +239,20 @@ impl Nvfp4Weights {
                 prepared: p.addr,
                 error: e.addr,
             };
-            // SAFETY: lengths checked above; `prepared` has prepared_weight_bytes bytes.
-            unsafe { l.launch(&args, raw::prepare_nvfp4_weights_can_implement, raw::prepare_nvfp4_weights)? };
+            let up = up.unwrap_or_default();
+            // SAFETY: lengths checked above; `prepared` has prepared_weight_bytes bytes, `decode_scales`
+            // 2 E floats, `error` 2 ints; gate and up have E decode scales (the callers checked).
+            unsafe { l.run(|st| raw::prepare_moe_weights(&args, gate, up, d.addr, st))? };
         }
-        let err = stream.clone_dtoh(&error)?;
-        if err[0] >= 0 {
-            let idx = err[0] as usize;
-            let kbs = k / 16;
-            let (row, block) = (idx / kbs, idx % kbs);
-            return Err(Error::Invalid(format!(
-                "weight_scale of expert {} row {} block {} is {:#04x} (NaN or negative): not a valid NVFP4 scale",
-                row / n,
-                row % n,
-                block,
-                err[1]
-            )));
-        }
-        let decode_scales = stream.clone_htod(&scale_pairs)?;
+        let host_decode_scales = match up {
+            None => gate.iter().flat_map(|&g| [g, g]).collect(),
+            Some(up) => gate.iter().zip(up).flat_map(|(&g, &u)| [g, u]).collect(),
+        };
         Ok(Nvfp4Weights {
             prepared,
             decode_scales,
             foreign_reads: Mutex::default(),
-            host_decode_scales: scale_pairs,
+            host_decode_scales,
             row_order,
             experts,
             n,

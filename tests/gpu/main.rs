@@ -31,6 +31,7 @@ use nvfp4_moe::testing::{current_test_seed, test_rng, Rng, TEST_SEED_ENV};
 use nvfp4_moe::Error;
 use nvfp4_moe::{host, host::Nvfp4Host, reference};
 
+mod c_abi;
 #[path = "../checkpoint_fixture/mod.rs"]
 mod checkpoint_fixture;
 mod cli;

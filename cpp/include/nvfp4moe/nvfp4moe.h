@@ -129,6 +129,22 @@ NVFP4MOE_API size_t prepared_weight_bytes(int64_t experts, int64_t n, int64_t k)
 // the encoded scale). The caller checks `error` after synchronizing.
 NVFP4MOE_API Status prepare_nvfp4_weights(const PrepareWeightsArgs& args, void* stream) noexcept;
 
+// One MoE projection's weights prepared, the way every API of this library prepares them:
+// `args` as for prepare_nvfp4_weights (args.row_order kGateUpBands8 for W13, whose rows per expert
+// are [gate (n/2); up (n/2)], kIdentity otherwise; args.error a device int32 [2] of scratch) and
+// the decode scales g from host memory: `decode_scales` [E] (W13: the gate rows'), and for W13
+// `up_decode_scales` [E] (null otherwise). Checks every g (finite, > 0), writes the [E, 2] decode
+// scale pairs the GEMM reads into `decode_scale_pairs` (device f32 [E, 2]), enqueues the
+// preparation and synchronizes `stream` once, to report a bad block scale byte (NaN or negative):
+// kInvalidValue naming the expert, row and block.
+NVFP4MOE_API Status prepare_moe_weights(const PrepareWeightsArgs& args, const float* decode_scales,
+                                        const float* up_decode_scales, float* decode_scale_pairs,
+                                        void* stream) noexcept;
+// Its host-side checks (the shapes, the row order against up_decode_scales, every decode scale),
+// before anything is allocated; device pointers are not looked at.
+NVFP4MOE_API Status prepare_moe_weights_can_implement(const PrepareWeightsArgs& args, const float* decode_scales,
+                                                      const float* up_decode_scales) noexcept;
+
 // The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
 // rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
 NVFP4MOE_API GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;

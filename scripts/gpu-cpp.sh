@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The C++ core from source on the GPU machine, as a C++ user gets it (issue 19): configure and build
+# cpp/ with the machine's nvcc and CMake, ctest (the GPU-free API tests), `cmake --install`, a
+# find_package consumer, and the C++ example (examples/cpp/) run on the GPU for three presets
+# against its f64 reference. The machine has no CUTLASS: it comes in the carried folder.
+#   here:  bash scripts/gpu-cpp.sh pack          (writes gpu-cpp/cutlass.tgz, ~2.5 MB)
+#   there: bash scripts/gpu-cpp.sh               (device tool, carry ["gpu-cpp"]; ~4 min on 16 cores)
+# Logs go to $OUT (or ./gpu-out); the last lines are a summary table.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = pack ]; then
+  third_party/fetch.sh
+  mkdir -p gpu-cpp
+  tar czf gpu-cpp/cutlass.tgz -C third_party cutlass/include cutlass/tools/util/include
+  ls -la gpu-cpp/cutlass.tgz
+  exit 0
+fi
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+work=$(mktemp -d)
+tar xzf gpu-cpp/cutlass.tgz -C "$work"
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+summary=()
+step() {  # step NAME TIMEOUT COMMAND...: run, log, record
+  local name=$1 limit=$2
+  shift 2
+  local start=$(date +%s)
+  timeout "$limit" "$@" >"$out/cpp-$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-24s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" "$(tail -1 "$out/cpp-$name.log" | cut -c1-100)")")
+  [ $rc -eq 0 ] || tail -15 "$out/cpp-$name.log"
+  return $rc
+}
+cmake --version | head -1
+step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -DCUTLASS_DIR="$work/cutlass" \
+  -DCMAKE_BUILD_TYPE=Release &&
+  step build 420 cmake --build "$work/build" -j"$(nproc)" &&
+  step ctest 120 ctest --test-dir "$work/build" --output-on-failure &&
+  step install 60 cmake --install "$work/build" --prefix "$work/prefix" &&
+  step consumer 120 bash -c "cmake -S cpp/tests/consumer -B '$work/consumer' -DCMAKE_PREFIX_PATH='$work/prefix' \
+    && cmake --build '$work/consumer' && '$work/consumer/consumer_shared' && '$work/consumer/consumer_static'" &&
+  step example-build 120 bash -c "cmake -S examples/cpp -B '$work/example' -DCMAKE_PREFIX_PATH='$work/prefix' \
+    && cmake --build '$work/example'" &&
+  for run in "qwen3-30b-a3b 16" "mixtral-8x7b 4" "deepseek-v3 4"; do
+    set -- $run
+    step "example-$1" 300 "$work/example/moe_layer" --preset "$1" --tokens "$2"
+  done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+printf '%s\n' "${summary[@]}"
