@@ -21,6 +21,7 @@ work=$(mktemp -d)
 tar xzf gpu-cpp/cutlass.tgz -C "$work"
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 summary=()
+failed=0
 step() {  # step NAME TIMEOUT COMMAND...: run, log, record
   local name=$1 limit=$2
   shift 2
@@ -28,7 +29,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log, record
   timeout "$limit" "$@" >"$out/cpp-$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-24s rc=%-3s %4ss  %s' "$name" "$rc" "$(( $(date +%s) - start ))" "$(tail -1 "$out/cpp-$name.log" | cut -c1-100)")")
-  [ $rc -eq 0 ] || tail -15 "$out/cpp-$name.log"
+  [ $rc -eq 0 ] || { tail -15 "$out/cpp-$name.log"; failed=1; }
   return $rc
 }
 cmake --version | head -1
@@ -45,5 +46,7 @@ step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -
     set -- $run
     step "example-$1" 300 "$work/example/moe_layer" --preset "$1" --tokens "$2"
   done
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
 printf '%s\n' "${summary[@]}"
+# Every step ran and passed (a failed step stops the ones after it).
+[ $failed = 0 ] && [ ${#summary[@]} = 9 ]

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -263,6 +264,24 @@ int main(int argc, char** argv) {
   float ms = 0;
   CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
 
+  // The host's cost of a forward through the C ABI: CPU time per nvfp4moe_layer_forward with the
+  // GPU kept busy (as examples/host_cost.rs measures the Rust layer): rounds of 24 calls back to
+  // back, the median of each round's calls after the first 4, the median of 20 rounds.
+  std::vector<double> rounds;
+  for (int r = 0; r < 20; ++r) {
+    std::vector<double> calls;
+    for (int i = 0; i < 24; ++i) {
+      const auto c0 = std::chrono::steady_clock::now();
+      CHECK_NVFP4MOE(nvfp4moe_layer_forward(layer, &f, stream));
+      calls.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - c0).count());
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::sort(calls.begin() + 4, calls.end());
+    rounds.push_back(calls[4 + (calls.size() - 4) / 2]);
+  }
+  std::sort(rounds.begin(), rounds.end());
+  const double host_us = rounds[rounds.size() / 2];
+
   // The f64 reference: y_e(x) = W2_e (silu(gate_e x) * up_e x), out = sum_j w_j y_{id_j}(x).
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<double> want(static_cast<size_t>(tokens * H), 0.0), act(static_cast<size_t>(I));
@@ -311,8 +330,9 @@ int main(int argc, char** argv) {
   const bool passed = overall <= kTolerance && worst <= kTolerance;
   std::printf("relative Frobenius error: overall %.3e, worst token %lld: %.3e (tolerance %.0e): %s\n", overall,
               (long long)worst_t, worst, kTolerance, passed ? "passed" : "FAILED");
-  std::printf("forward: %.1f us (mean of %d, %lld tokens); reference: %.1f s\n", 1000.0 * ms / kIters, kIters,
-              (long long)tokens, ref_s);
+  std::printf("forward: %.1f us (mean of %d, %lld tokens); host cost of nvfp4moe_layer_forward: %.2f us per call "
+              "(median of 20 rounds of 20 calls); reference: %.1f s\n",
+              1000.0 * ms / kIters, kIters, (long long)tokens, host_us, ref_s);
 
   CHECK_NVFP4MOE(nvfp4moe_layer_destroy(layer));
   CHECK_NVFP4MOE(nvfp4moe_weights_destroy(w13_handle));
