@@ -48,5 +48,6 @@ step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -
   done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
 printf '%s\n' "${summary[@]}"
+rm -rf "$work"
 # Every step ran and passed (a failed step stops the ones after it).
 [ $failed = 0 ] && [ ${#summary[@]} = 9 ]

@@ -19,7 +19,7 @@ if command -v cmake >/dev/null 2>&1; then
 fi
 # The wheel ships libcudart.so.13 only; CMake's FindCUDAToolkit (CUDA::cudart, for the shared core
 # library) looks for the development name. (Made on every run: older fetches lack it.)
-dev_links() { [ ! -e cuda/lib/libcudart.so.13 ] || [ -e cuda/lib/libcudart.so ] || ln -s libcudart.so.13 cuda/lib/libcudart.so; }
+dev_links() { [ ! -e cuda/lib/libcudart.so.13 ] || ln -sfn libcudart.so.13 cuda/lib/libcudart.so; }
 if [ -f .stamp ] && [ "$(cat .stamp)" = "$want" ] && [ -x cuda/bin/nvcc ] \
    && [ -f cutlass/include/cutlass/cutlass.h ] && { [ $need_cmake = 0 ] || [ -x cmake/bin/cmake ]; }; then
   dev_links

@@ -191,11 +191,13 @@ nvfp4moe_Status nvfp4moe_weights_create(const nvfp4moe_WeightsCreateArgs* args, 
 
 nvfp4moe_Status nvfp4moe_weights_destroy(nvfp4moe_weights* w) {
   if (!w) return raw(Status::kSuccess);
+  // The weights' device current for the frees (its allocations are there), the caller's after.
   int previous = 0;
   cudaError_t e = cudaGetDevice(&previous);
-  if (e == cudaSuccess && previous != w->device) e = cudaSetDevice(w->device);
+  const bool switched = e == cudaSuccess && previous != w->device;
+  if (switched) e = cudaSetDevice(w->device);
   cudaError_t f1 = cudaFree(w->prepared), f2 = cudaFree(w->decode_scales);
-  if (previous != w->device) (void)cudaSetDevice(previous);
+  if (switched) (void)cudaSetDevice(previous);
   delete w;
   if (e == cudaSuccess) e = f1 != cudaSuccess ? f1 : f2;
   return raw(e == cudaSuccess ? Status::kSuccess : cuda_fail("nvfp4moe_weights_destroy", e));
@@ -240,7 +242,10 @@ nvfp4moe_Status nvfp4moe_layer_check(const nvfp4moe_layer* layer, void* workspac
   constexpr const char* what = "nvfp4moe_layer_check";
   if (!layer) return raw(fail(Status::kInvalidHandle, "%s: null layer", what));
   if (!found || !token || !slot || !id) return raw(fail(Status::kNullPointer, "%s: null result pointer", what));
-  if (top_k < 1) return raw(fail(Status::kInvalidShape, "%s: top_k %lld must be >= 1", what, static_cast<long long>(top_k)));
+  if (top_k < 1 || top_k > layer->desc.max_top_k) {
+    return raw(fail(Status::kInvalidShape, "%s: top_k %lld must be in 1..=%lld (the layer's max_top_k)", what,
+                    static_cast<long long>(top_k), static_cast<long long>(layer->desc.max_top_k)));
+  }
   DeviceGuard guard;
   if (Status s = enter_layer(guard, layer, stream, what); s != Status::kSuccess) return raw(s);
   unsigned long long word = 0;

@@ -66,6 +66,7 @@ struct Config {
   // The other epilogues use 1 + cw.
   static constexpr int kBarEpiFull = kConsumers_ == 2 ? 3 : 0;
   static constexpr int kBarEpiEmpty = kBarEpiFull + kConsumers_;
+  static_assert(kBarEpiEmpty + kConsumers_ <= 8, "CUTLASS 4.2 leaves user ids 0-7 (hardware barriers 8-15)");
   static constexpr GemmEpilogue kEpilogue = kEpilogue_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;

@@ -3,6 +3,7 @@
 // permute_and_gather, grouped_gemm_nvfp4, dequantize_nvfp4_grouped, combine). Host code only,
 // plus one tiny kernel that sets a workspace up.
 #include "nvfp4moe/nvfp4moe.h"
+#include "grouped_gemm_warp.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -99,9 +100,30 @@ Status check_workspace(const MoeLayerDesc& d, const void* ws, int64_t bytes, con
   return Status::kSuccess;
 }
 
-// A forward's checks (after the descriptor's): counts against the descriptor, the pointers a
-// forward of `tokens` reads and writes (`whole`: a whole forward, which reads topk_weights and
-// writes out; the first GEMM alone needs neither), the workspace.
+// Both GEMMs' own rules (pointers are not looked at) for a launch of `pairs` rows: the first with
+// the layer's intermediate epilogue (`whole`) or kSwigluBf16 (moe_layer_first_gemm), the second
+// plain.
+Status check_gemms(const MoeLayerDesc& d, int64_t pairs, bool whole) {
+  GroupedGemmArgs l1 = first_gemm_args(d, nullptr, pairs, nullptr, nullptr);
+  if (whole && d.intermediate_format == IntermediateFormat::kNvfp4) {
+    l1.epilogue = GemmEpilogue::kSwigluNvfp4;
+    l1.num_act_decode_scales = 1;
+  }
+  if (Status s = grouped_gemm_nvfp4_can_implement(l1); s != Status::kSuccess) return s;
+  if (!whole) return Status::kSuccess;
+  GroupedGemmArgs l2 = first_gemm_args(d, nullptr, pairs, nullptr, nullptr);
+  l2.prepared = d.w2_prepared;
+  l2.decode_scale = d.w2_decode_scales;
+  l2.n = d.hidden;
+  l2.k = d.intermediate;
+  l2.epilogue = GemmEpilogue::kPlain;
+  return grouped_gemm_nvfp4_can_implement(l2);
+}
+
+// A forward's checks (after the descriptor's), all before anything is enqueued: counts against
+// the descriptor, both GEMMs at this forward's rows, the weights' pointers, the pointers a forward
+// of `tokens` reads and writes (`whole`: a whole forward, which reads topk_weights and W2 and
+// writes out; the first GEMM alone needs none of them) and their alignment, the workspace.
 Status check_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, bool whole, const char* what) {
   const bool needs_out = whole;
   if (a.tokens < 0 || a.tokens > d.max_tokens) {
@@ -114,12 +136,23 @@ Status check_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, bool whole,
   }
   if (Status s = check_workspace(d, a.workspace, a.workspace_bytes, what); s != Status::kSuccess) return s;
   if (a.tokens == 0) return Status::kSuccess;
+  if (Status s = check_gemms(d, a.tokens * a.top_k, whole); s != Status::kSuccess) return s;
+  if (!d.w13_prepared || !d.w13_decode_scales || (whole && (!d.w2_prepared || !d.w2_decode_scales))) {
+    return fail(Status::kNullPointer, "%s: the descriptor's weight pointers are null", what);
+  }
+  if (!aligned(d.w13_prepared, 16) || !aligned(d.w2_prepared, 16) || !aligned(d.w13_decode_scales, 4) ||
+      !aligned(d.w2_decode_scales, 4)) {
+    return fail(Status::kMisaligned, "%s: prepared weights must be 16-byte aligned, decode scales 4-byte", what);
+  }
   if (!a.hidden || (needs_out && !a.out)) return fail(Status::kNullPointer, "%s: null hidden or out", what);
   if (a.topk_ids ? whole && !a.topk_weights : !a.router_logits) {
     return fail(Status::kNullPointer, "%s: topk_ids needs topk_weights; without topk_ids, router_logits", what);
   }
   if (!aligned(a.hidden, 16) || (needs_out && !aligned(a.out, 16))) {
     return fail(Status::kMisaligned, "%s: hidden and out must be 16-byte aligned", what);
+  }
+  if (!aligned(a.topk_ids, 4) || !aligned(a.topk_weights, 4) || !aligned(a.router_logits, 4)) {
+    return fail(Status::kMisaligned, "%s: topk_ids, topk_weights and router_logits must be 4-byte aligned", what);
   }
   return Status::kSuccess;
 }
@@ -193,7 +226,9 @@ Status moe_layer_can_implement(const MoeLayerDesc& d) noexcept {
                   what);
     }
   }
-  // The launches' own rules at the largest forward (each refuses what it cannot run).
+  // The launches' own rules at the largest forward (each refuses what it cannot run). A forced
+  // kWarpM16N8 tile takes at most 8 rows: it is checked at that many here (a layer of more may
+  // still run forwards of up to 8), and every forward checks its own rows.
   const int64_t pairs = d.max_tokens * d.max_top_k;
   PermuteArgs p;
   p.tokens = d.max_tokens;
@@ -201,20 +236,9 @@ Status moe_layer_can_implement(const MoeLayerDesc& d) noexcept {
   p.experts = d.experts;
   p.hidden_size = d.hidden;
   if (Status s = permute_and_gather_can_implement(p); s != Status::kSuccess) return s;
-  GroupedGemmArgs l1 = first_gemm_args(d, nullptr, pairs, nullptr, nullptr);
-  if (nvfp4) {
-    l1.epilogue = GemmEpilogue::kSwigluNvfp4;
-    l1.num_act_decode_scales = 1;
-  }
-  if (Status s = grouped_gemm_nvfp4_can_implement(l1); s != Status::kSuccess) return s;
-  GroupedGemmArgs l2 = l1;
-  l2.prepared = d.w2_prepared;
-  l2.decode_scale = d.w2_decode_scales;
-  l2.n = d.hidden;
-  l2.k = d.intermediate;
-  l2.epilogue = GemmEpilogue::kPlain;
-  l2.num_act_decode_scales = 0;
-  if (Status s = grouped_gemm_nvfp4_can_implement(l2); s != Status::kSuccess) return s;
+  constexpr int64_t kWarpRows = gemm::warp::kMaxRows;
+  const int64_t gemm_rows = d.tile == GemmTile::kWarpM16N8 && pairs > kWarpRows ? kWarpRows : pairs;
+  if (Status s = check_gemms(d, gemm_rows, true); s != Status::kSuccess) return s;
   if (nvfp4) {
     DequantizeGroupedArgs dq;
     dq.rows = pairs;

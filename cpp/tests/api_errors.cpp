@@ -144,6 +144,15 @@ int main() {
   f.workspace = fake + 1;
   EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "workspace");
   f.workspace = fake;
+  // The descriptor's weights: null (can_implement does not look at them), then misaligned, then
+  // fake 16-byte aligned addresses for the checks after them.
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "weight pointers");
+  d.w13_prepared = fake + 4;
+  d.w13_decode_scales = reinterpret_cast<const float*>(fake);
+  d.w2_prepared = fake;
+  d.w2_decode_scales = reinterpret_cast<const float*>(fake);
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "prepared weights");
+  d.w13_prepared = fake;
   EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kNullPointer, "hidden");
   f.tokens = 17;
   EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kInvalidShape, "tokens");
@@ -160,6 +169,18 @@ int main() {
   f.topk_weights = reinterpret_cast<const float*>(fake);
   f.out = fake + 2;
   EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "16-byte");
+  f.out = fake;
+  f.topk_ids = reinterpret_cast<const int*>(fake + 2);
+  EXPECT_STATUS(moe_layer_forward(d, f, nullptr), kMisaligned, "4-byte");
+  f.topk_ids = reinterpret_cast<const int*>(fake);
+  // A forced kWarpM16N8 tile: a layer of 32 pairs is accepted (its forwards of <= 8 rows run),
+  // a forward of more rows is refused before anything is enqueued.
+  MoeLayerDesc warp = d;
+  warp.tile = GemmTile::kWarpM16N8;
+  EXPECT(moe_layer_can_implement(warp) == Status::kSuccess);
+  f.tokens = 5;  // 10 rows
+  EXPECT_STATUS(moe_layer_forward(warp, f, nullptr), kInvalidShape, "");
+  f.tokens = 4;
   f.tokens = 0;  // an empty forward: nothing to do, nothing enqueued
   EXPECT(moe_layer_forward(d, f, nullptr) == Status::kSuccess);
   unsigned long long word = 0;

@@ -116,8 +116,12 @@ int main(int argc, char** argv) {
   std::string preset_name = "qwen3-30b-a3b";
   int64_t tokens = 16, experts_override = 0;
   uint64_t seed = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string flag = argv[i];
+    if (i + 1 == argc) {
+      std::fprintf(stderr, "%s needs a value\n", flag.c_str());
+      return 2;
+    }
     if (flag == "--preset") preset_name = argv[i + 1];
     else if (flag == "--tokens") tokens = std::atoll(argv[i + 1]);
     else if (flag == "--experts") experts_override = std::atoll(argv[i + 1]);

@@ -406,6 +406,12 @@ impl MoeLayer {
         if tokens * top_k > ws.max_pairs {
             return Err(Error::InvalidShape("the workspace is smaller than this forward needs".into()));
         }
+        self.check_workspace(ws)
+    }
+
+    /// `ws` was made by this layer's [`MoeLayer::workspace`] (or one of the same shape and
+    /// intermediate): its layout and decode scale are the core's for this layer.
+    fn check_workspace(&self, ws: &MoeWorkspace) -> Result<()> {
         let w = &self.weights;
         if ws.shape != (w.experts, w.hidden, w.intermediate) {
             // Its buffers are sized and strided for another (E, H, I): the permutation would
@@ -536,8 +542,9 @@ impl MoeLayer {
     ///
     /// # Errors
     /// [`Error::Invalid`] naming the token, slot and id of the first bad expert id, or a CUDA error
-    /// (including one from earlier asynchronous work on `stream`).
+    /// (including one from earlier asynchronous work on `stream`), or a workspace of another layer.
     pub fn check(&self, stream: &Arc<CudaStream>, ws: &mut MoeWorkspace, top_k: usize) -> Result<()> {
+        self.check_workspace(ws)?;
         let desc = self.desc([0; 4]);
         let mut word = u64::MAX;
         {

@@ -171,7 +171,8 @@ NVFP4MOE_API Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream
 // one stream, in the CUTLASS manner: can_implement, workspace_bytes, initialize, forward. The
 // layer works over non-owning views (MoeLayerDesc) and a caller-supplied workspace: it allocates
 // nothing, never synchronizes the host in a forward, and a forward is valid inside CUDA-graph
-// capture. The device is the stream's; every pointer must be on it.
+// capture. The caller makes the stream's device current (the tile choice reads the current
+// device; the C ABI does this itself), and every pointer must be on it.
 //
 // Concurrency: a descriptor and the weights it names are read-only; forwards on several streams
 // at once are allowed, each with its own workspace. A workspace serves one forward at a time (in

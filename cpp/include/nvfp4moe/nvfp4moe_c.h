@@ -14,15 +14,17 @@
  *
  * Devices and streams: `stream` is a cudaStream_t passed as void*; the device is the stream's
  * (cudaStreamGetDevice), never an assumed current device, and the calling thread's current device
- * is the same after a call as before it. The null stream means the current device's legacy default
- * stream. Every pointer must be on that device.
+ * is the same after a call as before it (switched with cudaSetDevice: the devices' primary
+ * contexts, as the CUDA runtime uses them). The null stream means the current device's legacy
+ * default stream. Every pointer must be on that device.
  *
  * Threads: handles are immutable after creation. Forwards of one layer may run concurrently on
  * different streams, each with its own workspace; a workspace serves one forward at a time.
  * Destroying a handle while work that uses it is enqueued is the caller's error: synchronize first.
  *
  * Growth: every argument struct starts with `struct_size`, which the caller sets to
- * sizeof(the struct) as its header declares it; a later version accepts the sizes of earlier ones.
+ * sizeof(the struct) as its header declares it; a later version accepts the sizes of earlier ones
+ * (this one, the first, needs its own).
  *
  * NVFP4 (shared/design/NVFP4.md): value = e2m1(code) * e4m3(block scale) * g, g the FP32 per-tensor
  * decode scale (ModelOpt's weight_scale_2; a "global scale" elsewhere is 1/g). */
@@ -103,7 +105,9 @@ NVFP4MOE_API nvfp4moe_Status nvfp4moe_layer_destroy(nvfp4moe_layer* layer);
 
 /* Bytes of a workspace for forwards of up to max_tokens x max_top_k pairs. */
 NVFP4MOE_API nvfp4moe_Status nvfp4moe_layer_workspace_size(const nvfp4moe_layer* layer, size_t* bytes);
-/* Sets a workspace up (enqueued on `stream`), once before its first forward. */
+/* Sets a workspace up (enqueued on `stream`), once before its first forward. It holds the
+ * layer's NVFP4 intermediate decode scale from then on: a workspace serves the layer it was set up
+ * for (another layer of the same shape and format would run with this one's decode scale). */
 NVFP4MOE_API nvfp4moe_Status nvfp4moe_layer_workspace_init(const nvfp4moe_layer* layer, void* workspace,
                                                            size_t workspace_bytes, void* stream);
 /* One forward, enqueued on `stream`: no allocation, no host synchronization, valid inside CUDA-graph

@@ -237,7 +237,8 @@ NVFP4MOE_ENUM(IntermediateFormat) {
 // forwards may take. Nothing here is written by a forward: one descriptor serves any number of
 // concurrent forwards, each with its own workspace.
 NVFP4MOE_STRUCT(MoeLayerDesc) {
-  // W13, gate and up: prepare_nvfp4_weights(E, n = 2I, k = H, kGateUpBands8) output.
+  // W13, gate and up: prepare_nvfp4_weights(E, n = 2I, k = H, kGateUpBands8) output (the layer
+  // cannot tell the row order from the bytes: weights prepared otherwise give wrong results).
   const void* w13_prepared NVFP4MOE_INIT();
   const float* w13_decode_scales NVFP4MOE_INIT();           // device f32 [E, 2]: gate and up decode scale per expert
   const void* w2_prepared NVFP4MOE_INIT();                  // W2, down: prepare_nvfp4_weights(E, n = H, k = I, kIdentity)
