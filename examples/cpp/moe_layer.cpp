@@ -182,38 +182,28 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
     return d;
   };
-  nvfp4moe_weights *w13_handle = nullptr, *w2_handle = nullptr;
-  {
-    void* codes = upload(w13.codes.data(), w13.codes.size());
-    void* scales = upload(w13.scales.data(), w13.scales.size());
+  // A projection's checkpoint tensors uploaded, prepared into a handle, freed again. `up`: W13's
+  // up rows' decode scales (gate and up: the SwiGLU epilogue's row order), null for W2.
+  auto create_weights = [&](const Projection& p, const float* up) {
+    void* codes = upload(p.codes.data(), p.codes.size());
+    void* scales = upload(p.scales.data(), p.scales.size());
     nvfp4moe_WeightsCreateArgs a{};
     a.struct_size = sizeof a;
     a.codes = codes;
     a.scales = scales;
-    a.experts = E;
-    a.n = 2 * I;
-    a.k = H;
-    a.decode_scales = w13.g.data();
-    a.up_decode_scales = up_g.data();  // gate and up: the SwiGLU epilogue's row order
-    CHECK_NVFP4MOE(nvfp4moe_weights_create(&a, stream, &w13_handle));
+    a.experts = p.experts;
+    a.n = p.n;
+    a.k = p.k;
+    a.decode_scales = p.g.data();
+    a.up_decode_scales = up;
+    nvfp4moe_weights* handle = nullptr;
+    CHECK_NVFP4MOE(nvfp4moe_weights_create(&a, stream, &handle));  // synchronizes the stream
     CHECK_CUDA(cudaFree(codes));
     CHECK_CUDA(cudaFree(scales));
-  }
-  {
-    void* codes = upload(w2.codes.data(), w2.codes.size());
-    void* scales = upload(w2.scales.data(), w2.scales.size());
-    nvfp4moe_WeightsCreateArgs a{};
-    a.struct_size = sizeof a;
-    a.codes = codes;
-    a.scales = scales;
-    a.experts = E;
-    a.n = H;
-    a.k = I;
-    a.decode_scales = w2.g.data();
-    CHECK_NVFP4MOE(nvfp4moe_weights_create(&a, stream, &w2_handle));
-    CHECK_CUDA(cudaFree(codes));
-    CHECK_CUDA(cudaFree(scales));
-  }
+    return handle;
+  };
+  nvfp4moe_weights* w13_handle = create_weights(w13, up_g.data());
+  nvfp4moe_weights* w2_handle = create_weights(w2, nullptr);
   nvfp4moe_layer* layer = nullptr;
   nvfp4moe_LayerCreateArgs la{};
   la.struct_size = sizeof la;

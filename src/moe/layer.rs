@@ -154,6 +154,20 @@ fn check_forward_buffers(
     Ok(())
 }
 
+/// The arguments every forward shares (device addresses): `hidden`, the counts, `out` and the
+/// workspace; the routing fields are the caller's.
+fn forward_args(hidden: u64, tokens: usize, top_k: usize, out: u64, ws: BufferInfo) -> MoeForwardArgs {
+    MoeForwardArgs {
+        hidden,
+        tokens: tokens as i64,
+        top_k: top_k as i64,
+        out,
+        workspace: ws.addr,
+        workspace_bytes: ws.len as i64,
+        ..Default::default()
+    }
+}
+
 /// Every buffer a forward needs, in one device allocation whose layout is the core's
 /// (`moe_layer_workspace_bytes`), allocated once by [`MoeLayer::workspace`] for that layer's shape
 /// and intermediate format (a forward given another layer's workspace is refused).
@@ -351,15 +365,7 @@ impl MoeLayer {
                 check_align("hidden", h.addr, 16)?;
             }
             let (a, w) = (l.output(&mut act), l.output(&mut ws.buf));
-            let args = MoeForwardArgs {
-                hidden: h.addr,
-                tokens: tokens as i64,
-                top_k: top_k as i64,
-                topk_ids: ids.addr,
-                workspace: w.addr,
-                workspace_bytes: w.len as i64,
-                ..Default::default()
-            };
+            let args = MoeForwardArgs { topk_ids: ids.addr, ..forward_args(h.addr, tokens, top_k, 0, w.info()) };
             // SAFETY: `act` holds pairs x I, the inputs were checked above, the workspace is this
             // layer's (check_tokens).
             self.with_weights(&l, |d, st| unsafe { raw::moe_layer_first_gemm(d, &args, a.addr, st) })?;
@@ -480,15 +486,9 @@ impl MoeLayer {
         check_forward_buffers(self.weights.hidden, tokens, top_k, h.info(), o.info(), routing)?;
         let b = l.output(&mut ws.buf);
         let args = MoeForwardArgs {
-            hidden: h.addr,
-            tokens: tokens as i64,
-            top_k: top_k as i64,
             topk_ids: ids.addr,
             topk_weights: w.addr,
-            out: o.addr,
-            workspace: b.addr,
-            workspace_bytes: b.len as i64,
-            ..Default::default()
+            ..forward_args(h.addr, tokens, top_k, o.addr, b.info())
         };
         // SAFETY: every buffer checked above; the workspace is this layer's (check_tokens).
         self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward(d, &args, st) })
@@ -523,15 +523,9 @@ impl MoeLayer {
         check_forward_buffers(self.weights.hidden, tokens, top_k, h.info(), o.info(), routing)?;
         let b = l.output(&mut ws.buf);
         let args = MoeForwardArgs {
-            hidden: h.addr,
-            tokens: tokens as i64,
-            top_k: top_k as i64,
             router_logits: lg.addr,
             renormalize: i32::from(renormalize),
-            out: o.addr,
-            workspace: b.addr,
-            workspace_bytes: b.len as i64,
-            ..Default::default()
+            ..forward_args(h.addr, tokens, top_k, o.addr, b.info())
         };
         // SAFETY: every buffer checked above; the workspace is this layer's (check_tokens).
         self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward(d, &args, st) })

@@ -74,6 +74,24 @@ fn addr<T, B: DevicePtr<T>>(s: &CudaStream, b: &B) -> u64 {
     b.device_ptr(s).0
 }
 
+/// A forward of `t` tokens over device buffers (addresses) with the caller's top-k.
+fn forward_args(hidden: u64, t: usize, k: usize, ids: u64, weights: u64, out: u64, ws: (u64, usize)) -> ForwardArgs {
+    ForwardArgs {
+        struct_size: std::mem::size_of::<ForwardArgs>() as i64,
+        args: MoeForwardArgs {
+            hidden,
+            tokens: t as i64,
+            top_k: k as i64,
+            topk_ids: ids,
+            topk_weights: weights,
+            out,
+            workspace: ws.0,
+            workspace_bytes: ws.1 as i64,
+            ..Default::default()
+        },
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn c_abi_layer_gives_the_rust_layers_bytes() {
@@ -141,20 +159,8 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
             let input = MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
             rust.forward(&s, &input, &mut rust_out, &mut rust_ws).unwrap();
             let c_out = s.clone_htod(&poison).unwrap();
-            let f = ForwardArgs {
-                struct_size: std::mem::size_of::<ForwardArgs>() as i64,
-                args: MoeForwardArgs {
-                    hidden: addr(&s, &hd),
-                    tokens: t as i64,
-                    top_k: k as i64,
-                    topk_ids: addr(&s, &idd),
-                    topk_weights: addr(&s, &wd),
-                    out: addr(&s, &c_out),
-                    workspace: addr(&s, &c_ws),
-                    workspace_bytes: ws_bytes as i64,
-                    ..Default::default()
-                },
-            };
+            let ws = (addr(&s, &c_ws), ws_bytes);
+            let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &c_out), ws);
             // SAFETY: every buffer holds what t, k, H and the layer imply, on the stream's device.
             ok(unsafe { nvfp4moe_layer_forward(layer, &f, cs) }, "nvfp4moe_layer_forward");
             let (a, b) = (s.clone_dtoh(&rust_out).unwrap(), s.clone_dtoh(&c_out).unwrap());
@@ -184,20 +190,8 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
             s.clone_htod(&vec![0.5f32; t * k]).unwrap(),
         );
         let out = s.alloc_zeros::<bf16>(t * h).unwrap();
-        let f = ForwardArgs {
-            struct_size: std::mem::size_of::<ForwardArgs>() as i64,
-            args: MoeForwardArgs {
-                hidden: addr(&s, &hd),
-                tokens: t as i64,
-                top_k: k as i64,
-                topk_ids: addr(&s, &idd),
-                topk_weights: addr(&s, &wd),
-                out: addr(&s, &out),
-                workspace: addr(&s, &c_ws),
-                workspace_bytes: ws_bytes as i64,
-                ..Default::default()
-            },
-        };
+        let ws = (addr(&s, &c_ws), ws_bytes);
+        let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), ws);
         let (mut found, mut token, mut slot, mut id) = (0i32, 0i64, 0i64, 0i32);
         // SAFETY: as above; the check's outputs are host variables.
         unsafe {
