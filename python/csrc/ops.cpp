@@ -1,0 +1,214 @@
+// The PyTorch operators of nvfp4_moe (torch.ops.nvfp4_moe.*), over the core's C++ API
+// (nvfp4moe/nvfp4moe.h): weight preparation, the workspace, the layer forward and the bad-id check.
+// Registered with TORCH_LIBRARY (the CUDA kernels) so that a call costs one dispatch; the fake
+// (meta) kernels are Python's (nvfp4_moe/_ops.py). Every argument error is a Python exception
+// (TypeError for dtypes, ValueError for shapes, devices and values, RuntimeError for CUDA), raised
+// before anything is enqueued.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <nvfp4moe/nvfp4moe.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// A core status as a Python exception: shapes and values are ValueError, the rest RuntimeError.
+void check_status(nvfp4moe::Status s, const char* what) {
+  if (s == nvfp4moe::Status::kSuccess) return;
+  const std::string msg = std::string(what) + ": " + nvfp4moe::status_string(s) + ": " + nvfp4moe::last_error_message();
+  TORCH_CHECK_VALUE(s == nvfp4moe::Status::kCudaError || s == nvfp4moe::Status::kOutOfMemory, msg);
+  TORCH_CHECK(false, msg);
+}
+
+void check_cuda_contiguous(const Tensor& t, const char* name, at::ScalarType dtype, const at::Device& device) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " (where the layer's weights are), got ",
+                    t.device());
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK_VALUE(!t.requires_grad(), name, " requires grad: the operator has no backward (use torch.no_grad())");
+}
+
+// The layer's configuration, as the Python module passes it: [experts, hidden, intermediate,
+// max_tokens, max_top_k, tile, intermediate_format, batch_invariant].
+nvfp4moe::MoeLayerDesc layer_desc(at::IntArrayRef config, double nvfp4_decode_scale) {
+  TORCH_CHECK_VALUE(config.size() == 8, "config must hold 8 values, got ", config.size());
+  nvfp4moe::MoeLayerDesc d;
+  d.experts = config[0];
+  d.hidden = config[1];
+  d.intermediate = config[2];
+  d.max_tokens = config[3];
+  d.max_top_k = config[4];
+  d.tile = static_cast<nvfp4moe::GemmTile>(config[5]);
+  d.intermediate_format = static_cast<nvfp4moe::IntermediateFormat>(config[6]);
+  d.batch_invariant = config[7] != 0;
+  d.intermediate_decode_scale = static_cast<float>(nvfp4_decode_scale);
+  return d;
+}
+
+// prepare(codes u8 [E, n, k/2], scales u8 or float8_e4m3fn [E, n, k/16], decode_scales f32 [E],
+// up_decode_scales f32 [E] or None) -> (prepared u8, decode scale pairs f32 [E, 2]): the core's
+// prepare_moe_weights on the codes' device (W13 when up_decode_scales is given: rows [gate; up]
+// per expert). Synchronizes the current stream once (a bad scale byte is a ValueError).
+std::tuple<Tensor, Tensor> prepare(const Tensor& codes, const Tensor& scales, const Tensor& decode_scales,
+                                   const std::optional<Tensor>& up_decode_scales) {
+  TORCH_CHECK_VALUE(codes.is_cuda(), "codes must be a CUDA tensor");
+  const at::Device device = codes.device();
+  check_cuda_contiguous(codes, "codes", at::kByte, device);
+  TORCH_CHECK_TYPE(scales.scalar_type() == at::kByte || scales.scalar_type() == at::kFloat8_e4m3fn,
+                   "scales must be uint8 or float8_e4m3fn, got ", scales.scalar_type());
+  check_cuda_contiguous(scales.view(at::kByte), "scales", at::kByte, device);
+  TORCH_CHECK_VALUE(codes.dim() == 3 && scales.dim() == 3, "codes and scales must be [E, n, k/2] and [E, n, k/16]");
+  const int64_t e = codes.size(0), n = codes.size(1), k = codes.size(2) * 2;
+  TORCH_CHECK_VALUE(scales.size(0) == e && scales.size(1) == n && scales.size(2) * 16 == k,
+                    "scales must be [E, n, k/16] = [", e, ", ", n, ", ", k / 16, "], got ", scales.sizes());
+  // The decode scales are read on the host (a few floats, once per projection).
+  auto host_scales = [&](const Tensor& g, const char* name) {
+    TORCH_CHECK_TYPE(g.scalar_type() == at::kFloat, name, " must be float32, got ", g.scalar_type());
+    TORCH_CHECK_VALUE(g.numel() == e, name, " must hold ", e, " values (one per expert), got ", g.numel());
+    return g.detach().to(at::kCPU).contiguous();
+  };
+  const Tensor g = host_scales(decode_scales, "decode_scales");
+  const Tensor up = up_decode_scales ? host_scales(*up_decode_scales, "up_decode_scales") : Tensor();
+  nvfp4moe::PrepareWeightsArgs a;
+  a.experts = e;
+  a.n = n;
+  a.k = k;
+  a.row_order = up.defined() ? nvfp4moe::RowOrder::kGateUpBands8 : nvfp4moe::RowOrder::kIdentity;
+  check_status(nvfp4moe::prepare_moe_weights_can_implement(a, g.data_ptr<float>(),
+                                                           up.defined() ? up.data_ptr<float>() : nullptr),
+               "nvfp4_moe.prepare");
+  const c10::cuda::CUDAGuard guard(device);
+  const auto bytes = static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(e, n, k));
+  Tensor prepared = at::empty({bytes}, codes.options());
+  Tensor pairs = at::empty({e, 2}, codes.options().dtype(at::kFloat));
+  Tensor error = at::empty({2}, codes.options().dtype(at::kInt));
+  a.codes = codes.data_ptr();
+  a.scales = scales.data_ptr();
+  a.prepared = prepared.data_ptr();
+  a.error = error.data_ptr<int>();
+  check_status(nvfp4moe::prepare_moe_weights(a, g.data_ptr<float>(), up.defined() ? up.data_ptr<float>() : nullptr,
+                                             pairs.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+               "nvfp4_moe.prepare");
+  return {prepared, pairs};
+}
+
+// The workspace's size for a layer configuration (0 for one the core refuses: see check()).
+int64_t workspace_bytes(at::IntArrayRef config, double nvfp4_decode_scale) {
+  const nvfp4moe::MoeLayerDesc d = layer_desc(config, nvfp4_decode_scale);
+  check_status(nvfp4moe::moe_layer_can_implement(d), "nvfp4_moe.workspace_bytes");
+  return static_cast<int64_t>(nvfp4moe::moe_layer_workspace_bytes(d));
+}
+
+void init_workspace(const Tensor& workspace, at::IntArrayRef config, double nvfp4_decode_scale) {
+  TORCH_CHECK_VALUE(workspace.is_cuda(), "workspace must be a CUDA tensor");
+  check_cuda_contiguous(workspace, "workspace", at::kByte, workspace.device());
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  const nvfp4moe::MoeLayerDesc d = layer_desc(config, nvfp4_decode_scale);
+  check_status(nvfp4moe::moe_layer_initialize(d, workspace.data_ptr(), workspace.numel(),
+                                              c10::cuda::getCurrentCUDAStream().stream()),
+               "nvfp4_moe.init_workspace");
+}
+
+// forward: the layer on PyTorch's current stream; returns out bf16 [T, H].
+Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales, const Tensor& w2,
+               const Tensor& w2_scales, const std::optional<Tensor>& topk_ids, const std::optional<Tensor>& topk_weights,
+               const std::optional<Tensor>& router_logits, int64_t top_k, bool renormalize, const Tensor& workspace,
+               at::IntArrayRef config, double nvfp4_decode_scale) {
+  TORCH_CHECK_VALUE(w13.is_cuda(), "the layer's weights must be CUDA tensors");
+  const at::Device device = w13.device();
+  const nvfp4moe::MoeLayerDesc d0 = layer_desc(config, nvfp4_decode_scale);
+  check_cuda_contiguous(hidden, "hidden", at::kBFloat16, device);
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) == d0.hidden, "hidden must be [T, ", d0.hidden, "], got ",
+                    hidden.sizes());
+  for (const auto& [t, name, dtype] :
+       {std::tuple<const Tensor&, const char*, at::ScalarType>{w13, "w13", at::kByte}, {w2, "w2", at::kByte},
+        {w13_scales, "w13_scales", at::kFloat}, {w2_scales, "w2_scales", at::kFloat},
+        {workspace, "workspace", at::kByte}}) {
+    check_cuda_contiguous(t, name, dtype, device);
+  }
+  const int64_t tokens = hidden.size(0);
+  TORCH_CHECK_VALUE(topk_ids.has_value() != router_logits.has_value(),
+                    "give either topk_ids and topk_weights or router_logits");
+  if (topk_ids) {
+    TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_ids needs topk_weights");
+    check_cuda_contiguous(*topk_ids, "topk_ids", at::kInt, device);
+    check_cuda_contiguous(*topk_weights, "topk_weights", at::kFloat, device);
+    TORCH_CHECK_VALUE(topk_ids->dim() == 2 && topk_ids->size(0) == tokens && topk_ids->size(1) == top_k &&
+                          topk_weights->sizes() == topk_ids->sizes(),
+                      "topk_ids and topk_weights must be [T, top_k] = [", tokens, ", ", top_k, "]");
+  } else {
+    check_cuda_contiguous(*router_logits, "router_logits", at::kFloat, device);
+    TORCH_CHECK_VALUE(router_logits->dim() == 2 && router_logits->size(0) == tokens &&
+                          router_logits->size(1) == d0.experts,
+                      "router_logits must be [T, E] = [", tokens, ", ", d0.experts, "], got ", router_logits->sizes());
+  }
+  TORCH_CHECK_VALUE(w13.numel() == static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(
+                                       d0.experts, 2 * d0.intermediate, d0.hidden)) &&
+                        w2.numel() == static_cast<int64_t>(
+                                          nvfp4moe::prepared_weight_bytes(d0.experts, d0.hidden, d0.intermediate)) &&
+                        w13_scales.numel() == 2 * d0.experts && w2_scales.numel() == 2 * d0.experts,
+                    "the prepared weights do not match the layer's shape");
+  const c10::cuda::CUDAGuard guard(device);
+  Tensor out = at::empty({tokens, d0.hidden}, hidden.options());
+  nvfp4moe::MoeLayerDesc d = d0;
+  d.w13_prepared = w13.data_ptr();
+  d.w13_decode_scales = w13_scales.data_ptr<float>();
+  d.w2_prepared = w2.data_ptr();
+  d.w2_decode_scales = w2_scales.data_ptr<float>();
+  nvfp4moe::MoeForwardArgs a;
+  a.hidden = hidden.data_ptr();
+  a.tokens = tokens;
+  a.top_k = top_k;
+  a.topk_ids = topk_ids ? topk_ids->data_ptr<int>() : nullptr;
+  a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
+  a.router_logits = router_logits ? router_logits->data_ptr<float>() : nullptr;
+  a.renormalize = renormalize;
+  a.out = out.data_ptr();
+  a.workspace = workspace.data_ptr();
+  a.workspace_bytes = workspace.numel();
+  check_status(nvfp4moe::moe_layer_forward(d, a, c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+               "nvfp4_moe.forward");
+  return out;
+}
+
+// read_error: synchronizes the current stream and returns the workspace's error word (-1: no bad
+// expert id since the last read, else (pair << 32) | id), clearing it.
+int64_t read_error(const Tensor& workspace, at::IntArrayRef config, double nvfp4_decode_scale) {
+  TORCH_CHECK_VALUE(workspace.is_cuda(), "workspace must be a CUDA tensor");
+  check_cuda_contiguous(workspace, "workspace", at::kByte, workspace.device());
+  const c10::cuda::CUDAGuard guard(workspace.device());
+  unsigned long long word = 0;
+  check_status(nvfp4moe::moe_layer_read_error(layer_desc(config, nvfp4_decode_scale), workspace.data_ptr(),
+                                              workspace.numel(), c10::cuda::getCurrentCUDAStream().stream(), &word),
+               "nvfp4_moe.read_error");
+  return static_cast<int64_t>(word);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nvfp4_moe, m) {
+  m.def("prepare(Tensor codes, Tensor scales, Tensor decode_scales, Tensor? up_decode_scales) -> (Tensor, Tensor)");
+  m.def("workspace_bytes(int[] config, float nvfp4_decode_scale) -> int", &workspace_bytes);
+  m.def("init_workspace(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> ()");
+  m.def(
+      "forward(Tensor hidden, Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor? topk_ids, "
+      "Tensor? topk_weights, Tensor? router_logits, int top_k, bool renormalize, Tensor(a!) workspace, int[] config, "
+      "float nvfp4_decode_scale) -> Tensor");
+  m.def("read_error(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> int");
+}
+
+TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
+  m.impl("prepare", &prepare);
+  m.impl("init_workspace", &init_workspace);
+  m.impl("forward", &forward);
+  m.impl("read_error", &read_error);
+}

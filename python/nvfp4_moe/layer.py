@@ -1,0 +1,197 @@
+"""The NVFP4 MoE layer as a torch.nn.Module over the core's operator (torch.ops.nvfp4_moe.forward).
+
+Weights come from torch tensors as checkpoints store them, in either NVFP4 dialect (per expert and
+projection):
+
+- ModelOpt: ``weight`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16], ``weight_scale_2``
+  float32 = g (the decode scale);
+- compressed-tensors: ``weight_packed`` uint8 [N, K/2], ``weight_scale`` float8_e4m3fn [N, K/16],
+  ``weight_global_scale`` float32 = 1/g.
+
+A weight is e2m1(code) * e4m3(scale) * g, element 2j of a row in the low nibble of byte j.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from . import _ops  # noqa: F401  (loads the operators)
+
+#: Gate, up and down projection names (Qwen3, DeepSeek-V3, gpt-oss); Mixtral's are w1, w3, w2.
+DEFAULT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Tile(enum.IntEnum):
+    """The grouped GEMM's tile (the core's GemmTile); AUTO chooses per forward."""
+
+    AUTO = 0
+    M128N16 = 1
+    M128N128 = 2
+    M128N64 = 3
+    M128N32 = 4
+    M128N8 = 5
+    WARP_M16N8 = 6
+
+
+class Projection:
+    """One projection's NVFP4 weights for all experts, in checkpoint layout: ``codes`` uint8
+    [E, N, K/2], ``scales`` float8_e4m3fn or uint8 [E, N, K/16], ``decode_scales`` float32 [E]."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, decode_scales: torch.Tensor) -> None:
+        self.codes, self.scales, self.decode_scales = codes, scales, decode_scales
+
+    @staticmethod
+    def from_experts(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> "Projection":
+        """Stacks the experts' tensors; ``names[e]`` is expert e's tensor prefix (``...experts.e.gate_proj``).
+        The dialect is read from the field names; a mix is an error."""
+        codes, scales, gs = [], [], []
+        for name in names:
+            if f"{name}.weight" in tensors and f"{name}.weight_scale_2" in tensors:
+                codes.append(tensors[f"{name}.weight"])
+                g = tensors[f"{name}.weight_scale_2"].float().reshape(-1)
+            elif f"{name}.weight_packed" in tensors and f"{name}.weight_global_scale" in tensors:
+                codes.append(tensors[f"{name}.weight_packed"])
+                # g is the float32 reciprocal of the global scale (correctly rounded), as the crate's
+                # checkpoint loader computes it.
+                g = torch.reciprocal(tensors[f"{name}.weight_global_scale"].float().reshape(-1))
+            else:
+                raise KeyError(
+                    f"{name}: neither ModelOpt (weight, weight_scale, weight_scale_2) nor compressed-tensors "
+                    "(weight_packed, weight_scale, weight_global_scale) tensors"
+                )
+            if g.numel() != 1:
+                raise ValueError(f"{name}: the per-tensor scale must hold one value, got {g.numel()}")
+            scales.append(tensors[f"{name}.weight_scale"])
+            gs.append(g)
+        for what, ts in (("weight", codes), ("weight_scale", scales)):
+            if len({(t.shape, t.dtype, t.device) for t in ts}) != 1:
+                raise ValueError(f"the experts' {what} tensors differ in shape, dtype or device")
+        if codes[0].dtype != torch.uint8:
+            raise TypeError(f"{names[0]}: codes must be uint8, got {codes[0].dtype}")
+        return Projection(torch.stack(codes), torch.stack(scales), torch.cat(gs))
+
+
+def _prepare(proj: Projection, up: Optional[Projection] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The core's preparation of a projection (W13 when ``up`` is given: [gate; up] rows per expert)."""
+    codes, scales = proj.codes, proj.scales
+    if up is not None:
+        codes = torch.cat([codes, up.codes], dim=1)
+        scales = torch.cat([scales, up.scales], dim=1)
+    if scales.dtype == torch.float8_e4m3fn:
+        scales = scales.view(torch.uint8)
+    up_g = up.decode_scales if up is not None else None
+    return torch.ops.nvfp4_moe.prepare(codes.contiguous(), scales.contiguous(), proj.decode_scales, up_g)
+
+
+class MoeLayer(torch.nn.Module):
+    """One MoE feed-forward layer over prepared NVFP4 weights (on the weights' CUDA device).
+
+    ``forward(hidden, topk_ids=..., topk_weights=...)`` or ``forward(hidden, router_logits=...)``:
+    hidden bfloat16 [T, H] -> bfloat16 [T, H], with top-k ids int32 [T, k] and weights float32
+    [T, k], or softmax top-k over router logits float32 [T, E]. Runs on PyTorch's current stream;
+    no host synchronization; valid under torch.compile (fullgraph) and CUDA-graph capture. No
+    backward: inputs that require grad are refused.
+
+    ``intermediate``: ``"bf16"`` (the default: the first GEMM's SwiGLU output in BF16) or a float,
+    the activation decode scale g of an NVFP4 intermediate (packed in the first GEMM's epilogue).
+    """
+
+    def __init__(
+        self,
+        gate: Projection,
+        up: Projection,
+        down: Projection,
+        max_tokens: int,
+        top_k: int,
+        *,
+        intermediate: Union[str, float] = "bf16",
+        tile: Tile = Tile.AUTO,
+        batch_invariant: bool = False,
+    ) -> None:
+        super().__init__()
+        experts, inter, hidden_half = gate.codes.shape
+        hidden = 2 * hidden_half
+        if up.codes.shape != gate.codes.shape or tuple(down.codes.shape) != (experts, hidden, inter // 2):
+            raise ValueError(
+                f"gate {tuple(gate.codes.shape)}, up {tuple(up.codes.shape)} and down {tuple(down.codes.shape)} codes "
+                "are not [E, I, H/2], [E, I, H/2] and [E, H, I/2]"
+            )
+        if intermediate == "bf16":
+            fmt, g = 0, 1.0
+        elif isinstance(intermediate, (int, float)):
+            fmt, g = 1, float(intermediate)
+        else:
+            raise ValueError(f'intermediate must be "bf16" or an NVFP4 decode scale, got {intermediate!r}')
+        self.experts, self.hidden, self.intermediate, self.top_k = experts, hidden, inter, top_k
+        self._config = [experts, hidden, inter, max_tokens, top_k, int(tile), fmt, int(batch_invariant)]
+        self._g = g
+        with torch.no_grad():
+            w13, w13_scales = _prepare(gate, up)
+            w2, w2_scales = _prepare(down)
+            nbytes = torch.ops.nvfp4_moe.workspace_bytes(self._config, g)
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=w13.device)
+            torch.ops.nvfp4_moe.init_workspace(workspace, self._config, g)
+        for name, t in (("w13", w13), ("w13_scales", w13_scales), ("w2", w2), ("w2_scales", w2_scales)):
+            self.register_buffer(name, t, persistent=False)
+        self.register_buffer("workspace", workspace, persistent=False)
+
+    @staticmethod
+    def from_tensors(
+        tensors: Mapping[str, torch.Tensor],
+        prefix: str,
+        num_experts: int,
+        max_tokens: int,
+        top_k: int,
+        projections: Sequence[str] = DEFAULT_PROJECTIONS,
+        **kwargs: object,
+    ) -> "MoeLayer":
+        """A layer from checkpoint tensors named ``{prefix}.{e}.{projection}.{field}`` (either dialect),
+        e.g. ``safetensors.torch.load_file(path, device="cuda")``'s dict and
+        ``prefix="model.layers.3.mlp.experts"``. Keyword arguments go to the constructor."""
+        gate, up, down = (
+            Projection.from_experts(tensors, [f"{prefix}.{e}.{p}" for e in range(num_experts)]) for p in projections
+        )
+        return MoeLayer(gate, up, down, max_tokens, top_k, **kwargs)  # type: ignore[arg-type]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        topk_ids: Optional[torch.Tensor] = None,
+        topk_weights: Optional[torch.Tensor] = None,
+        router_logits: Optional[torch.Tensor] = None,
+        renormalize: bool = True,
+    ) -> torch.Tensor:
+        top_k = topk_ids.shape[1] if topk_ids is not None else self.top_k
+        return torch.ops.nvfp4_moe.forward(
+            hidden,
+            self.w13,
+            self.w13_scales,
+            self.w2,
+            self.w2_scales,
+            topk_ids,
+            topk_weights,
+            router_logits,
+            top_k,
+            renormalize,
+            self.workspace,
+            self._config,
+            self._g,
+        )
+
+    def check(self, top_k: Optional[int] = None) -> None:
+        """Synchronizes the current stream and raises ValueError naming the token, slot and id of the
+        first expert id outside [0, E) that a forward met since the last check (that slot
+        contributed nothing), then clears it."""
+        word = torch.ops.nvfp4_moe.read_error(self.workspace, self._config, self._g)
+        if word == -1:
+            return
+        k = top_k if top_k is not None else self.top_k
+        pair, bad = (word >> 32) & 0xFFFFFFFF, word & 0xFFFFFFFF
+        bad = bad - (1 << 32) if bad >= 1 << 31 else bad
+        raise ValueError(
+            f"topk_ids[{pair // k}, {pair % k}] = {bad} is not an expert id in [0, {self.experts}): "
+            "that slot was routed nowhere"
+        )

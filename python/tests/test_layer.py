@@ -1,0 +1,158 @@
+"""The nvfp4_moe operator on a CUDA GPU (sm_90a): against the float64 reference, in both checkpoint
+dialects, through the router, under torch.library.opcheck, torch.compile(fullgraph=True) and
+CUDA-graph capture, and its argument errors. Skipped without a GPU.
+
+    pip install --no-build-isolation --no-deps ./python && pytest python/tests
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import nvfp4_moe
+from nvfp4_moe import reference
+from nvfp4_moe.layer import Projection
+
+#: The crate's tolerance for the layer against the f64 reference (BF16 intermediate): relative
+#: Frobenius error overall and of every token.
+TOL = 1e-2
+
+SEED = int(os.environ.get("NVFP4MOE_TEST_SEED", "0x5eed"), 0)
+
+
+def rng(offset: int = 0) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed(SEED + offset)
+
+
+def random_projection(g: torch.Generator, experts: int, n: int, k: int, dev: str = "cuda") -> Projection:
+    """Random NVFP4 weights as `nvfp4-moe check` makes them: E2M1 codes, E4M3 scales in
+    0.125..3.75 (exponent 4..8), decode scales in [1e-3, 1e-2) rounded to powers of two (so that
+    compressed-tensors' 1/g is exact)."""
+    codes = torch.randint(0, 256, (experts, n, k // 2), generator=g, dtype=torch.uint8)
+    exp = torch.randint(4, 9, (experts, n, k // 16), generator=g, dtype=torch.uint8)
+    man = torch.randint(0, 8, (experts, n, k // 16), generator=g, dtype=torch.uint8)
+    scales = ((exp << 3) | man).view(torch.float8_e4m3fn)
+    gs = torch.exp2(torch.randint(-9, -6, (experts,), generator=g).float())
+    return Projection(codes.to(dev), scales.to(dev), gs.to(dev))
+
+
+def rel_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    d = got.double() - want
+    overall = (d.norm() / want.norm()).item()
+    per_token = (d.norm(dim=1) / want.norm(dim=1).clamp_min(1e-30)).max().item()
+    return overall, per_token
+
+
+def layer_and_inputs(experts=16, hidden=256, inter=128, tokens=24, top_k=4, **kwargs):
+    g = rng(experts * 1000 + tokens)
+    gate, up = random_projection(g, experts, inter, hidden), random_projection(g, experts, inter, hidden)
+    down = random_projection(g, experts, hidden, inter)
+    layer = nvfp4_moe.MoeLayer(gate, up, down, max_tokens=max(tokens, 64), top_k=top_k, **kwargs)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).int().cuda()
+    w = torch.rand(tokens, top_k, generator=g).add(0.1).cuda()
+    return layer, (gate, up, down), x, ids, w
+
+
+@pytest.mark.parametrize("experts,hidden,inter,tokens,top_k", [(8, 256, 128, 1, 2), (16, 512, 256, 40, 4), (128, 2048, 768, 16, 8)])
+def test_matches_the_float64_reference(experts, hidden, inter, tokens, top_k):
+    layer, (gate, up, down), x, ids, w = layer_and_inputs(experts, hidden, inter, tokens, top_k)
+    out = layer(x, topk_ids=ids, topk_weights=w)
+    want = reference.moe_layer(x, gate, up, down, ids, w)
+    overall, worst = rel_errors(out, want)
+    assert overall <= TOL and worst <= TOL, f"errors {overall:.3e} / {worst:.3e} (seed {SEED:#x})"
+    assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), out), "not deterministic"
+
+
+def test_both_dialects_give_the_same_bytes():
+    g = rng(7)
+    experts, hidden, inter = 4, 256, 128
+    projs = {p: random_projection(g, experts, *shape) for p, shape in
+             [("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))]}
+    modelopt, compressed = {}, {}
+    for p, proj in projs.items():
+        for e in range(experts):
+            name = f"model.layers.0.mlp.experts.{e}.{p}"
+            modelopt[f"{name}.weight"] = proj.codes[e]
+            modelopt[f"{name}.weight_scale"] = proj.scales[e]
+            modelopt[f"{name}.weight_scale_2"] = proj.decode_scales[e]
+            compressed[f"{name}.weight_packed"] = proj.codes[e]
+            compressed[f"{name}.weight_scale"] = proj.scales[e]
+            compressed[f"{name}.weight_global_scale"] = 1.0 / proj.decode_scales[e]
+    args = dict(prefix="model.layers.0.mlp.experts", num_experts=experts, max_tokens=8, top_k=2)
+    a = nvfp4_moe.MoeLayer.from_tensors(modelopt, **args)
+    b = nvfp4_moe.MoeLayer.from_tensors(compressed, **args)
+    x = torch.randn(8, hidden, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.tensor([[e % experts, (e + 1) % experts] for e in range(8)], dtype=torch.int32).cuda()
+    w = torch.full((8, 2), 0.5).cuda()
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), b(x, topk_ids=ids, topk_weights=w))
+
+
+def test_router_path_equals_the_top_k_it_chooses():
+    layer, _, x, _, _ = layer_and_inputs(tokens=12)
+    logits = torch.randn(12, layer.experts, generator=rng(3)).cuda()
+    probs = logits.softmax(-1)
+    w, ids = probs.topk(layer.top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    out = layer(x, router_logits=logits, renormalize=True)
+    want = layer(x, topk_ids=ids.int(), topk_weights=w.float())
+    # The same experts; the weights differ in the last FP32 bits (the core's softmax against
+    # torch's), which can move a BF16 rounding here and there.
+    overall, _ = rel_errors(out, want.double())
+    assert overall <= 1e-3, overall
+
+
+def test_opcheck():
+    layer, _, x, ids, w = layer_and_inputs(tokens=8)
+    args = (x, layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, ids, w, None, ids.shape[1], True,
+            layer.workspace, layer._config, layer._g)
+    torch.library.opcheck(torch.ops.nvfp4_moe.forward, args)
+
+
+def test_compile_fullgraph_and_cuda_graph():
+    layer, _, x, ids, w = layer_and_inputs(tokens=16)
+    eager = layer(x, topk_ids=ids, topk_weights=w)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert torch.equal(compiled(x, topk_ids=ids, topk_weights=w), eager)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer(x, topk_ids=ids, topk_weights=w)  # warm-up on the side stream
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        out = layer(x, topk_ids=ids, topk_weights=w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_bad_inputs_raise():
+    layer, _, x, ids, w = layer_and_inputs(tokens=4)
+    with pytest.raises(TypeError):
+        layer(x.float(), topk_ids=ids, topk_weights=w)
+    with pytest.raises(ValueError):
+        layer(x.cpu(), topk_ids=ids, topk_weights=w)
+    with pytest.raises(ValueError):
+        layer(x.clone().requires_grad_(), topk_ids=ids, topk_weights=w)
+    with pytest.raises(ValueError):
+        layer(x, topk_ids=ids)  # no weights
+    with pytest.raises(ValueError):
+        layer(x[:, :128].contiguous(), topk_ids=ids, topk_weights=w)  # wrong hidden size
+    assert torch.isfinite(layer(x, topk_ids=ids, topk_weights=w).float()).all()  # still works
+
+
+def test_check_reports_a_bad_expert_id():
+    layer, _, x, ids, w = layer_and_inputs(tokens=4)
+    bad = ids.clone()
+    bad[2, 1] = layer.experts + 3
+    layer(x, topk_ids=bad, topk_weights=w)
+    with pytest.raises(ValueError, match=rf"topk_ids\[2, 1\] = {layer.experts + 3}"):
+        layer.check(top_k=ids.shape[1])
+    layer.check()  # cleared
