@@ -51,7 +51,8 @@ step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -
 if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
   step python-build 300 env NVFP4MOE_PREFIX="$work/prefix" \
     python3 -m pip install --no-build-isolation --no-deps --target "$work/site" ./python &&
-    step python-tests 300 env PYTHONPATH="$work/site" python3 -m pytest -q -p no:cacheprovider python/tests
+    step python-tests 300 env PYTHONPATH="$work/site" python3 -m pytest -q -p no:cacheprovider python/tests &&
+    step python-bench 300 env PYTHONPATH="$work/site:python/tests" python3 python/bench/bench_op.py
 fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
 printf '%s\n' "${summary[@]}"

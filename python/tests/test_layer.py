@@ -156,3 +156,15 @@ def test_check_reports_a_bad_expert_id():
     with pytest.raises(ValueError, match=rf"topk_ids\[2, 1\] = {layer.experts + 3}"):
         layer.check(top_k=ids.shape[1])
     layer.check()  # cleared
+
+
+def test_same_bytes_as_the_c_abi():
+    from capi import CLayer
+
+    for experts, hidden, inter, tokens, top_k in [(16, 512, 256, 1, 4), (128, 2048, 768, 16, 8), (8, 1024, 512, 64, 2)]:
+        layer, (gate, up, down), x, ids, w = layer_and_inputs(experts, hidden, inter, tokens, top_k)
+        c = CLayer(gate, up, down, max_tokens=max(tokens, 64), top_k=top_k)
+        try:
+            assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), c(x, ids, w)), (experts, tokens)
+        finally:
+            c.close()

@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The operator against the C ABI (issue 20's targets) on the GPU, per preset and T: the host's cost
+per eager call (CPU time to enqueue, GPU kept busy: median of rounds of 20 calls), and CUDA-graph
+replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 MiB write before
+each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
+
+    PYTHONPATH=<site with nvfp4_moe>:python/tests python3 python/bench/bench_op.py \
+        [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import nvfp4_moe
+from capi import CLayer
+from nvfp4_moe.layer import Projection
+
+PRESETS = {"deepseek-v3": (256, 7168, 2048, 8), "qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
+           "qwen3-235b-a22b": (128, 4096, 1536, 8), "gpt-oss-120b": (128, 2880, 2880, 4), "kimi-k2": (384, 7168, 2048, 8)}
+
+
+def projection(e: int, n: int, k: int) -> Projection:
+    """Random NVFP4 weights made on the GPU (codes, E4M3 scales 0.125..3.75, g = 2^-8)."""
+    codes = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda")
+    scales = (torch.randint(4, 9, (e, n, k // 16), dtype=torch.uint8, device="cuda") << 3) | torch.randint(
+        0, 8, (e, n, k // 16), dtype=torch.uint8, device="cuda")
+    return Projection(codes, scales.view(torch.float8_e4m3fn), torch.full((e,), 2.0**-8, device="cuda"))
+
+
+def host_cost(call, rounds: int = 20) -> float:
+    per_round = []
+    for _ in range(rounds):
+        ts = []
+        for _ in range(24):
+            t0 = time.perf_counter()
+            call()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize()
+        per_round.append(statistics.median(ts[4:]))
+    return statistics.median(per_round)
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
+    ap.add_argument("--tokens", default="1,16,1024")
+    ap.add_argument("--iters", type=int, default=30)
+    a = ap.parse_args()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    for name in a.preset.split(","):
+        e, h, i, k = PRESETS[name]
+        gate, up, down = projection(e, i, h), projection(e, i, h), projection(e, h, i)
+        max_t = max(int(t) for t in a.tokens.split(","))
+        op = nvfp4_moe.MoeLayer(gate, up, down, max_tokens=max_t, top_k=k)
+        c = CLayer(gate, up, down, max_tokens=max_t, top_k=k)
+        for t in map(int, a.tokens.split(",")):
+            x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(t)]).int()
+            w = torch.rand(t, k, device="cuda") + 0.1
+            c_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
+            f = c.args(x, ids, w, c_out)
+            same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
+            host_op = host_cost(lambda: op(x, topk_ids=ids, topk_weights=w))
+            host_c = host_cost(lambda: c.forward_args(f))
+            g_op, g_c = graph_of(lambda: op(x, topk_ids=ids, topk_weights=w)), graph_of(lambda: c.forward_args(f))
+            times = {"op": [], "c": []}
+            for _ in range(a.iters):
+                for key, g in (("op", g_op), ("c", g_c)):
+                    flush.add_(1)
+                    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    t0.record()
+                    g.replay()
+                    t1.record()
+                    torch.cuda.synchronize()
+                    times[key].append(t0.elapsed_time(t1) * 1e3)
+            r_op, r_c = statistics.median(times["op"]), statistics.median(times["c"])
+            rows.append((name, t, host_op, host_c, r_op, r_c, same))
+        c.close()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, nvfp4_moe {nvfp4_moe.__version__}")
+    print(f"{'preset':16} {'T':>5} {'host op us':>11} {'host C us':>10} {'graph op us':>12} {'graph C us':>11} "
+          f"{'op/C':>6} same-bytes")
+    for name, t, ho, hc, ro, rc, same in rows:
+        print(f"{name:16} {t:5d} {ho:11.2f} {hc:10.2f} {ro:12.2f} {rc:11.2f} {ro / rc:6.3f} {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The core's C ABI (nvfp4moe_c.h) through ctypes, over the library the package ships: the same
+layer as nvfp4_moe.MoeLayer built from the same tensors, for the tests' byte comparison and the
+bench's host-cost and graph-replay comparison. Not part of the package."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+from typing import Optional
+
+import torch
+
+import nvfp4_moe
+from nvfp4_moe.layer import Projection
+
+_lib_path = sorted(glob.glob(os.path.join(os.path.dirname(nvfp4_moe.__file__), "libnvfp4moe.so*")))[0]
+lib = ctypes.CDLL(_lib_path)
+
+c_i64, c_i32, c_f32, c_ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class WeightsCreateArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_i64), ("codes", c_ptr), ("scales", c_ptr), ("experts", c_i64), ("n", c_i64),
+                ("k", c_i64), ("decode_scales", c_ptr), ("up_decode_scales", c_ptr)]
+
+
+class MoeLayerDesc(ctypes.Structure):
+    _fields_ = [("w13_prepared", c_ptr), ("w13_decode_scales", c_ptr), ("w2_prepared", c_ptr),
+                ("w2_decode_scales", c_ptr), ("experts", c_i64), ("hidden", c_i64), ("intermediate", c_i64),
+                ("max_tokens", c_i64), ("max_top_k", c_i64), ("tile", c_i32), ("intermediate_format", c_i32),
+                ("intermediate_decode_scale", c_f32), ("batch_invariant", c_i32)]
+
+
+class LayerCreateArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_i64), ("w13", c_ptr), ("w2", c_ptr), ("options", MoeLayerDesc)]
+
+
+class MoeForwardArgs(ctypes.Structure):
+    _fields_ = [("hidden", c_ptr), ("tokens", c_i64), ("top_k", c_i64), ("topk_ids", c_ptr), ("topk_weights", c_ptr),
+                ("router_logits", c_ptr), ("renormalize", c_i32), ("out", c_ptr), ("workspace", c_ptr),
+                ("workspace_bytes", c_i64)]
+
+
+class ForwardArgs(ctypes.Structure):
+    _fields_ = [("struct_size", c_i64), ("args", MoeForwardArgs)]
+
+
+assert ctypes.sizeof(WeightsCreateArgs) == 64 and ctypes.sizeof(LayerCreateArgs) == 112
+assert ctypes.sizeof(ForwardArgs) == 88
+
+lib.nvfp4moe_last_error.restype = ctypes.c_char_p
+for name in ("nvfp4moe_weights_create", "nvfp4moe_weights_destroy", "nvfp4moe_layer_create", "nvfp4moe_layer_destroy",
+             "nvfp4moe_layer_workspace_size", "nvfp4moe_layer_workspace_init", "nvfp4moe_layer_forward"):
+    getattr(lib, name).restype = c_i32
+
+
+def _ok(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what}: status {status}: {lib.nvfp4moe_last_error().decode()}")
+
+
+class CLayer:
+    """The C ABI's layer over the same checkpoint tensors (gate, up, down) as a MoeLayer."""
+
+    def __init__(self, gate: Projection, up: Projection, down: Projection, max_tokens: int, top_k: int) -> None:
+        stream = c_ptr(torch.cuda.current_stream().cuda_stream)
+        self._keep = []
+
+        def create(p: Projection, up_p: Optional[Projection]) -> c_ptr:
+            codes = p.codes if up_p is None else torch.cat([p.codes, up_p.codes], dim=1).contiguous()
+            scales = p.scales if up_p is None else torch.cat([p.scales, up_p.scales], dim=1).contiguous()
+            g = p.decode_scales.float().cpu().contiguous()
+            ug = up_p.decode_scales.float().cpu().contiguous() if up_p is not None else None
+            self._keep += [g, ug]
+            a = WeightsCreateArgs(ctypes.sizeof(WeightsCreateArgs), codes.data_ptr(), scales.data_ptr(),
+                                  codes.shape[0], codes.shape[1], codes.shape[2] * 2, g.data_ptr(),
+                                  ug.data_ptr() if ug is not None else None)
+            h = c_ptr()
+            _ok(lib.nvfp4moe_weights_create(ctypes.byref(a), stream, ctypes.byref(h)), "nvfp4moe_weights_create")
+            return h
+
+        self.w13, self.w2 = create(gate, up), create(down, None)
+        la = LayerCreateArgs(ctypes.sizeof(LayerCreateArgs), self.w13, self.w2)
+        la.options.max_tokens, la.options.max_top_k, la.options.intermediate_decode_scale = max_tokens, top_k, 1.0
+        self.layer = c_ptr()
+        _ok(lib.nvfp4moe_layer_create(ctypes.byref(la), ctypes.byref(self.layer)), "nvfp4moe_layer_create")
+        size = ctypes.c_size_t()
+        _ok(lib.nvfp4moe_layer_workspace_size(self.layer, ctypes.byref(size)), "workspace_size")
+        self.workspace = torch.empty(size.value, dtype=torch.uint8, device="cuda")
+        _ok(lib.nvfp4moe_layer_workspace_init(self.layer, c_ptr(self.workspace.data_ptr()), ctypes.c_size_t(size.value),
+                                              stream), "workspace_init")
+        self.hidden = gate.codes.shape[2] * 2
+
+    def args(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> ForwardArgs:
+        """The forward's argument struct (reusable: the C call copies nothing)."""
+        f = ForwardArgs(ctypes.sizeof(ForwardArgs))
+        f.args.hidden, f.args.tokens, f.args.top_k = x.data_ptr(), x.shape[0], ids.shape[1]
+        f.args.topk_ids, f.args.topk_weights, f.args.out = ids.data_ptr(), w.data_ptr(), out.data_ptr()
+        f.args.workspace, f.args.workspace_bytes = self.workspace.data_ptr(), self.workspace.numel()
+        return f
+
+    def forward_args(self, f: ForwardArgs) -> None:
+        _ok(lib.nvfp4moe_layer_forward(self.layer, ctypes.byref(f), c_ptr(torch.cuda.current_stream().cuda_stream)),
+            "nvfp4moe_layer_forward")
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.hidden, dtype=torch.bfloat16, device=x.device)
+        self.forward_args(self.args(x, ids, w, out))
+        return out
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+        lib.nvfp4moe_layer_destroy(self.layer)
+        lib.nvfp4moe_weights_destroy(self.w13)
+        lib.nvfp4moe_weights_destroy(self.w2)

@@ -1,0 +1,6 @@
+"""pytest: the tests' helper modules (capi.py) import from this folder."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
