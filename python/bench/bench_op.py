@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The operator against the C ABI (issue 20's targets) on the GPU, per preset and T: the host's cost
-per eager call (CPU time to enqueue, GPU kept busy: median of rounds of 20 calls), and CUDA-graph
+per eager call (CPU time to enqueue, GPU kept busy: median of rounds of 20 calls; the operator's
+includes allocating its output, as a PyTorch caller's does), and CUDA-graph
 replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 MiB write before
 each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
 
@@ -11,6 +12,7 @@ each replay, replayed interleaved, median), with the outputs compared bit for bi
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -79,7 +81,8 @@ def main() -> None:
             f = c.args(x, ids, w, c_out)
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             host_op = host_cost(lambda: op(x, topk_ids=ids, topk_weights=w))
-            host_c = host_cost(lambda: c.forward_args(f))
+            stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # fixed outside a capture
+            host_c = host_cost(lambda: c.forward_args(f, stream))
             g_op, g_c = graph_of(lambda: op(x, topk_ids=ids, topk_weights=w)), graph_of(lambda: c.forward_args(f))
             times = {"op": [], "c": []}
             for _ in range(a.iters):

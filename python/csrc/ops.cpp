@@ -5,6 +5,7 @@
 // (TypeError for dtypes, ValueError for shapes, devices and values, RuntimeError for CUDA), raised
 // before anything is enqueued.
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -34,7 +35,8 @@ void check_cuda_contiguous(const Tensor& t, const char* name, at::ScalarType dty
   TORCH_CHECK_VALUE(t.device() == device, name, " must be on ", device, " (where the layer's weights are), got ",
                     t.device());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK_VALUE(!t.requires_grad(), name, " requires grad: the operator has no backward (use torch.no_grad())");
+  TORCH_CHECK_VALUE(!(c10::GradMode::is_enabled() && t.requires_grad()), name,
+                    " requires grad: the operator has no backward (call it under torch.no_grad())");
 }
 
 // The layer's configuration, as the Python module passes it: [experts, hidden, intermediate,
@@ -136,7 +138,7 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
     check_cuda_contiguous(t, name, dtype, device);
   }
   const int64_t tokens = hidden.size(0);
-  TORCH_CHECK_VALUE(topk_ids.has_value() != router_logits.has_value(),
+  TORCH_CHECK_VALUE(topk_ids.has_value() != router_logits.has_value() && !(router_logits && topk_weights),
                     "give either topk_ids and topk_weights or router_logits");
   if (topk_ids) {
     TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_ids needs topk_weights");

@@ -14,9 +14,9 @@ from typing import Optional, Sequence
 import torch
 
 _here = os.path.dirname(os.path.abspath(__file__))
-_libs = sorted(glob.glob(os.path.join(_here, "_ops*.so")))
+_libs = sorted(glob.glob(os.path.join(_here, "libnvfp4_moe_ops*.so")))
 if not _libs:
-    raise ImportError(f"nvfp4_moe: the operator library _ops.so is not in {_here} (was the package built?)")
+    raise ImportError(f"nvfp4_moe: the operator library libnvfp4_moe_ops.so is not in {_here} (was the package built?)")
 torch.ops.load_library(_libs[0])
 
 #: Bytes of one prepared weight chunk: 64 rows x 64 K of E2M1 codes and their E4M3 scales.

@@ -20,7 +20,9 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the operators)
 
-#: Gate, up and down projection names (Qwen3, DeepSeek-V3, gpt-oss); Mixtral's are w1, w3, w2.
+#: Gate, up and down projection names (Qwen3, DeepSeek-V3); Mixtral's are w1, w3, w2. (The layer
+#: computes SwiGLU as silu(gate) * up: models with another activation, such as gpt-oss's clamped
+#: one, need their own.)
 DEFAULT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -46,7 +48,7 @@ class Projection:
     @staticmethod
     def from_experts(tensors: Mapping[str, torch.Tensor], names: Sequence[str]) -> "Projection":
         """Stacks the experts' tensors; ``names[e]`` is expert e's tensor prefix (``...experts.e.gate_proj``).
-        The dialect is read from the field names; a mix is an error."""
+        The dialect is read from each expert's field names."""
         codes, scales, gs = [], [], []
         for name in names:
             if f"{name}.weight" in tensors and f"{name}.weight_scale_2" in tensors:
@@ -112,6 +114,8 @@ class MoeLayer(torch.nn.Module):
         batch_invariant: bool = False,
     ) -> None:
         super().__init__()
+        if not gate.codes.is_cuda:
+            raise ValueError(f"the weights must be on a CUDA device, got {gate.codes.device}")
         experts, inter, hidden_half = gate.codes.shape
         hidden = 2 * hidden_half
         if up.codes.shape != gate.codes.shape or tuple(down.codes.shape) != (experts, hidden, inter // 2):
@@ -134,6 +138,9 @@ class MoeLayer(torch.nn.Module):
             nbytes = torch.ops.nvfp4_moe.workspace_bytes(self._config, g)
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=w13.device)
             torch.ops.nvfp4_moe.init_workspace(workspace, self._config, g)
+        # The decode scale pairs are kept as int32 bits (viewed back as float32 per call), so that
+        # Module.to(dtype) / .half() leave them alone.
+        w13_scales, w2_scales = w13_scales.view(torch.int32), w2_scales.view(torch.int32)
         for name, t in (("w13", w13), ("w13_scales", w13_scales), ("w2", w2), ("w2_scales", w2_scales)):
             self.register_buffer(name, t, persistent=False)
         self.register_buffer("workspace", workspace, persistent=False)
@@ -168,9 +175,9 @@ class MoeLayer(torch.nn.Module):
         return torch.ops.nvfp4_moe.forward(
             hidden,
             self.w13,
-            self.w13_scales,
+            self.w13_scales.view(torch.float32),
             self.w2,
-            self.w2_scales,
+            self.w2_scales.view(torch.float32),
             topk_ids,
             topk_weights,
             router_logits,
@@ -181,10 +188,12 @@ class MoeLayer(torch.nn.Module):
             self._g,
         )
 
+    @torch.compiler.disable
     def check(self, top_k: Optional[int] = None) -> None:
         """Synchronizes the current stream and raises ValueError naming the token, slot and id of the
         first expert id outside [0, E) that a forward met since the last check (that slot
-        contributed nothing), then clears it."""
+        contributed nothing), then clears it. Eager only (it synchronizes): not inside a compiled
+        region or a CUDA-graph capture."""
         word = torch.ops.nvfp4_moe.read_error(self.workspace, self._config, self._g)
         if word == -1:
             return

@@ -50,14 +50,24 @@ assert ctypes.sizeof(WeightsCreateArgs) == 64 and ctypes.sizeof(LayerCreateArgs)
 assert ctypes.sizeof(ForwardArgs) == 88
 
 lib.nvfp4moe_last_error.restype = ctypes.c_char_p
-for name in ("nvfp4moe_weights_create", "nvfp4moe_weights_destroy", "nvfp4moe_layer_create", "nvfp4moe_layer_destroy",
-             "nvfp4moe_layer_workspace_size", "nvfp4moe_layer_workspace_init", "nvfp4moe_layer_forward"):
+_P = ctypes.POINTER
+for name, args in {
+    "nvfp4moe_weights_create": [_P(WeightsCreateArgs), c_ptr, _P(c_ptr)],
+    "nvfp4moe_weights_destroy": [c_ptr],
+    "nvfp4moe_layer_create": [_P(LayerCreateArgs), _P(c_ptr)],
+    "nvfp4moe_layer_destroy": [c_ptr],
+    "nvfp4moe_layer_workspace_size": [c_ptr, _P(ctypes.c_size_t)],
+    "nvfp4moe_layer_workspace_init": [c_ptr, c_ptr, ctypes.c_size_t, c_ptr],
+    "nvfp4moe_layer_forward": [c_ptr, _P(ForwardArgs), c_ptr],
+}.items():
+    getattr(lib, name).argtypes = args
     getattr(lib, name).restype = c_i32
 
 
 def _ok(status: int, what: str) -> None:
     if status != 0:
-        raise RuntimeError(f"{what}: status {status}: {lib.nvfp4moe_last_error().decode()}")
+        msg = lib.nvfp4moe_last_error()
+        raise RuntimeError(f"{what}: status {status}: {msg.decode() if msg else ''}")
 
 
 class CLayer:
@@ -65,14 +75,12 @@ class CLayer:
 
     def __init__(self, gate: Projection, up: Projection, down: Projection, max_tokens: int, top_k: int) -> None:
         stream = c_ptr(torch.cuda.current_stream().cuda_stream)
-        self._keep = []
 
         def create(p: Projection, up_p: Optional[Projection]) -> c_ptr:
             codes = p.codes if up_p is None else torch.cat([p.codes, up_p.codes], dim=1).contiguous()
             scales = p.scales if up_p is None else torch.cat([p.scales, up_p.scales], dim=1).contiguous()
             g = p.decode_scales.float().cpu().contiguous()
             ug = up_p.decode_scales.float().cpu().contiguous() if up_p is not None else None
-            self._keep += [g, ug]
             a = WeightsCreateArgs(ctypes.sizeof(WeightsCreateArgs), codes.data_ptr(), scales.data_ptr(),
                                   codes.shape[0], codes.shape[1], codes.shape[2] * 2, g.data_ptr(),
                                   ug.data_ptr() if ug is not None else None)
@@ -100,9 +108,11 @@ class CLayer:
         f.args.workspace, f.args.workspace_bytes = self.workspace.data_ptr(), self.workspace.numel()
         return f
 
-    def forward_args(self, f: ForwardArgs) -> None:
-        _ok(lib.nvfp4moe_layer_forward(self.layer, ctypes.byref(f), c_ptr(torch.cuda.current_stream().cuda_stream)),
-            "nvfp4moe_layer_forward")
+    def forward_args(self, f: ForwardArgs, stream: Optional[c_ptr] = None) -> None:
+        """One forward on `stream` (default: PyTorch's current stream, looked up per call: a capture
+        runs on its own stream)."""
+        s = stream if stream is not None else c_ptr(torch.cuda.current_stream().cuda_stream)
+        _ok(lib.nvfp4moe_layer_forward(self.layer, ctypes.byref(f), s), "nvfp4moe_layer_forward")
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.bfloat16, device=x.device)
@@ -111,6 +121,6 @@ class CLayer:
 
     def close(self) -> None:
         torch.cuda.synchronize()
-        lib.nvfp4moe_layer_destroy(self.layer)
-        lib.nvfp4moe_weights_destroy(self.w13)
-        lib.nvfp4moe_weights_destroy(self.w2)
+        _ok(lib.nvfp4moe_layer_destroy(self.layer), "nvfp4moe_layer_destroy")
+        _ok(lib.nvfp4moe_weights_destroy(self.w13), "nvfp4moe_weights_destroy")
+        _ok(lib.nvfp4moe_weights_destroy(self.w2), "nvfp4moe_weights_destroy")

@@ -91,6 +91,8 @@ def test_both_dialects_give_the_same_bytes():
     x = torch.randn(8, hidden, generator=g).to(torch.bfloat16).cuda()
     ids = torch.tensor([[e % experts, (e + 1) % experts] for e in range(8)], dtype=torch.int32).cuda()
     w = torch.full((8, 2), 0.5).cuda()
+    for buf in ("w13", "w13_scales", "w2", "w2_scales"):
+        assert torch.equal(getattr(a, buf), getattr(b, buf)), buf
     assert torch.equal(a(x, topk_ids=ids, topk_weights=w), b(x, topk_ids=ids, topk_weights=w))
 
 
@@ -110,8 +112,8 @@ def test_router_path_equals_the_top_k_it_chooses():
 
 def test_opcheck():
     layer, _, x, ids, w = layer_and_inputs(tokens=8)
-    args = (x, layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, ids, w, None, ids.shape[1], True,
-            layer.workspace, layer._config, layer._g)
+    args = (x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales.view(torch.float32), ids, w,
+            None, ids.shape[1], True, layer.workspace, layer._config, layer._g)
     torch.library.opcheck(torch.ops.nvfp4_moe.forward, args)
 
 
@@ -168,3 +170,29 @@ def test_same_bytes_as_the_c_abi():
             assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), c(x, ids, w)), (experts, tokens)
         finally:
             c.close()
+
+
+def test_nvfp4_intermediate_and_options():
+    """The NVFP4 intermediate (the crate's `check --intermediate nvfp4` tolerances: NVFP4's own
+    error on SwiGLU data is ~9% RMS), batch invariance, renormalize=False, and .to(dtype) leaving
+    the layer's buffers alone."""
+    layer, (gate, up, down), x, ids, w = layer_and_inputs(tokens=32)
+    want = reference.moe_layer(x, gate, up, down, ids, w)
+    # The decode scale from the intermediate's amax (ModelOpt's input_scale recipe: amax / (6 * 448)).
+    xd = x.double()
+    act_amax = max(
+        (torch.nn.functional.silu(xd @ reference.dequantize(gate, e).T) * (xd @ reference.dequantize(up, e).T))
+        .abs().max().item()
+        for e in ids.unique().tolist()
+    )
+    fp4 = nvfp4_moe.MoeLayer(gate, up, down, max_tokens=64, top_k=4, intermediate=act_amax / (6 * 448))
+    overall, worst = rel_errors(fp4(x, topk_ids=ids, topk_weights=w), want)
+    assert overall <= 0.15 and worst <= 0.25, (overall, worst)
+    inv = nvfp4_moe.MoeLayer(gate, up, down, max_tokens=64, top_k=4, batch_invariant=True)
+    full = inv(x, topk_ids=ids, topk_weights=w)
+    assert torch.equal(inv(x[:1], topk_ids=ids[:1], topk_weights=w[:1]), full[:1]), "batch invariance"
+    logits = torch.randn(32, layer.experts, generator=rng(5)).cuda()
+    assert torch.isfinite(layer(x, router_logits=logits, renormalize=False).float()).all()
+    before = layer(x, topk_ids=ids, topk_weights=w)
+    layer.to(torch.bfloat16)
+    assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), before)
