@@ -89,8 +89,8 @@ __global__ void initialize_kernel(unsigned long long* error, float* act_scale, f
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
-Status check_workspace(const MoeLayerDesc& d, const void* ws, int64_t bytes, const char* what) {
-  const int64_t need = layout_of(d).bytes;
+Status check_workspace(const Layout& l, const void* ws, int64_t bytes, const char* what) {
+  const int64_t need = l.bytes;
   if (!ws) return fail(Status::kNullPointer, "%s: null workspace", what);
   if (!aligned(ws, 16)) return fail(Status::kMisaligned, "%s: the workspace must be 16-byte aligned", what);
   if (bytes < need) {
@@ -124,7 +124,7 @@ Status check_gemms(const MoeLayerDesc& d, int64_t pairs, bool whole) {
 // the descriptor, both GEMMs at this forward's rows, the weights' pointers, the pointers a forward
 // of `tokens` reads and writes (`whole`: a whole forward, which reads topk_weights and W2 and
 // writes out; the first GEMM alone needs none of them) and their alignment, the workspace.
-Status check_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, bool whole, const char* what) {
+Status check_forward(const MoeLayerDesc& d, const Layout& l, const MoeForwardArgs& a, bool whole, const char* what) {
   const bool needs_out = whole;
   if (a.tokens < 0 || a.tokens > d.max_tokens) {
     return fail(Status::kInvalidShape, "%s: %lld tokens, this layer takes 0..=%lld", what,
@@ -134,7 +134,7 @@ Status check_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, bool whole,
     return fail(Status::kInvalidShape, "%s: top_k %lld, this layer takes 1..=%lld", what, static_cast<long long>(a.top_k),
                 static_cast<long long>(d.max_top_k));
   }
-  if (Status s = check_workspace(d, a.workspace, a.workspace_bytes, what); s != Status::kSuccess) return s;
+  if (Status s = check_workspace(l, a.workspace, a.workspace_bytes, what); s != Status::kSuccess) return s;
   if (a.tokens == 0) return Status::kSuccess;
   if (Status s = check_gemms(d, a.tokens * a.top_k, whole); s != Status::kSuccess) return s;
   if (!d.w13_prepared || !d.w13_decode_scales || (whole && (!d.w2_prepared || !d.w2_decode_scales))) {
@@ -257,10 +257,10 @@ size_t moe_layer_workspace_bytes(const MoeLayerDesc& d) noexcept {
 
 Status moe_layer_initialize(const MoeLayerDesc& d, void* workspace, int64_t workspace_bytes, void* stream) noexcept {
   if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
-  if (Status s = check_workspace(d, workspace, workspace_bytes, "moe_layer_initialize"); s != Status::kSuccess) {
+  const Layout l = layout_of(d);
+  if (Status s = check_workspace(l, workspace, workspace_bytes, "moe_layer_initialize"); s != Status::kSuccess) {
     return s;
   }
-  const Layout l = layout_of(d);
   initialize_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       at<unsigned long long>(workspace, l.error), at<float>(workspace, l.act_scale), d.intermediate_decode_scale);
   return check_launch("moe_layer_initialize");
@@ -268,10 +268,10 @@ Status moe_layer_initialize(const MoeLayerDesc& d, void* workspace, int64_t work
 
 Status moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, void* stream) noexcept {
   if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
-  if (Status s = check_forward(d, a, true, "moe_layer_forward"); s != Status::kSuccess) return s;
+  const Layout l = layout_of(d);
+  if (Status s = check_forward(d, l, a, true, "moe_layer_forward"); s != Status::kSuccess) return s;
   if (a.tokens == 0) return Status::kSuccess;
   const auto st = static_cast<cudaStream_t>(stream);
-  const Layout l = layout_of(d);
   void* ws = a.workspace;
   const int64_t pairs = a.tokens * a.top_k;
   const int* offsets = at<int>(ws, l.expert_offsets);
@@ -313,11 +313,11 @@ Status moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, void* s
 
 Status moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, void* act_out, void* stream) noexcept {
   if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
-  if (Status s = check_forward(d, a, false, "moe_layer_first_gemm"); s != Status::kSuccess) return s;
+  const Layout l = layout_of(d);
+  if (Status s = check_forward(d, l, a, false, "moe_layer_first_gemm"); s != Status::kSuccess) return s;
   if (a.tokens == 0) return Status::kSuccess;
   if (!act_out) return fail(Status::kNullPointer, "moe_layer_first_gemm: null act_out");
   if (!aligned(act_out, 16)) return fail(Status::kMisaligned, "moe_layer_first_gemm: act_out must be 16-byte aligned");
-  const Layout l = layout_of(d);
   void* ws = a.workspace;
   GroupedGemmArgs l1 = first_gemm_args(d, at<void>(ws, l.x_perm), a.tokens * a.top_k, at<int>(ws, l.expert_offsets),
                                        act_out);
@@ -328,12 +328,13 @@ Status moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, void
 Status moe_layer_read_error(const MoeLayerDesc& d, void* workspace, int64_t workspace_bytes, void* stream,
                             unsigned long long* word) noexcept {
   if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
-  if (Status s = check_workspace(d, workspace, workspace_bytes, "moe_layer_read_error"); s != Status::kSuccess) {
+  const Layout l = layout_of(d);
+  if (Status s = check_workspace(l, workspace, workspace_bytes, "moe_layer_read_error"); s != Status::kSuccess) {
     return s;
   }
   if (!word) return fail(Status::kNullPointer, "moe_layer_read_error: null word");
   const auto st = static_cast<cudaStream_t>(stream);
-  auto* error = at<unsigned long long>(workspace, layout_of(d).error);
+  auto* error = at<unsigned long long>(workspace, l.error);
   unsigned long long host = kNoBadId;
   cudaError_t e = cudaMemcpyAsync(&host, error, sizeof(host), cudaMemcpyDeviceToHost, st);
   if (e == cudaSuccess) e = cudaStreamSynchronize(st);
