@@ -112,6 +112,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       splitk::init(ss.split, splits);
     }
   }
+  // Split-K: no CTA of a cluster exits while another may still access its shared memory (the
+  // non-leaders' stores into the leader's, the leader's arrivals on theirs). The hand-over barriers
+  // already order those accesses before the last reads, but the leader's producer and quantizer
+  // warps would exit early, and racecheck reports the non-leaders' stores as writes into a CTA
+  // that "might have already exited" (H100, 2026-12-06): every thread of every CTA meets at one
+  // cluster barrier before exiting, as the CUDA programming guide asks of distributed shared memory.
+  auto cluster_exit = [&] {
+    if constexpr (Cfg::kMaxSplits > 1) {
+      if (splits > 1) {
+        __syncwarp();  // the barrier is .aligned: the warp reconverges first
+        cute::cluster_arrive();
+        cute::cluster_wait();
+      }
+    }
+  };
 
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -129,6 +144,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, unit0, units, total_tiles, m_tiles);
       }
     }
+    cluster_exit();
     return;
   }
 
@@ -261,6 +277,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       splitk::drain(ss.split, cw, handed);
     }
   }
+  cluster_exit();
 }
 
 // Host side. How many clusters of `splits` CTAs of Cfg's kernel can be resident at once on the
