@@ -103,7 +103,7 @@ std::tuple<Tensor, Tensor> prepare(const Tensor& codes, const Tensor& scales, co
   return {prepared, pairs};
 }
 
-// The workspace's size for a layer configuration (0 for one the core refuses: see check()).
+// The workspace's size for a layer configuration (a ValueError for one the core refuses).
 int64_t workspace_bytes(at::IntArrayRef config, double nvfp4_decode_scale) {
   const nvfp4moe::MoeLayerDesc d = layer_desc(config, nvfp4_decode_scale);
   check_status(nvfp4moe::moe_layer_can_implement(d), "nvfp4_moe.workspace_bytes");

@@ -14,8 +14,10 @@ import torch
 import nvfp4_moe
 from nvfp4_moe.layer import Projection
 
-_lib_path = sorted(glob.glob(os.path.join(os.path.dirname(nvfp4_moe.__file__), "libnvfp4moe.so*")))[0]
-lib = ctypes.CDLL(_lib_path)
+# The core library the package ships (under its SONAME): exactly one, the one the operator links.
+_libs = glob.glob(os.path.join(os.path.dirname(nvfp4_moe.__file__), "libnvfp4moe.so*"))
+assert len(_libs) == 1, f"expected one core library beside the package, found {_libs}"
+lib = ctypes.CDLL(_libs[0])
 
 c_i64, c_i32, c_f32, c_ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -50,6 +52,13 @@ assert ctypes.sizeof(WeightsCreateArgs) == 64 and ctypes.sizeof(LayerCreateArgs)
 assert ctypes.sizeof(ForwardArgs) == 88
 
 lib.nvfp4moe_last_error.restype = ctypes.c_char_p
+lib.nvfp4moe_last_error.argtypes = []
+lib.nvfp4moe_status_string.restype = ctypes.c_char_p
+lib.nvfp4moe_status_string.argtypes = [c_i32]
+lib.nvfp4moe_version.restype = ctypes.c_int
+lib.nvfp4moe_version.argtypes = []
+_major, _minor, _patch = (int(v) for v in nvfp4_moe.__version__.split(".")[:3])
+assert lib.nvfp4moe_version() == _major * 10000 + _minor * 100 + _patch, "core library and package versions differ"
 _P = ctypes.POINTER
 for name, args in {
     "nvfp4moe_weights_create": [_P(WeightsCreateArgs), c_ptr, _P(c_ptr)],
@@ -59,6 +68,7 @@ for name, args in {
     "nvfp4moe_layer_workspace_size": [c_ptr, _P(ctypes.c_size_t)],
     "nvfp4moe_layer_workspace_init": [c_ptr, c_ptr, ctypes.c_size_t, c_ptr],
     "nvfp4moe_layer_forward": [c_ptr, _P(ForwardArgs), c_ptr],
+    "nvfp4moe_layer_check": [c_ptr, c_ptr, ctypes.c_size_t, c_i64, c_ptr, _P(c_i32), _P(c_i64), _P(c_i64), _P(c_i32)],
 }.items():
     getattr(lib, name).argtypes = args
     getattr(lib, name).restype = c_i32
@@ -77,10 +87,12 @@ class CLayer:
         stream = c_ptr(torch.cuda.current_stream().cuda_stream)
 
         def create(p: Projection, up_p: Optional[Projection]) -> c_ptr:
-            codes = p.codes if up_p is None else torch.cat([p.codes, up_p.codes], dim=1).contiguous()
-            scales = p.scales if up_p is None else torch.cat([p.scales, up_p.scales], dim=1).contiguous()
+            codes = (p.codes if up_p is None else torch.cat([p.codes, up_p.codes], dim=1)).contiguous()
+            scales = (p.scales if up_p is None else torch.cat([p.scales, up_p.scales], dim=1)).contiguous()
+            # The core reads E host decode scales (and E up ones): exactly E, or it reads past them.
             g = p.decode_scales.float().cpu().contiguous()
             ug = up_p.decode_scales.float().cpu().contiguous() if up_p is not None else None
+            assert g.numel() == codes.shape[0] and (ug is None or ug.numel() == codes.shape[0])
             a = WeightsCreateArgs(ctypes.sizeof(WeightsCreateArgs), codes.data_ptr(), scales.data_ptr(),
                                   codes.shape[0], codes.shape[1], codes.shape[2] * 2, g.data_ptr(),
                                   ug.data_ptr() if ug is not None else None)
@@ -101,8 +113,10 @@ class CLayer:
         self.hidden = gate.codes.shape[2] * 2
 
     def args(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> ForwardArgs:
-        """The forward's argument struct (reusable: the C call copies nothing)."""
+        """The forward's argument struct (reusable: the C call copies nothing). It keeps the tensors
+        whose addresses it holds alive."""
         f = ForwardArgs(ctypes.sizeof(ForwardArgs))
+        f._keep = (x, ids, w, out)  # type: ignore[attr-defined]
         f.args.hidden, f.args.tokens, f.args.top_k = x.data_ptr(), x.shape[0], ids.shape[1]
         f.args.topk_ids, f.args.topk_weights, f.args.out = ids.data_ptr(), w.data_ptr(), out.data_ptr()
         f.args.workspace, f.args.workspace_bytes = self.workspace.data_ptr(), self.workspace.numel()
@@ -120,7 +134,11 @@ class CLayer:
         return out
 
     def close(self) -> None:
+        """Frees the handles (once: a second close does nothing)."""
+        if self.layer is None:
+            return
         torch.cuda.synchronize()
         _ok(lib.nvfp4moe_layer_destroy(self.layer), "nvfp4moe_layer_destroy")
         _ok(lib.nvfp4moe_weights_destroy(self.w13), "nvfp4moe_weights_destroy")
         _ok(lib.nvfp4moe_weights_destroy(self.w2), "nvfp4moe_weights_destroy")
+        self.layer = self.w13 = self.w2 = None  # type: ignore[assignment]
