@@ -112,16 +112,12 @@ common=(--include-ignored --test-threads=1)
 step memcheck-small "$t_small" NVFP4MOE_SWEEP_SIZE=small -- "${cs[@]}" memcheck "$bin" "${common[@]}" sweep::
 step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memcheck "$bin" "${common[@]}" sweep::
 # (`layer_` would also match sweep::sweep_layer_..., which the memcheck steps cover.)
-# racecheck does not model bar.arrive's ordering: it reports SwigluNvfp4's named-barrier hand-over
-# (consumers write the staged tile, bar.arrive; quantizer warps bar.sync, read) as a race, as it
-# does for a minimal kernel with that pattern and not for the same kernel with __syncthreads
-# (scripts/racecheck-probe.cu; on the layer's N32 tile in faults::concurrent_forwards_on_two_streams_
-# equal_serial_ones, H200 2026-12-03). Those GEMM kernels are excluded (their mangled names hold
-# `GemmEpilogueE3`, the enum's value) everywhere but in the SwigluNvfp4 test itself: an excluded
-# kernel runs uninstrumented, and an uninstrumented split-K (cluster, distributed shared memory)
-# launch under racecheck ends in an MMU fault the tool cannot handle ("Internal Sanitizer Error",
-# Xid 13; the same launch passes without a sanitizer and under memcheck, and instrumented under
-# racecheck with 0 hazards, H200 2026-12-03).
+# Every kernel runs instrumented. Until session 15, SwigluNvfp4's epilogue handed its staged tile to
+# the quantizer warps through named barriers (bar.arrive / bar.sync), which racecheck does not take
+# as ordering the arriving threads' accesses (scripts/racecheck-probe.cu): it reported the hand-over
+# as a race, so those kernels were excluded here, and an excluded (uninstrumented) split-K launch
+# under racecheck ended in an MMU fault the tool could not handle (Xid 13, H200 2026-12-03). The
+# hand-over is on mbarriers now (gemm_config.cuh's EpiHandOff), which racecheck models.
 # Three tests are split over processes (racecheck-parts): under racecheck a process's host memory
 # grows with every launch it makes, 1-2 GB per GEMM launch (RSS sampled every 2 s, H200
 # 2026-12-03), and faults::nan_in_one_token_changes_only_its_row (140 forwards),
@@ -131,30 +127,27 @@ step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memche
 # TestPart in tests/gpu/main.rs) each run 2 of the 20 NaN units, 1-2 of the 13 SwiGLU shapes or 1
 # of the 9 SwigluNvfp4 shapes.
 race=("${cs[@]}" racecheck "$bin" "${common[@]}")
-race_excl=("${cs[@]}" racecheck --kernel-name-exclude kns=GemmEpilogueE3 "$bin" "${common[@]}")
 # c_abi:: (matched by layer_) is skipped by racecheck and synccheck: it runs the layer forwards of the
 # layer_ tests again through the C ABI at three full presets (the same core function and kernels),
 # and under racecheck it alone outlasted the step's bound (H100, 2026-12-06); memcheck covers it.
-step racecheck "$t_race" -- "${race_excl[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi:: \
+step racecheck "$t_race" -- "${race[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi:: \
   --skip faults::nan_in_one_token --skip swiglu_epilogues_match_reference --skip swiglu_nvfp4_equals_quantized_compact
-# race_parts EXCLUDING... -- ALL...: rc 1 if any part failed; every part's lines stay in the one log.
+# race_parts TOOL...: rc 1 if any part failed; every part's lines stay in the one log.
 race_parts() {
-  local excl=() rc=0 i
-  while [ "$1" != "--" ]; do excl+=("$1"); shift; done
-  shift
+  local rc=0 i
   # part N/PARTS NAME TOOL...: one part in its own process; a failure is named in the log.
   part() {
     local p=$1 name=$2
     shift 2
     NVFP4MOE_TEST_PART=$p "$@" --exact "$name" || { echo "gpu-sanitize: part $p of $name failed (rc $?)"; rc=1; }
   }
-  for i in $(seq 0 9); do part $i/10 faults::nan_in_one_token_changes_only_its_row "${excl[@]}"; done
-  for i in $(seq 0 6); do part $i/7 gemm::swiglu::swiglu_epilogues_match_reference_and_each_other "${excl[@]}"; done
+  for i in $(seq 0 9); do part $i/10 faults::nan_in_one_token_changes_only_its_row "$@"; done
+  for i in $(seq 0 6); do part $i/7 gemm::swiglu::swiglu_epilogues_match_reference_and_each_other "$@"; done
   for i in $(seq 0 8); do part $i/9 gemm::swiglu::swiglu_nvfp4_equals_quantized_compact "$@"; done
   return $rc
 }
 export -f race_parts
-step racecheck-parts "$t_race_parts" -- bash -c 'race_parts "$@"' _ "${race_excl[@]}" -- "${race[@]}"
+step racecheck-parts "$t_race_parts" -- bash -c 'race_parts "$@"' _ "${race[@]}"
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
 

@@ -3,8 +3,9 @@
 // the pattern of SwigluNvfp4's epilogue hand-over to its quantizer warps), mode 0, against the
 // same hand-over with __syncthreads, mode 1. On the H200 (2026-12-03, CUDA 13.0) racecheck reports
 // mode 0's write and reads as a race and mode 1 as clean: it does not take bar.arrive as ordering
-// the arriving threads' writes, so scripts/gpu-sanitize.sh excludes the SwigluNvfp4 GEMM kernels
-// from racecheck. Build and run on the GPU machine:
+// the arriving threads' writes. So SwigluNvfp4's hand-over moved to mbarriers (session 15; until
+// then scripts/gpu-sanitize.sh excluded those GEMM kernels from racecheck). Build and run on the
+// GPU machine:
 //   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -lineinfo scripts/racecheck-probe.cu -o probe
 //   compute-sanitizer --tool racecheck ./probe
 #include <cstdio>

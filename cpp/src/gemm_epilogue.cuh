@@ -18,6 +18,54 @@ CUTLASS_DEVICE float swiglu(float gate, float up) {
   return __fdividef(gate, 1.0f + __expf(-gate)) * up;
 }
 
+// SwigluNvfp4's hand-over barriers (Config::EpiHandOff): an mbarrier arrive that releases this
+// thread's earlier accesses and a wait that acquires the completed phase's, at CTA scope. Both are
+// compiler memory barriers too: CUTLASS's static ClusterBarrier::wait has no "memory" clobber, so
+// the compiler could move the staged tile's shared-memory reads above it.
+CUTLASS_DEVICE void handoff_arrive(const uint64_t* bar) {
+  asm volatile(
+      "{\n"
+      ".reg .b64 state;\n"
+      "mbarrier.arrive.release.cta.shared::cta.b64 state, [%0];\n"
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar))
+      : "memory");
+}
+
+CUTLASS_DEVICE void handoff_wait(const uint64_t* bar, uint32_t parity) {
+  // The loop exits for the whole warp at once, as splitk::wait_cluster's does (a per-thread exit
+  // there made ptxas keep the consumers' uniform mainloop state in vector registers).
+  const uint32_t addr = cute::cast_smem_ptr_to_uint(bar);
+  auto done = [&] {
+    uint32_t ok;
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(ok)
+        : "r"(addr), "r"(parity)
+        : "memory");
+    return ok != 0;
+  };
+  while (!__all_sync(0xFFFFFFFFu, done())) {
+  }
+}
+
+// The same wait with a per-thread exit: fewer registers in the quantizer warps (48 at two CTAs per
+// SM), where no uniform mainloop state is live.
+CUTLASS_DEVICE void handoff_wait_thread(const uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_HANDOFF:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_HANDOFF;\n"
+      "}\n" ::"r"(cute::cast_smem_ptr_to_uint(bar)),
+      "r"(parity)
+      : "memory");
+}
+
 // Encodes one consumer's staged compact tile, (kBlockN rows, 32 features) BF16 in `epi`, to NVFP4:
 // 16-feature blocks with the same codec as quantize_nvfp4 (so the bytes are identical), codes to
 // [rows, n / 4] and scales to the expert's 128x4 region. Thread `t` of `nthreads` takes blocks
@@ -49,33 +97,31 @@ CUTLASS_DEVICE void quantize_staged_tile(const Params& p, const bfloat16_t* epi,
 
 // SwigluNvfp4's quantizer warps (warps 1-3 of the producer warpgroup, thread qt of 96): they walk
 // the same tiles as the consumers and encode each consumer's staged tile while the consumer runs
-// the next tile's mainloop. Each hand-over buffer starts empty (one arrive, only in a CTA that has
-// a tile), and after a CTA's last tile nobody waits for it: every arrive is matched by one consumer
-// wait.
+// the next tile's mainloop. Hand-over j (the CTA's j-th tile) is phase j of epi_sync.full[c] (the
+// consumer staged it) and of epi_sync.empty[c] (read; the consumer waits for it before staging
+// hand-over j + 1, and nobody for the last one).
+// The loop's stride and bound are derived again on each step (from the grid, the launch's split
+// count and the shared tile prefix) rather than kept in registers: at 48 registers (two CTAs per
+// SM) the quantizer warps spilled them.
 template <class Cfg>
-CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Params& p, int qt, int unit0, int units,
-                                    int total_tiles, int m_tiles) {
+CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Params& p, int qt, int unit0,
+                                    int m_tiles) {
   constexpr int kBlockN = Cfg::kBlockN;
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < Cfg::kConsumers; ++c) {
-    cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiEmpty + c);
-  }
-  for (int tile = unit0; tile < total_tiles; tile += units) {
+  auto units = [&] { return unhoisted(int(gridDim.x)) / (Cfg::kMaxSplits > 1 ? unhoisted(p.splits) : 1); };
+  uint32_t phase = 0;  // parity of hand-over j
+  for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units(), phase ^= 1u) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
-    bool more = tile + units < total_tiles;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < Cfg::kConsumers; ++c) {
       int feature0 = tc.m_tile * Cfg::kTileM + c * 64;
-      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, Cfg::kBarEpiFull + c);
+      handoff_wait_thread(&ss.epi_sync.full[c], phase);  // the consumer's staged tile
       if (feature0 < p.n) {
         quantize_staged_tile<kBlockN>(p, ss.epi[c], qt, kQuantizerThreads, tc.expert, rr.x, row_begin, rr.y,
                                       feature0);
       }
-      if (more) {
-        cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiEmpty + c);
-      }
+      handoff_arrive(&ss.epi_sync.empty[c]);  // our reads of it are done
     }
   }
 }

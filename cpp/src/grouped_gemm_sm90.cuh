@@ -62,14 +62,6 @@ namespace nvfp4moe::gemm {
 
 using namespace cute;
 
-// v, through a volatile move: a value derived from it is computed where it is used instead of
-// being hoisted out of a loop (and kept, or spilled, across it).
-CUTLASS_DEVICE int unhoisted(int v) {
-  int r;
-  asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v));
-  return r;
-}
-
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap tma_x, Params p) {
@@ -106,6 +98,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   pp.num_consumers = Cfg::kConsumerThreads;
   pp.num_producers = 1;
   Pipeline pipeline(ss.pipeline, pp, Shape<_1, _1, _1>{});
+  if constexpr (Cfg::kQuantizerWarps) {
+    if (threadIdx.x == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < Cfg::kConsumers; ++c) {
+        cutlass::arch::ClusterBarrier::init(&ss.epi_sync.full[c], 128);
+        cutlass::arch::ClusterBarrier::init(&ss.epi_sync.empty[c], kQuantizerThreads);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+  }
   __syncthreads();
   if constexpr (Cfg::kMaxSplits > 1) {
     if (splits > 1) {
@@ -118,9 +120,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // warps would exit early, and racecheck reports the non-leaders' stores as writes into a CTA
   // that "might have already exited" (H100, 2026-12-06): every thread of every CTA meets at one
   // cluster barrier before exiting, as the CUDA programming guide asks of distributed shared memory.
+  // (The split count is read again from the parameters: kept live across the quantizer warps'
+  // loop, at 48 registers, it spilled.)
   auto cluster_exit = [&] {
     if constexpr (Cfg::kMaxSplits > 1) {
-      if (splits > 1) {
+      if (unhoisted(p.splits) > 1) {
         __syncwarp();  // the barrier is .aligned: the warp reconverges first
         cute::cluster_arrive();
         cute::cluster_wait();
@@ -141,7 +145,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
       if (threadIdx.x >= 32 && rank == 0 && unit0 < total_tiles) {
-        quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, unit0, units, total_tiles, m_tiles);
+        // (The first tile and the stride recomputed here, not carried over the role split: a value
+        // live in both the quantizer warps, at 48 registers, and the consumers was spilled in both.)
+        const int per_unit = Cfg::kMaxSplits > 1 ? unhoisted(p.splits) : 1;
+        quantizer_warps<Cfg>(ss, p, int(threadIdx.x) - 32, unhoisted(int(blockIdx.x)) / per_unit,
+                             (unhoisted(p.n) + kTileM - 1) / kTileM);
       }
     }
     cluster_exit();
@@ -170,6 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   auto state = typename Pipeline::PipelineState{};
   bfloat16_t* epi = ss.epi[cw];
   int handed = 0;  // split-K hand-overs so far (leader: reductions)
+  uint32_t epi_parity = 0;  // kSwigluNvfp4: the parity of the quantizer's next read (epi_sync.empty)
 
   // The bound is read from shared memory on each step rather than kept in a register across the
   // mainloop (with the 128x32 tile's 16 accumulators it was the one value that spilled).
@@ -227,7 +236,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // f + 8 of the same row, which for kGateUpBands8 weights is the up value of gate feature f.
     constexpr bool kNvfp4 = Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4;
     if constexpr (kNvfp4) {
-      cutlass::arch::NamedBarrier::sync(kEpiHandOffThreads, Cfg::kBarEpiEmpty + cw);  // the quantizer has read epi
+      // Hand-over j = this CTA's j-th tile: before staging it, the quantizer warps must have read
+      // hand-over j - 1 (the buffer starts empty).
+      if (tile != unit0) {
+        handoff_wait(&ss.epi_sync.empty[cw], epi_parity);
+        epi_parity ^= 1u;
+      }
     } else {
       cutlass::arch::NamedBarrier::sync(128, 1 + cw);  // the previous tile's stores have read epi
     }
@@ -252,9 +266,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
     if constexpr (kNvfp4) {
-      // Hand the staged tile to the quantizer warps (the arrive orders the stores above before
-      // their reads) and go on to the next tile.
-      cutlass::arch::NamedBarrier::arrive(kEpiHandOffThreads, Cfg::kBarEpiFull + cw);
+      // Hand the staged tile to the quantizer warps (the arrive, a release, orders the stores above
+      // before their reads) and go on to the next tile.
+      handoff_arrive(&ss.epi_sync.full[cw]);
       continue;
     }
     cutlass::arch::NamedBarrier::sync(128, 1 + cw);
