@@ -19,9 +19,9 @@ CUTLASS_DEVICE float swiglu(float gate, float up) {
 }
 
 // SwigluNvfp4's hand-over barriers (Config::EpiHandOff): an mbarrier arrive that releases this
-// thread's earlier accesses and a wait that acquires the completed phase's, at CTA scope. Both are
-// compiler memory barriers too: CUTLASS's static ClusterBarrier::wait has no "memory" clobber, so
-// the compiler could move the staged tile's shared-memory reads above it.
+// thread's earlier accesses and waits that acquire the completed phase's. All are compiler memory
+// barriers too: CUTLASS's static ClusterBarrier::wait has no "memory" clobber, so the compiler could
+// move the staged tile's shared-memory reads above it.
 CUTLASS_DEVICE void handoff_arrive(const uint64_t* bar) {
   asm volatile(
       "{\n"
@@ -31,29 +31,14 @@ CUTLASS_DEVICE void handoff_arrive(const uint64_t* bar) {
       : "memory");
 }
 
+// (splitk::wait_cluster: the warp leaves the loop at once, and a cluster-scope acquire covers this
+// CTA's own threads.)
 CUTLASS_DEVICE void handoff_wait(const uint64_t* bar, uint32_t parity) {
-  // The loop exits for the whole warp at once, as splitk::wait_cluster's does (a per-thread exit
-  // there made ptxas keep the consumers' uniform mainloop state in vector registers).
-  const uint32_t addr = cute::cast_smem_ptr_to_uint(bar);
-  auto done = [&] {
-    uint32_t ok;
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(ok)
-        : "r"(addr), "r"(parity)
-        : "memory");
-    return ok != 0;
-  };
-  while (!__all_sync(0xFFFFFFFFu, done())) {
-  }
+  splitk::wait_cluster(splitk::smem_addr(bar), parity);
 }
 
-// The same wait with a per-thread exit: fewer registers in the quantizer warps (48 at two CTAs per
-// SM), where no uniform mainloop state is live.
+// The quantizer warps' wait: a per-thread exit, as CUTLASS's waits (they carry no uniform mainloop
+// state), acquiring at CTA scope.
 CUTLASS_DEVICE void handoff_wait_thread(const uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
