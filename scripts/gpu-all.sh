@@ -14,10 +14,12 @@ export OUT=$out NVFP4MOE_BENCH_JSON=$out
 NVFP4MOE_BENCH_TIMEOUT=200 bash "$here/run.sh" /L >"$out/run.log" 2>&1
 timeout --kill-after=15s 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$here/tests/test-gpu" --include-ignored \
   --test-threads=1 one_hot swiglu_nvfp4 swiglu_epilogues grouped_dequantize grouped_quantize swiglu_quantize combine layer_ \
-  --skip sweep:: >"$out/sanitizer.log" 2>&1
-# The epilogue tests under racecheck (scripts/gpu-sanitize.sh has the longer run, in parts).
+  --skip sweep:: --skip c_abi:: >"$out/sanitizer.log" 2>&1
+# The epilogue tests under racecheck, but the two whose process outgrows the host's memory under it
+# (scripts/gpu-sanitize.sh's racecheck-parts runs them in parts); the C ABI test is memcheck-layer's.
 timeout --kill-after=15s 90 compute-sanitizer --tool racecheck --error-exitcode 9 \
-  "$here/tests/test-gpu" --include-ignored --test-threads=1 swiglu --skip sweep:: >"$out/racecheck.log" 2>&1
+  "$here/tests/test-gpu" --include-ignored --test-threads=1 swiglu --skip sweep:: \
+  --skip swiglu_epilogues_match_reference --skip swiglu_nvfp4_equals_quantized_compact >"$out/racecheck.log" 2>&1
 # The layer against the CPU f64 reference at real shapes, with either intermediate.
 for pt in qwen3-30b-a3b:256 mixtral-8x7b:64 deepseek-v3:32; do
   for inter in bf16 nvfp4; do

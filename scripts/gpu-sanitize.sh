@@ -18,6 +18,9 @@
 #                         (--target-processes all; NVFP4MOE_CLI is the bundle's nvfp4-moe)
 #   7. memcheck-test-cli  memcheck over the test-cli binary (tests/cli.rs: the CLI end to end, whose
 #                         runs query the device), its CLI processes included
+#   8. memcheck-layer     memcheck over the layer tests and the C ABI test (layer_, c_abi::: the
+#                         C ABI at three full presets; 124 s with deepseek-v3 at 32 experts, H100
+#                         2026-12-06; bound NVFP4MOE_MEMCHECK_LAYER_TIMEOUT, default 400 s)
 # One fixed seed for every step (NVFP4MOE_TEST_SEED, printed; set it to replay another), logs in
 # $OUT (or ./gpu-out). Prints one line per step (rc, the test result, the sanitizer's summary) and
 # exits 1 if any step failed, timed out, found an error or ran no test.
@@ -51,7 +54,9 @@ if [ -z "$t_large" ]; then
   exit 2
 fi
 t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-330}
-all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli)
+t_layer=${NVFP4MOE_MEMCHECK_LAYER_TIMEOUT:-400}
+all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli
+  memcheck-layer)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for w in "${steps[@]}"; do
@@ -129,7 +134,7 @@ step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memche
 race=("${cs[@]}" racecheck "$bin" "${common[@]}")
 # c_abi:: (matched by layer_) is skipped by racecheck and synccheck: it runs the layer forwards of the
 # layer_ tests again through the C ABI at three full presets (the same core function and kernels),
-# and under racecheck it alone outlasted the step's bound (H100, 2026-12-06); memcheck covers it.
+# and under racecheck it alone outlasted the step's bound (H100, 2026-12-06); memcheck-layer runs it.
 step racecheck "$t_race" -- "${race[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi:: \
   --skip faults::nan_in_one_token --skip swiglu_epilogues_match_reference --skip swiglu_nvfp4_equals_quantized_compact
 # race_parts TOOL...: rc 1 if any part failed; every part's lines stay in the one log.
@@ -150,6 +155,7 @@ export -f race_parts
 step racecheck-parts "$t_race_parts" -- bash -c 'race_parts "$@"' _ "${race[@]}"
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
+step memcheck-layer "$t_layer" -- "${cs[@]}" memcheck "$bin" "${common[@]}" layer_ c_abi:: --skip sweep::
 
 # The CLI under memcheck, as scripts/gpu-memcheck.sh runs it: the tests start the bundle's
 # nvfp4-moe (NVFP4MOE_CLI) and --target-processes all checks those processes too, so the summary

@@ -3,7 +3,9 @@
  * operator's crash of session 15 (python/tests, H100) is the first use.
  *   gcc -shared -fPIC -O1 scripts/segv-backtrace.c -o segv-backtrace.so        (here)
  *   LD_PRELOAD=$PWD/segv-backtrace.so python3 -m pytest ...                     (there)
- * Python's faulthandler (pytest enables it) prints the Python frames; this adds the C++ ones. */
+ * This constructor runs before the interpreter starts; Python's faulthandler (pytest enables it)
+ * installs its handler later, prints the Python frames, restores this one and re-raises: this one
+ * then prints the native frames and ends the process with the default action. */
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <signal.h>
@@ -34,16 +36,26 @@ static void on_fault(int sig, siginfo_t* info, void* ctx) {
   msg[i++] = '\n';
   write(2, msg, (size_t)i);
   backtrace_symbols_fd(frames, n, 2);
-  /* Back to the default action (and the chained faulthandler's output, if it was installed first). */
+  /* Back to the default action, which ends the process. */
   signal(sig, SIG_DFL);
   raise(sig);
 }
 
 __attribute__((constructor)) static void install(void) {
+  /* backtrace() loads the unwinder (dlopen, malloc) on its first call: not in the handler. */
+  void* warm[1];
+  backtrace(warm, 1);
+  /* An alternate stack, so that a stack overflow still gets its backtrace. */
+  static char alt[1 << 16];
+  stack_t ss;
+  memset(&ss, 0, sizeof ss);
+  ss.ss_sp = alt;
+  ss.ss_size = sizeof alt;
+  sigaltstack(&ss, 0);
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_fault;
-  sa.sa_flags = SA_SIGINFO | SA_RESETHAND;
+  sa.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGSEGV, &sa, 0);
   sigaction(SIGBUS, &sa, 0);

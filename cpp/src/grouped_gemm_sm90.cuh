@@ -22,7 +22,7 @@
 //     Pipelined (N128, one CTA per SM): two fragments, one group in flight. The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
 //     shared memory with 16-byte row-masked stores (rows past the expert's end are never written).
 //   kSwigluNvfp4 only: warps 1-3 of warpgroup 0 (idle otherwise) are the quantizer. Each consumer
-//     hands over its staged BF16 SwiGLU tile through named barriers and goes on to the next
+//     hands over its staged BF16 SwiGLU tile through mbarriers (Config::EpiHandOff) and goes on to the next
 //     tile's mainloop while these warps encode it to NVFP4, so the encoding overlaps the wgmmas
 //     instead of stalling them (done by the consumers themselves it cost 2-8%, 2026-11-29).
 //

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 from typing import Optional
 
 import torch
@@ -57,7 +58,7 @@ lib.nvfp4moe_status_string.restype = ctypes.c_char_p
 lib.nvfp4moe_status_string.argtypes = [c_i32]
 lib.nvfp4moe_version.restype = ctypes.c_int
 lib.nvfp4moe_version.argtypes = []
-_major, _minor, _patch = (int(v) for v in nvfp4_moe.__version__.split(".")[:3])
+_major, _minor, _patch = (int(re.match(r"\d+", v).group()) for v in nvfp4_moe.__version__.split(".")[:3])  # type: ignore[union-attr]
 assert lib.nvfp4moe_version() == _major * 10000 + _minor * 100 + _patch, "core library and package versions differ"
 _P = ctypes.POINTER
 for name, args in {
