@@ -78,11 +78,11 @@ struct Config {
   // kSwigluNvfp4: the producer warpgroup also quantizes (one CTA per SM: 56 registers, 40 spill,
   // its consumers keep 224; two: 48, which uses all of the 80 x 384 a CTA is given).
   static constexpr bool kQuantizerWarps = kEpilogue_ == GemmEpilogue::kSwigluNvfp4;
-  // Four consumer warpgroups (640 threads): 112 each beside the producer's 40 or 56 (ptxas
-  // compiles the kernel for 96 all the same).
+  // Four consumer warpgroups (640 threads, compiled for 96 registers): 104 each beside the
+  // producer's 56.
   static constexpr int kProducerRegs = kQuantizerWarps || kConsumers_ == 4 ? (kMinBlocks == 1 ? 56 : 48) : 40;
   static constexpr int kConsumerRegs =
-      kConsumers_ == 4 ? 112 : kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
+      kConsumers_ == 4 ? 104 : kMinBlocks == 1 ? (kQuantizerWarps ? 224 : 232) : 96;
   // Two A fragments, one wgmma group in flight (see the mainloop); false: one fragment, each
   // stage's wgmmas retired before the next stage's conversion (fewer registers).
   static constexpr bool kPipelined = kPipelined_;
@@ -111,9 +111,13 @@ struct Config {
   static_assert(kFragChunks >= 1 && kChunks_ % kFragChunks == 0, "a stage is a whole number of fragments");
   static constexpr int kFragK = kTileK * kFragChunks;
   static_assert(kMinBlocks == 1 || kMinBlocks == 2, "one or two CTAs per SM");
-  // setmaxnreg moves registers within the CTA's allocation (ptxas compiles for 80 at two per SM).
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= (kMinBlocks == 1 ? 65536 : 80 * kThreads),
-                "register budget");
+  // The CTA's registers per thread at launch: ptxas compiles for the most (a multiple of 8) at
+  // which kMinBlocks CTAs fit the SM's 64K (168 for one CTA of 384 threads, 80 for two, 96 for one
+  // of 640). setmaxnreg only moves registers within the CTA's allocation: an increase past it
+  // never completes (session 14's N64Q variants asked 56 + 4 x 112 of 96 x 640 and hung).
+  static constexpr int kLaunchRegs = 65536 / (kMinBlocks * kThreads) / 8 * 8;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
+                "setmaxnreg's registers must fit the CTA's allocation");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
 
   using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
