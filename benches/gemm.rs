@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    balanced_offsets, bf16_tflops, capture, graph_pairs_us, report_noted, selected, time_events, tokens, ReadFlush,
-    Row, HBM_TBPS,
+    balanced_offsets, bf16_tflops, capture, graph_pairs_us, hbm_tbps, report_noted, selected, time_events, tokens,
+    ReadFlush, Row,
 };
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream};
@@ -83,6 +83,7 @@ struct Bench<'a> {
     /// Activations for the largest case; a case reads its first rows x k.
     x: CudaSlice<bf16>,
     bf16_tflops: f64,
+    hbm_tbps: f64,
     /// The token counts benched (`common::tokens`).
     tokens: Vec<usize>,
     table: Vec<Row>,
@@ -143,7 +144,7 @@ fn layer<E: Bf16Output>(b: &mut Bench<'_>, p: &Preset, layer: &str, w: &Nvfp4Wei
         let active = p.experts.min(rows);
         let wbytes = active as f64 * n as f64 * k as f64 * 0.5625;
         let flops = 2.0 * rows as f64 * n as f64 * k as f64;
-        let floor = (wbytes / (HBM_TBPS * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
+        let floor = (wbytes / (b.hbm_tbps * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
         b.table.push(Row {
             name: format!("{name} ({:?})", plan.tile_for(rows)),
             us,
@@ -211,7 +212,7 @@ fn custom_shapes(b: &mut Bench<'_>, spec: &str, rng: &mut Rng) {
                 format!(" ({:?})", plan.tile_for(rows)),
             )
         };
-        let floor = (bytes / (HBM_TBPS * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
+        let floor = (bytes / (b.hbm_tbps * 1e12)).max(flops / (b.bf16_tflops * 1e12)) * 1e6;
         b.table.push(Row { name: format!("{name}{tile}"), us, bytes, flops, floor_us: floor });
     }
 }
@@ -244,8 +245,18 @@ fn benches(c: &mut Criterion) {
     let max_x = PRESETS.iter().map(|p| tokens.iter().max().unwrap() * p.top_k * p.hidden.max(p.intermediate)).max();
     let x = device_activations(&s, &mut rng, max_x.unwrap());
     let (rate, rate_source) = bf16_tflops();
-    let mut b =
-        Bench { c, s: s.clone(), flush, flushes, x, bf16_tflops: rate, tokens: tokens.clone(), table: Vec::new() };
+    let (bw, bw_source) = hbm_tbps();
+    let mut b = Bench {
+        c,
+        s: s.clone(),
+        flush,
+        flushes,
+        x,
+        bf16_tflops: rate,
+        hbm_tbps: bw,
+        tokens: tokens.clone(),
+        table: Vec::new(),
+    };
     let any = |p: &Preset, layer: &str| tokens.iter().any(|t| selected(&format!("{}/{layer}/T{t}", p.name)));
     let shapes = std::env::var("NVFP4MOE_GEMM_SHAPES").unwrap_or_default();
     if !shapes.is_empty() {
@@ -270,7 +281,9 @@ fn benches(c: &mut Criterion) {
             "t = (graph of {PAIRS} x (L2 flush: {flush_kind} + GEMM) - graph of {PAIRS} flushes) / {PAIRS}, median of {REPS} \
              replays; tile = the library's choice (or $NVFP4MOE_GEMM_TILE); its split-K (not reported by the API) is inside the launch"
         ),
-        format!("floor = max(weight bytes / {HBM_TBPS} TB/s, FLOPs / {rate:.1} TFLOP/s BF16 ({rate_source}))"),
+        format!(
+            "floor = max(weight bytes / {bw:.2} TB/s ({bw_source}), FLOPs / {rate:.1} TFLOP/s BF16 ({rate_source}))"
+        ),
     ];
     report_noted("gemm", "CUDA-graph replays", &notes, &b.table);
 }

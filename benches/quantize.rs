@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{balanced_offsets, flushed_pairs_us, median_us, report, selected, time_events, Row, HBM_TBPS};
+use common::{balanced_offsets, flushed_pairs_us, hbm_tbps, median_us, report, selected, time_events, Row};
 use criterion::{criterion_group, Criterion, Throughput};
 use cudarc::driver::CudaContext;
 use nvfp4_moe::layout::grouped_scale_len;
@@ -31,8 +31,9 @@ fn benches(c: &mut Criterion) {
     let mut rng = Rng::from_entropy();
     let mut rows_out = Vec::new();
     let mut flush = s.alloc_zeros::<u8>(FLUSH_BYTES).unwrap();
+    let (bw, _) = hbm_tbps();
     let push = |rows_out: &mut Vec<Row>, name: String, flushed: f64, single: f64, bytes: f64| {
-        let floor_us = bytes / (HBM_TBPS * 1e12) * 1e6;
+        let floor_us = bytes / (bw * 1e12) * 1e6;
         rows_out.push(Row { name: name.clone(), us: flushed, bytes, flops: 0.0, floor_us });
         rows_out.push(Row { name: format!("{name}/single"), us: single, bytes, flops: 0.0, floor_us });
     };

@@ -21,7 +21,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{balanced_offsets, flushed_us, median, presets, report, selected, Row, BF16_TFLOPS, HBM_TBPS};
+use common::{balanced_offsets, flushed_us, hbm_tbps, median, presets, report, selected, Row, BF16_TFLOPS};
 use criterion::{criterion_group, Criterion};
 use cudarc::driver::CudaContext;
 use half::bf16;
@@ -148,7 +148,7 @@ fn benches(c: &mut Criterion) {
             }
             // Bytes saved: a -> b, the interleaved tensor written and read back at half width;
             // d -> c, the wide tensor written and read plus the compact one written.
-            let need = |saved: f64| 0.8 * saved / (HBM_TBPS * 1e12) * 1e6;
+            let need = |saved: f64| 0.8 * saved / (hbm_tbps().0 * 1e12) * 1e6;
             targets.push((
                 base,
                 med[0] - med[1],
