@@ -84,7 +84,12 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
     ops=$(ls "$work"/site/nvfp4_moe/libnvfp4_moe_ops*.so)
     echo "operator NEEDED: $(readelf -d "$ops" | grep NEEDED | grep -o '\[.*\]' | tr '\n' ' ')"
     step python-tests 300 env PYTHONPATH="$work/site" python3 -m pytest -q -p no:cacheprovider python/tests &&
-      step python-bench 300 env PYTHONPATH="$work/site:python/tests" python3 python/bench/bench_op.py
+      step python-bench 300 env PYTHONPATH="$work/site:python/tests" python3 python/bench/bench_op.py \
+        --tokens 1,16,1024,8192 --json "$out/bench_op.json" &&
+      step torch-baseline 240 python3 benches/torch_moe_baseline.py --preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b \
+        --tokens 1,16,1024,8192 --json "$out/torch_moe.json" &&
+      python3 python/bench/readme_table.py "$out/bench_op.json" "$out/torch_moe.json" | tee "$out/python-readme-table.md"
+    [ -f "$out/cpp-python-bench.log" ] && tail -15 "$out/cpp-python-bench.log"
     # When the tests fail: each test in its own process, with the native backtrace of a crash
     # (scripts/segv-backtrace.c, LD_PRELOADed).
     if grep -q "python-tests .*rc=[^0]" <(printf '%s\n' "${summary[@]}"); then

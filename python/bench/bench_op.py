@@ -6,13 +6,16 @@ replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 
 each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
 
     PYTHONPATH=<site with nvfp4_moe>:python/tests python3 python/bench/bench_op.py \
-        [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024]
+        [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024] [--json rows.json]
+
+`--json` also writes the rows, for `readme_table.py` (beside PyTorch's layers).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import statistics
 import time
 
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b,deepseek-v3,mixtral-8x7b")
     ap.add_argument("--tokens", default="1,16,1024")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
@@ -102,6 +106,10 @@ def main() -> None:
           f"{'op/C':>6} same-bytes")
     for name, t, ho, hc, ro, rc, same in rows:
         print(f"{name:16} {t:5d} {ho:11.2f} {hc:10.2f} {ro:12.2f} {rc:11.2f} {ro / rc:6.3f} {same}")
+    if a.json:
+        keys = ("preset", "T", "host_op_us", "host_c_us", "graph_op_us", "graph_c_us", "same_bytes")
+        with open(a.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": [dict(zip(keys, r)) for r in rows]}, f, indent=1)
 
 
 if __name__ == "__main__":
