@@ -7,7 +7,8 @@
 #    faults::) under each variant of $VARIANTS but the first (NVFP4MOE_WARP_VARIANT; "shipped" is
 #    the release kernel), then memcheck over $MEMCHECK_TESTS (default: warp swiglu) under each
 #    (MEMCHECK=0 or MEMCHECK_TESTS=none: not; TESTS=none: no tests at all, for timing probes whose
-#    results are wrong).
+#    results are wrong). $TEST_TIMEOUT bounds each variant's tests (default 300 s); a variant whose
+#    tests time out is not benched.
 # 2. benches/gemm at $BENCH (default '/T1$', T = 1; read flush), the variants interleaved, two
 #    rounds ($ROUNDS), then a table: us per launch and variant, one column per variant, the rounds
 #    separated by "/".
@@ -36,12 +37,21 @@ for f in "$t" "$g"; do
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
 fail=0
+hung=()
 for v in "${variants[@]:1}"; do
   [ "${tests[*]}" = none ] && break
   log="$out/ab-tests-$v.log"
-  env "$venv=$v" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 "${tests[@]}" --skip sweep:: \
-    >"$log" 2>&1 || fail=1
-  echo "tests [$v]: $(grep -E '^test result' "$log" | tail -1)"
+  env "$venv=$v" timeout --kill-after=15s "${TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads=2 "${tests[@]}" \
+    --skip sweep:: >"$log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || fail=1
+  echo "tests [$v]: rc=$rc $(grep -E '^test result' "$log" | tail -1)"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    # A variant that hangs would spend every bench run's timeout too: not benched.
+    echo "tests [$v]: timed out ($(grep -E 'running for over' "$log" | head -2 | tr '\n' ' ')); $v is not benched"
+    hung+=("$v")
+    continue
+  fi
   grep -E '^test .* FAILED' "$log" | head -5
   [ "${MEMCHECK:-1}" = 0 ] || [ "${memcheck_tests[*]}" = none ] && continue
   log="$out/ab-memcheck-$v.log"
@@ -52,7 +62,8 @@ done
 export NVFP4MOE_BF16_TFLOPS=${NVFP4MOE_BF16_TFLOPS:-790}
 rows="$out/ab-gemm.txt"
 : >"$rows"
-order=("${variants[@]}")
+order=()
+for v in "${variants[@]}"; do [[ " ${hung[*]:-} " == *" $v "* ]] || order+=("$v"); done
 for ((r = 0; r < rounds; r++)); do
   for v in "${order[@]}"; do
     env "$venv=$v" timeout 200 "$g" --bench "$bench" 2>&1 | sed -n '/: summary/,$p' | grep -E '/T[0-9]+ ' |
