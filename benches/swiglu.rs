@@ -13,7 +13,8 @@
 //! SwiGLU pieces of the interleaved tensor touches every 32-byte sector of it, so it reads the
 //! full width); TFLOP/s the GEMM's. The summary times the six flows in interleaved rounds (so
 //! that clock drift between flows cancels) and prints the targets: time saved against
-//! 80% of bytes saved / 4.3 TB/s, and SwigluBf16 against the full-width plain GEMM.
+//! 80% of bytes saved / the copy bandwidth (`common::hbm_tbps`: 4.3 TB/s, the H200's, unless
+//! `$NVFP4MOE_HBM_TBPS` says otherwise), and SwigluBf16 against the full-width plain GEMM.
 //!
 //! `cargo bench --bench swiglu [-- FILTER]`, e.g. `-- deepseek-v3/T8192`.
 
@@ -163,7 +164,8 @@ fn benches(c: &mut Criterion) {
     }
     report("swiglu", &table);
     println!(
-        "== swiglu: targets (saved us vs 80% of bytes saved / 4.3 TB/s; SwigluBf16 / plain full width <= 1.03) =="
+        "== swiglu: targets (saved us vs 80% of bytes saved / {:.2} TB/s; SwigluBf16 / plain full width <= 1.03) ==",
+        hbm_tbps().0
     );
     println!("{:<24} {:>12} {:>10} {:>12} {:>10} {:>12}", "case", "a-b us", "need", "d-c us", "need", "c/e");
     for (base, ab, ab_need, dc, dc_need, ce, _, _) in &targets {

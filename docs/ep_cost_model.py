@@ -53,24 +53,33 @@ def floors(active: float, rows: int) -> tuple[float, float]:
     return active * EXPERT_BYTES / (HBM_TBPS * 1e12) * 1e6, 2 * rows * 3 * H * I / (BF16_TFLOPS * 1e12) * 1e6
 
 
-def one_gpu_us(model: str, t: int, active: float) -> float:
+def active_experts(model: str, t: int) -> float:
+    """Expected experts with at least one of T tokens (each token picks a given expert with
+    probability k / E under either routing)."""
+    e, k, g, gpt = MODELS[model]
+    return e * (1 - (1 - k / e) ** t)
+
+
+def one_gpu_us(model: str, t: int) -> float:
     """The layer on one GPU. kimi-k2: deepseek-v3's GEMM time with its weight-bound share scaled by the
     ratio of active experts (the compute-bound share is the same: same shape, same slots)."""
-    ds_gemm = DS_LAYER_US[t] - FIXED_US
     if model == "deepseek-v3":
         return DS_LAYER_US[t]
-    e_ds, k, g, gpt = MODELS["deepseek-v3"]
-    ds_active = e_ds * (1 - (1 - k / e_ds) ** t)
-    wb, cb = floors(ds_active, t * k)
+    ds_active, active = active_experts("deepseek-v3", t), active_experts(model, t)
+    wb, cb = floors(ds_active, t * MODELS["deepseek-v3"][1])
     w = wb / (wb + cb)
-    return FIXED_US + ds_gemm * (w * active / ds_active + (1 - w))
+    return FIXED_US + (DS_LAYER_US[t] - FIXED_US) * (w * active / ds_active + (1 - w))
 
 
-def simulate(model: str, t: int, n: int, trials: int, rng: random.Random) -> dict[str, float]:
-    """Expected maxima over the GPUs of one step: active-expert and slot shares, tokens sent and received."""
+def simulate(model: str, t: int, n: int, trials: int) -> dict[str, float]:
+    """Expected maxima over the GPUs of one step: active-expert and slot shares, tokens sent and received
+    (its own random stream per model, T and N: every table cell of one setting uses the same draws)."""
     e, k, g, gpt = MODELS[model]
+    if e % n or (g > 1 and (g % n and n % g)):
+        raise SystemExit(f"{model}: {e} experts in {g} groups do not shard evenly over {n} GPUs")
+    rng = random.Random(f"{model}/{t}/{n}")
     per_gpu = e // n
-    acc = {"active": 0.0, "max_expert_share": 0.0, "max_slot_share": 0.0, "max_tokens_moved": 0.0}
+    acc = {"max_expert_share": 0.0, "max_slot_share": 0.0, "max_tokens_moved": 0.0}
     for _ in range(trials):
         active = [set() for _ in range(n)]
         slots = [0] * n
@@ -88,25 +97,22 @@ def simulate(model: str, t: int, n: int, trials: int, rng: random.Random) -> dic
                 sent[home] += 1
                 recv[d] += 1
         n_active = sum(len(a) for a in active)
-        acc["active"] += n_active
         acc["max_expert_share"] += max(len(a) for a in active) / n_active
         acc["max_slot_share"] += max(slots) / (t * k)
         acc["max_tokens_moved"] += max(max(sent), max(recv))
     return {key: v / trials for key, v in acc.items()}
 
 
-def step(model: str, t: int, n: int, trials: int, rng: random.Random, latency_us: float, link_gbps: float,
+def step(model: str, t: int, n: int, sim: dict[str, float], latency_us: float, link_gbps: float,
          combine_bytes: float = 2.0) -> dict[str, float]:
-    """One step's times in us: one GPU, the busiest shard's GEMMs, dispatch per payload, combine."""
-    s = simulate(model, t, n, trials, rng)
-    one = one_gpu_us(model, t, s["active"])
-    e, k, g, gpt = MODELS[model]
-    wb, cb = floors(s["active"], t * k)
+    """One step's times in us from one routing simulation: one GPU, the busiest shard's GEMMs,
+    dispatch per payload, combine."""
+    one = one_gpu_us(model, t)
+    wb, cb = floors(active_experts(model, t), t * MODELS[model][1])
     w = wb / (wb + cb)
-    gemm = one - FIXED_US
-    share = w * s["max_expert_share"] + (1 - w) * s["max_slot_share"]
-    shard = GEMM_FIXED_US + (gemm - GEMM_FIXED_US) * share
-    move = lambda b: latency_us + s["max_tokens_moved"] * H * b / (link_gbps * 1e9) * 1e6
+    share = w * sim["max_expert_share"] + (1 - w) * sim["max_slot_share"]
+    shard = GEMM_FIXED_US + (one - FIXED_US - GEMM_FIXED_US) * share
+    move = lambda b: latency_us + sim["max_tokens_moved"] * H * b / (link_gbps * 1e9) * 1e6
     r = {"one": one, "shard_gemm": shard, "combine": move(combine_bytes)}
     for p, b in PAYLOAD_BYTES.items():
         r["dispatch_" + p] = move(b)
@@ -121,31 +127,39 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=330.0, help="NVLink GB/s one GPU reaches in an all-to-all")
     ap.add_argument("--gpus", default="2,4,8")
     a = ap.parse_args()
-    rng = random.Random(24)
-    ns = list(map(int, a.gpus.split(",")))
-    trials = lambda t: max(4, min(a.trials, int(a.trials * 256 / t)))
+    ns = sorted(set(map(int, a.gpus.split(","))))
+    big = ns[-1]
+    sims: dict[tuple[str, int, int], dict[str, float]] = {}
+
+    def sim(model: str, t: int, n: int) -> dict[str, float]:
+        if (model, t, n) not in sims:
+            sims[(model, t, n)] = simulate(model, t, n, max(4, min(a.trials, int(a.trials * 256 / t))))
+        return sims[(model, t, n)]
+
     for model in MODELS:
         print(f"\n### {model}: {a.latency_us:g} us per exchange, {a.link_gbps:g} GB/s per GPU\n")
-        big = max(ns)
-        print(f"| T | one GPU | " + " | ".join(f"N = {n}: BF16 / NVFP4 dispatch" for n in ns if n != big)
-              + f" | N = {big}: shard GEMMs | dispatch BF16 / FP8 / NVFP4 | combine | step (BF16) | speedup BF16 / NVFP4 |")
-        print("|" + "---|" * (2 + len(ns) - 1 + 5))
+        print(f"| T | one GPU | " + " | ".join(f"N = {n}: BF16 / NVFP4 dispatch" for n in ns[:-1])
+              + f" | N = {big}: shard GEMMs | dispatch BF16 / FP8 / NVFP4 | combine (BF16) | step (BF16) "
+              f"| speedup BF16 / NVFP4 |")
+        print("|" + "---|" * (len(ns) + 6))
         for t in DS_LAYER_US:
             cells = []
-            for n in ns:
-                r = step(model, t, n, trials(t), rng, a.latency_us, a.link_gbps)
-                if n != big:
-                    cells.append(f"{r['one'] / r['step_BF16']:.2f}x / {r['one'] / r['step_NVFP4']:.2f}x")
-            print(f"| {t} | {r['one']:.0f} | " + " | ".join(cells) + f" | {r['shard_gemm']:.0f} | "
+            for n in ns[:-1]:
+                r = step(model, t, n, sim(model, t, n), a.latency_us, a.link_gbps)
+                cells.append(f"{r['one'] / r['step_BF16']:.2f}x / {r['one'] / r['step_NVFP4']:.2f}x")
+            r = step(model, t, big, sim(model, t, big), a.latency_us, a.link_gbps)
+            print(f"| {t} | {r['one']:.0f} | " + "".join(c + " | " for c in cells) + f"{r['shard_gemm']:.0f} | "
                   f"{r['dispatch_BF16']:.0f} / {r['dispatch_FP8']:.0f} / {r['dispatch_NVFP4']:.0f} | {r['combine']:.0f} | "
                   f"{r['step_BF16']:.0f} | {r['one'] / r['step_BF16']:.2f}x / {r['one'] / r['step_NVFP4']:.2f}x |")
-    print(f"\n### Sensitivity (deepseek-v3, N = 8, BF16 dispatch): speedup over one GPU\n")
-    lat, bw = (5.0, 15.0, 30.0), (165.0, 330.0)
-    print("| T | " + " | ".join(f"{l:g} us, {b:g} GB/s" for b in bw for l in lat) + " | FP32 combine (15 us, 330 GB/s) |")
+    print(f"\n### Sensitivity (deepseek-v3, N = {big}, BF16 dispatch): speedup over one GPU\n")
+    lat, bw = (5.0, a.latency_us, 30.0), (a.link_gbps / 2, a.link_gbps)
+    print("| T | " + " | ".join(f"{l:g} us, {b:g} GB/s" for b in bw for l in lat)
+          + f" | FP32 combine ({a.latency_us:g} us, {a.link_gbps:g} GB/s) |")
     print("|" + "---|" * (2 + len(lat) * len(bw)))
     for t in (1, 4, 16, 128, 1024, 8192):
-        cells = [step("deepseek-v3", t, 8, trials(t), rng, l, b) for b in bw for l in lat]
-        f32 = step("deepseek-v3", t, 8, trials(t), rng, 15.0, 330.0, combine_bytes=4.0)
+        s = sim("deepseek-v3", t, big)
+        cells = [step("deepseek-v3", t, big, s, l, b) for b in bw for l in lat]
+        f32 = step("deepseek-v3", t, big, s, a.latency_us, a.link_gbps, combine_bytes=4.0)
         print(f"| {t} | " + " | ".join(f"{r['one'] / r['step_BF16']:.2f}x" for r in cells)
               + f" | {f32['one'] / f32['step_BF16']:.2f}x |")
 

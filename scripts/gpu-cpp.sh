@@ -2,11 +2,15 @@
 # The C++ core from source on the GPU machine, as a C++ user gets it (issue 19): configure and build
 # cpp/ with the machine's nvcc and CMake, ctest (the GPU-free API tests), `cmake --install`, a
 # find_package consumer, the C++ example (examples/cpp/) run on the GPU for three presets against
-# its f64 reference, and the PyTorch package (python/) built over the installed core and its
-# pytest suite (PYTHON_PACKAGE=0: not), and when those tests fail a diagnosis (cpp-python-diag.log).
+# its f64 reference; with HOST_COST_RUST (the bundle's examples/host_cost), the C ABI's host cost
+# per forward against the Rust layer's, interleaved (issue 19); the PyTorch package (python/) built
+# over the installed core (again with /usr/bin/g++ when it refuses the environment's compiler), its
+# pytest suite, python/bench/bench_op.py and PyTorch's own layers (benches/torch_moe_baseline.py)
+# side by side (python/bench/readme_table.py; issue 20) (PYTHON_PACKAGE=0: none of it), and when
+# the tests fail a diagnosis (cpp-python-diag.log).
 # The machine has no CUTLASS: it comes in the carried folder.
 #   here:  bash scripts/gpu-cpp.sh pack          (writes gpu-cpp/cutlass.tgz, ~2.5 MB)
-#   there: bash scripts/gpu-cpp.sh               (device tool, carry ["gpu-cpp"]; ~4 min on 16 cores)
+#   there: bash scripts/gpu-cpp.sh               (device tool, carry ["gpu-cpp"]; ~7 min on 16 cores)
 # Logs go to $OUT (or ./gpu-out); the last lines are a summary table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +56,9 @@ step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -
 # (nvfp4moe_layer_forward, examples/cpp) against the Rust layer's (HOST_COST_RUST: the bundle's
 # examples/host_cost), two rounds interleaved.
 if [ -n "${HOST_COST_RUST:-}" ] && [ -x "$work/example/moe_layer" ]; then
+  # (The bundle's binaries travel gzipped.)
+  [ -e "$HOST_COST_RUST.gz" ] && gunzip -f "$HOST_COST_RUST.gz"
+  [ -e "$HOST_COST_RUST" ] && chmod +x "$HOST_COST_RUST"
   for r in 1 2; do
     for run in "qwen3-30b-a3b 16" "deepseek-v3 4"; do
       set -- $run
@@ -59,6 +66,10 @@ if [ -n "${HOST_COST_RUST:-}" ] && [ -x "$work/example/moe_layer" ]; then
       echo "round $r $1 T=$2 Rust:  $(timeout 120 "$HOST_COST_RUST" "$1" "$2" 2>&1 | tail -1)"
     done
   done | tee "$out/cpp-host-cost.txt"
+  # Eight numbers, or the comparison failed.
+  n=$(grep -cE "host cost of .*: [0-9.]+ us" "$out/cpp-host-cost.txt")
+  summary+=("$(printf '%-24s %s' host-cost "$n of 8 timings")")
+  [ "$n" -eq 8 ] || failed=1
 fi
 # The PyTorch package (issue 20) over the installed core (no second kernel build), and its tests.
 # The package refuses a compiler that links libstdc++ statically (python/cmake/check_cxx_runtime.cmake:
@@ -73,7 +84,7 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
   }
   before=$failed
   if ! pybuild python-build; then
-    if grep -q "does not load the shared C++ runtime" "$out/cpp-python-build.log" && [ -x /usr/bin/g++ ]; then
+    if grep -q "NVFP4MOE_STATIC_LIBSTDCXX" "$out/cpp-python-build.log" && [ -x /usr/bin/g++ ]; then
       echo "python-build: refused CXX=${CXX:-c++} (a static C++ runtime); again with /usr/bin/g++"
       failed=$before  # the refusal is the check working; the rebuild decides
       rm -rf "$work/site"
@@ -88,7 +99,8 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
         --tokens 1,16,1024,8192 --json "$out/bench_op.json" &&
       step torch-baseline 240 python3 benches/torch_moe_baseline.py --preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b \
         --tokens 1,16,1024,8192 --json "$out/torch_moe.json" &&
-      python3 python/bench/readme_table.py "$out/bench_op.json" "$out/torch_moe.json" | tee "$out/python-readme-table.md"
+      step readme-table 30 python3 python/bench/readme_table.py "$out/bench_op.json" "$out/torch_moe.json" &&
+      cp "$out/cpp-readme-table.log" "$out/python-readme-table.md" && cat "$out/python-readme-table.md"
     [ -f "$out/cpp-python-bench.log" ] && tail -15 "$out/cpp-python-bench.log"
     # When the tests fail: each test in its own process, with the native backtrace of a crash
     # (scripts/segv-backtrace.c, LD_PRELOADed).

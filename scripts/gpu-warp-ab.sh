@@ -72,9 +72,10 @@ for ((r = 0; r < rounds; r++)); do
   # The next round in reverse order, so that no variant always runs first.
   for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do tmp=${order[i]}; order[i]=${order[j]}; order[j]=$tmp; done
 done
-python3 - "$rows" "${variants[@]}" <<'PY'
-import collections, sys
+HUNG="${hung[*]:-}" python3 - "$rows" "${variants[@]}" <<'PY'
+import collections, os, sys
 rows, vs = sys.argv[1], sys.argv[2:]
+hung = set(os.environ["HUNG"].split())
 d, order, tile = collections.defaultdict(list), [], {}
 for line in open(rows):
     v, n, t, us = line.split()
@@ -84,10 +85,11 @@ for line in open(rows):
         order.append(n)
 print("launch".ljust(40) + "".join(v.rjust(19) for v in vs))
 for n in order:
-    print(f"{n} {tile[n]}".ljust(40) + "".join("/".join(f"{x:.2f}" for x in d[(n, v)]).rjust(19) for v in vs))
+    print(f"{n} {tile[n]}".ljust(40) + "".join(("hung" if v in hung else "/".join(f"{x:.2f}" for x in d[(n, v)])).rjust(19) for v in vs))
 PY
 ncu_cases=(${NCU_CASES:-})
-ncu_variants=(${NCU_VARIANTS:-${variants[@]}})
+ncu_variants=()
+for v in ${NCU_VARIANTS:-${variants[@]}}; do [[ " ${hung[*]:-} " == *" $v "* ]] || ncu_variants+=("$v"); done
 if [ ${#ncu_cases[@]} -gt 0 ]; then
   echo "ncu kernel duration (us, median of 5; --clock-control none, --cache-control all)"
   for c in "${ncu_cases[@]}"; do

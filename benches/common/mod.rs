@@ -18,8 +18,8 @@ pub const HBM_TBPS: f64 = 4.3;
 /// the H200, whose floors the issues' targets define with [`HBM_TBPS`]), else [`HBM_TBPS`].
 pub fn hbm_tbps() -> (f64, String) {
     match std::env::var("NVFP4MOE_HBM_TBPS").ok().and_then(|v| v.trim().parse::<f64>().ok()) {
-        Some(r) if r.is_finite() && r > 0.0 => (r, "NVFP4MOE_HBM_TBPS, measured in this run".into()),
-        _ => (HBM_TBPS, "the H200 constant HBM_TBPS; NVFP4MOE_HBM_TBPS unset".into()),
+        Some(r) if r.is_finite() && r > 0.0 => (r, "from $NVFP4MOE_HBM_TBPS".into()),
+        _ => (HBM_TBPS, "the H200 constant HBM_TBPS; NVFP4MOE_HBM_TBPS unset or invalid".into()),
     }
 }
 

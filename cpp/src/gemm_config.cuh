@@ -114,8 +114,11 @@ struct Config {
   // The CTA's registers per thread at launch: ptxas compiles for the most (a multiple of 8) at
   // which kMinBlocks CTAs fit the SM's 64K (168 for one CTA of 384 threads, 80 for two, 96 for one
   // of 640). setmaxnreg only moves registers within the CTA's allocation: an increase past it
-  // never completes (session 14's N64Q variants asked 56 + 4 x 112 of 96 x 640 and hung).
+  // never completes (the N64Q variants, built in session 14, asked 56 + 4 x 112 of 96 x 640 and
+  // hung on the GPU in sessions 15 and 16).
   static constexpr int kLaunchRegs = 65536 / (kMinBlocks * kThreads) / 8 * 8;
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 && kConsumerRegs <= 256,
+                "setmaxnreg takes multiples of 8 in [24, 256]");
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
                 "setmaxnreg's registers must fit the CTA's allocation");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
@@ -191,7 +194,7 @@ struct Config {
 // A/B variants (the same parameters), compiled only with the CMake option NVFP4MOE_GEMM_VARIANTS
 // (which defines the macro of that name for the dispatcher; not for release), chosen at run time by
 // NVFP4MOE_GEMM_VARIANT (grouped_gemm.cu). N64Q and N64QP: the N64 tile as four consumer
-// warpgroups (256 features) sharing one x tile at one CTA per SM (640 threads, 112 registers per
+// warpgroups (256 features) sharing one x tile at one CTA per SM (640 threads, 104 registers per
 // consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages.
 #define NVFP4MOE_GEMM_VARIANT_TILES(V)     \
   V(N64Q, 64, 5, 1, false, 1, 2, 4)        \

@@ -1,4 +1,6 @@
-# cmake -DLIB=<library> -DCXX=<compiler> -P check_cxx_runtime.cmake
+# cmake -DLIB=<library> -DCXX=<compiler> [-DCMAKE_OBJDUMP=<objdump>] -P check_cxx_runtime.cmake
+#
+# (file(GET_RUNTIME_DEPENDENCIES) reads the library's dependencies with binutils' objdump.)
 #
 # The operator library must load the shared C++ runtime (libstdc++.so.6), the one PyTorch's
 # libraries use. A toolchain that links libstdc++ into shared libraries statically gives the
@@ -13,7 +15,9 @@ file(GET_RUNTIME_DEPENDENCIES
   PRE_EXCLUDE_REGEXES ".*")
 if(NOT resolved AND NOT unresolved)
   message(FATAL_ERROR
-    "${LIB} does not load the shared C++ runtime (libstdc++.so.6): the C++ compiler ${CXX} links it "
+    # (The first word is one token for scripts to find: CMake wraps the lines of the message.)
+    "NVFP4MOE_STATIC_LIBSTDCXX: ${LIB} does not load the shared C++ runtime (libstdc++.so.6): the C++ "
+    "compiler ${CXX} links it "
     "statically into shared libraries, so the operator would carry a second C++ runtime beside "
     "PyTorch's and crash the interpreter. Build with a compiler that links libstdc++ dynamically, "
     "e.g. CXX=/usr/bin/g++ pip install ./python")

@@ -7,8 +7,10 @@ set -euo pipefail
 cmake=${1:-cmake}
 cxx=${CXX:-c++}
 here=$(cd "$(dirname "$0")/.." && pwd)
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# A long path, as a build tree's: CMake wraps the message's lines, and the marker must survive it.
+work=$(mktemp -d)/a-build-directory-whose-path-is-as-long-as-a-scikit-build-tree-on-a-real-machine
+mkdir -p "$work"
+trap 'rm -rf "$(dirname "$work")"' EXIT
 cat >"$work/lib.cpp" <<'CPP'
 #include <sstream>
 #include <string>
@@ -17,10 +19,13 @@ CPP
 "$cxx" -shared -fPIC -O1 "$work/lib.cpp" -o "$work/shared.so"
 "$cxx" -shared -fPIC -O1 -static-libstdc++ "$work/lib.cpp" -o "$work/static.so"
 check() { "$cmake" -DLIB="$1" -DCXX="$cxx" -P "$here/cmake/check_cxx_runtime.cmake"; }
-check "$work/shared.so" || { echo "check_cxx_runtime: refused a library linked against libstdc++.so.6" >&2; exit 1; }
+check "$work/shared.so" || {
+  echo "check_cxx_runtime: refused the library $cxx linked without -static-libstdc++ (does $cxx link it statically?)" >&2
+  exit 1
+}
 if check "$work/static.so" >"$work/static.log" 2>&1; then
   echo "check_cxx_runtime: accepted a library with a static libstdc++" >&2
   exit 1
 fi
-grep -q "does not load the shared C++ runtime" "$work/static.log" || { cat "$work/static.log" >&2; exit 1; }
+grep -q "NVFP4MOE_STATIC_LIBSTDCXX" "$work/static.log" || { cat "$work/static.log" >&2; exit 1; }
 echo "check_cxx_runtime: shared libstdc++ accepted, static refused"
