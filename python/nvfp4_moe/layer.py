@@ -20,6 +20,9 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the operators)
 
+# The overload itself: calling the packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
+_FORWARD = torch.ops.nvfp4_moe.forward.default
+
 #: Gate, up and down projection names (Qwen3, DeepSeek-V3); Mixtral's are w1, w3, w2. (The layer
 #: computes SwiGLU as silu(gate) * up: models with another activation, such as gpt-oss's clamped
 #: one, need their own.)
@@ -163,6 +166,26 @@ class MoeLayer(torch.nn.Module):
         )
         return MoeLayer(gate, up, down, max_tokens, top_k, **kwargs)  # type: ignore[arg-type]
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # (Module.to / .cuda / ... replace the buffers: drop the operator's cached view of them, which
+        # would otherwise hold the old tensors until the next forward.)
+        self.__dict__.pop("_op_buffers", None)
+        return super()._apply(fn, recurse)
+
+    def _operator_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w13, w13 scales as float32, w2, w2 scales as float32, workspace) as the operator takes
+        them, made again only when a buffer was replaced: in eager mode, the module's attribute
+        lookups and the two views cost several microseconds of host time per forward."""
+        b = self._buffers
+        key = (b["w13"], b["w13_scales"], b["w2"], b["w2_scales"], b["workspace"])
+        cached = self.__dict__.get("_op_buffers")
+        if cached is None or any(x is not y for x, y in zip(cached[0], key)):
+            w13, s13, w2, s2, ws = key
+            assert w13 is not None and s13 is not None and w2 is not None and s2 is not None and ws is not None
+            cached = (key, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws))
+            self.__dict__["_op_buffers"] = cached
+        return cached[1]
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -172,20 +195,14 @@ class MoeLayer(torch.nn.Module):
         renormalize: bool = True,
     ) -> torch.Tensor:
         top_k = topk_ids.shape[1] if topk_ids is not None else self.top_k
-        return torch.ops.nvfp4_moe.forward(
-            hidden,
-            self.w13,
-            self.w13_scales.view(torch.float32),
-            self.w2,
-            self.w2_scales.view(torch.float32),
-            topk_ids,
-            topk_weights,
-            router_logits,
-            top_k,
-            renormalize,
-            self.workspace,
-            self._config,
-            self._g,
+        if torch.compiler.is_compiling():
+            # (Traced once: the plain lookups, which the graph then holds as inputs.)
+            w13, s13, w2, s2 = self.w13, self.w13_scales.view(torch.float32), self.w2, self.w2_scales.view(torch.float32)
+            ws = self.workspace
+        else:
+            w13, s13, w2, s2, ws = self._operator_buffers()
+        return _FORWARD(
+            hidden, w13, s13, w2, s2, topk_ids, topk_weights, router_logits, top_k, renormalize, ws, self._config, self._g
         )
 
     @torch.compiler.disable

@@ -135,6 +135,22 @@ def test_compile_fullgraph_and_cuda_graph():
     assert torch.equal(out, eager)
 
 
+def test_replaced_buffers_are_what_the_forward_reads():
+    # The eager forward caches the operator's view of the buffers: a replaced buffer (assignment,
+    # Module.to) must be read, never the cached one.
+    a, _, x, ids, w = layer_and_inputs(tokens=8)
+    g = rng(99)
+    b = nvfp4_moe.MoeLayer(*(random_projection(g, 16, n, k) for n, k in ((128, 256), (128, 256), (256, 128))),
+                           max_tokens=64, top_k=4)
+    want_a, want_b = a(x, topk_ids=ids, topk_weights=w), b(x, topk_ids=ids, topk_weights=w)
+    assert not torch.equal(want_a, want_b)
+    for name in ("w13", "w13_scales", "w2", "w2_scales"):
+        setattr(a, name, getattr(b, name))
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), want_b), "a replaced buffer was not read"
+    a.to(torch.float16)  # (moves nothing: the buffers are integers, the scale pairs kept as int32 bits)
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), want_b)
+
+
 def test_bad_inputs_raise():
     layer, _, x, ids, w = layer_and_inputs(tokens=4)
     with pytest.raises(TypeError):
