@@ -22,8 +22,8 @@ mod shown;
 pub(crate) use self::checkpoint::resolve_in_memory;
 pub(crate) use self::checkpoint::Catalog;
 pub use self::checkpoint::{
-    load_compressed_tensors, load_experts, load_modelopt, write_modelopt_experts, CheckpointFormat, Dialect,
-    LoadedExperts, QuantScheme,
+    load_compressed_tensors, load_expert_shard, load_experts, load_modelopt, write_modelopt_experts, CheckpointFormat,
+    Dialect, LoadedExperts, QuantScheme,
 };
 pub(crate) use self::fs::{io_err, open_regular, read_small_file, sync_dir, unpredictable_u64};
 pub use self::fs::{write_file_atomically, FileKind};

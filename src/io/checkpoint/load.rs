@@ -483,6 +483,9 @@ pub struct LoadedExperts {
     pub checkpoint: MoeCheckpoint,
     /// The dialect and scheme found.
     pub format: CheckpointFormat,
+    /// The layer's number of each expert in `checkpoint`, in order: `0..E` from [`load_experts`],
+    /// the shard's list from [`load_expert_shard`].
+    pub expert_ids: Vec<usize>,
 }
 
 /// Loads one MoE layer's experts from an NVFP4 checkpoint in either dialect, detected from the
@@ -526,7 +529,42 @@ pub struct LoadedExperts {
 /// key twice, name another method or disagree with the tensors ([`Error::Dialect`]), no experts under `prefix`, or a tensor missing,
 /// of the wrong dtype or shape, or unexpected ([`Error::Tensor`], naming it).
 pub fn load_experts(path: impl AsRef<Path>, prefix: &str) -> Result<LoadedExperts> {
-    load(path.as_ref(), prefix, None)
+    load(path.as_ref(), prefix, None, None)
+}
+
+/// Loads a shard of one MoE layer's experts, for expert parallelism: [`load_experts`] for the
+/// experts numbered `experts` (any distinct numbers below the layer's E, in the order given; the
+/// result's expert `j` is the layer's expert `experts[j]`, [`LoadedExperts::expert_ids`]). Every
+/// expert's names, dtypes and shapes are checked from the headers as for the whole layer, but only
+/// the shard's tensor data is read.
+///
+/// # Errors
+/// As [`load_experts`]; an empty list, a number that is not one of the layer's experts, or one
+/// listed twice is an [`Error::Invalid`].
+pub fn load_expert_shard(path: impl AsRef<Path>, prefix: &str, experts: &[usize]) -> Result<LoadedExperts> {
+    load(path.as_ref(), prefix, None, Some(experts))
+}
+
+/// The shard's expert numbers, checked against the layer's `all` experts.
+fn shard_ids(shard: &[usize], all: usize, p: &str, cat: &Catalog) -> Result<Vec<usize>> {
+    if shard.is_empty() {
+        return Err(Error::Invalid("an expert shard needs at least one expert".into()));
+    }
+    let mut seen = vec![false; all];
+    for &e in shard {
+        if e >= all {
+            return Err(Error::Invalid(format!(
+                "expert {e} of the shard is not in `{}`: the layer `{}` has {all} experts (0 to {})",
+                shown_path(&cat.source),
+                shown(p.trim_end_matches('.')),
+                all - 1
+            )));
+        }
+        if std::mem::replace(&mut seen[e], true) {
+            return Err(Error::Invalid(format!("expert {e} is listed twice in the shard")));
+        }
+    }
+    Ok(shard.to_vec())
 }
 
 /// Loads one MoE layer's experts from a ModelOpt NVFP4 checkpoint: [`load_experts`] that refuses
@@ -535,7 +573,7 @@ pub fn load_experts(path: impl AsRef<Path>, prefix: &str) -> Result<LoadedExpert
 /// # Errors
 /// As [`load_experts`]; a compressed-tensors checkpoint is an [`Error::Dialect`].
 pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoint> {
-    Ok(load(path.as_ref(), prefix, Some(Dialect::ModelOpt))?.checkpoint)
+    Ok(load(path.as_ref(), prefix, Some(Dialect::ModelOpt), None)?.checkpoint)
 }
 
 /// Loads one MoE layer's experts from a compressed-tensors NVFP4 checkpoint
@@ -544,26 +582,43 @@ pub fn load_modelopt(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoi
 /// # Errors
 /// As [`load_experts`]; a ModelOpt checkpoint is an [`Error::Dialect`].
 pub fn load_compressed_tensors(path: impl AsRef<Path>, prefix: &str) -> Result<MoeCheckpoint> {
-    Ok(load(path.as_ref(), prefix, Some(Dialect::CompressedTensors))?.checkpoint)
+    Ok(load(path.as_ref(), prefix, Some(Dialect::CompressedTensors), None)?.checkpoint)
 }
 
-fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExperts> {
+/// `shard`: the experts to load (their numbers in the layer; `None`: all of them).
+fn load(path: &Path, prefix: &str, want: Option<Dialect>, shard: Option<&[usize]>) -> Result<LoadedExperts> {
     let cat = Catalog::open(path)?;
     let Resolved { p, dialect, scheme, decl, layout, names, metas, h, i, lens } =
         resolve(&cat, prefix, want, |cat| declared(&cat.dir))?;
     let f = dialect.fields();
-    let experts = layout.experts;
     let naming = layout.naming;
+    let expert_ids = match shard {
+        None => (0..layout.experts).collect(),
+        Some(list) => shard_ids(list, layout.experts, &p, &cat)?,
+    };
+    let experts = expert_ids.len();
+    // Where each of the layer's experts goes in the result (`None`: not loaded).
+    let mut local = vec![None; layout.experts];
+    for (j, &e) in expert_ids.iter().enumerate() {
+        local[e] = Some(j);
+    }
 
     // Destinations: per expert, gate rows then up rows of w13; down into w2.
-    let ([w13_codes_e, w13_scales_e, w2_codes_e, w2_scales_e], lens) = lens;
+    let ([w13_codes_e, w13_scales_e, w2_codes_e, w2_scales_e], _) = lens;
+    let (_, lens) = buffer_lens(experts, h, i)?;
     let mut bufs = lens.map(|n| vec![0u8; n]);
-    // Per expert: the scalars of the six slots.
+    // Per loaded expert: the scalars of the six slots.
     let mut slots = vec![[0f32; 6]; experts];
     let mut jobs: Vec<(&String, Dest)> = Vec::with_capacity(names.len());
     let mut it = names.iter();
-    for e in 0..experts {
+    for le in local {
         for (&role, &input) in roles(naming).iter().zip(&layout.has_input) {
+            // (The layer's names, expert by expert, are consumed whether or not this one is loaded:
+            // `f.required()`'s three, then the activation scale's.)
+            let Some(e) = le else {
+                it.nth(f.required().len() + usize::from(input) - 1);
+                continue;
+            };
             let (codes_off, scales_off, g_slot, in_slot) = match role {
                 Role::Gate | Role::GateUp => (e * w13_codes_e, e * w13_scales_e, SLOT_GATE_G, SLOT_GATE_IN),
                 Role::Up => {
@@ -614,7 +669,7 @@ fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExpert
     }
 
     // Values, in expert order: checked as stored, then turned into the crate's decode scales.
-    for (e, vals) in slots.iter_mut().enumerate() {
+    for (vals, &e) in slots.iter_mut().zip(&expert_ids) {
         for ((proj, &role), &input) in naming.projections().iter().zip(roles(naming)).zip(&layout.has_input) {
             let (g_slot, in_slot) = match role {
                 Role::Gate | Role::GateUp => (SLOT_GATE_G, SLOT_GATE_IN),
@@ -652,7 +707,7 @@ fn load(path: &Path, prefix: &str, want: Option<Dialect>) -> Result<LoadedExpert
         l2_input_scales,
         naming,
     };
-    Ok(LoadedExperts { checkpoint, format: CheckpointFormat { dialect, scheme, declared_in: decl.file } })
+    Ok(LoadedExperts { checkpoint, format: CheckpointFormat { dialect, scheme, declared_in: decl.file }, expert_ids })
 }
 
 /// The weight decode scale g from the stored per-tensor value: ModelOpt's `weight_scale_2` is g;

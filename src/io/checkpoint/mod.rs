@@ -39,7 +39,9 @@ pub(crate) use catalog::Catalog;
 pub use dialect::{Dialect, QuantScheme};
 #[cfg(feature = "fuzzing")]
 pub(crate) use load::resolve_in_memory;
-pub use load::{load_compressed_tensors, load_experts, load_modelopt, CheckpointFormat, LoadedExperts};
+pub use load::{
+    load_compressed_tensors, load_expert_shard, load_experts, load_modelopt, CheckpointFormat, LoadedExperts,
+};
 pub use write::write_modelopt_experts;
 
 use crate::host::ExpertNaming;

@@ -8,7 +8,9 @@ use super::write::expert_tensors;
 use super::*;
 use crate::error::{Error, Result};
 use crate::host::{ExpertWeightsHost, MoeCheckpoint};
-use crate::io::checkpoint::{load_compressed_tensors, load_experts, Dialect, LoadedExperts, QuantScheme};
+use crate::io::checkpoint::{
+    load_compressed_tensors, load_expert_shard, load_experts, Dialect, LoadedExperts, QuantScheme,
+};
 use crate::io::safetensors::shape_str;
 use crate::rng::Rng;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -1141,4 +1143,106 @@ fn repeated_config_keys_are_refused() {
         r#"{"quantization": {"quant_algo": "NVFP4", "group_size": 32, "group_size": 16}}"#.into(),
         "has the key `group_size` twice in `quantization`",
     );
+}
+
+/// The experts `ids` of `c`, in that order (what a shard of them must load as).
+fn subset(c: &MoeCheckpoint, ids: &[usize]) -> MoeCheckpoint {
+    let pick_bytes = |v: &[u8], per: usize| ids.iter().flat_map(|&e| v[e * per..(e + 1) * per].to_vec()).collect();
+    let pick = |v: &[f32]| ids.iter().map(|&e| v[e]).collect::<Vec<f32>>();
+    let weights = |w: &ExpertWeightsHost| ExpertWeightsHost {
+        experts: ids.len(),
+        n: w.n,
+        k: w.k,
+        codes: pick_bytes(&w.codes, w.n * w.k / 2),
+        scales: pick_bytes(&w.scales, w.n * w.k / 16),
+        decode_scales: pick(&w.decode_scales),
+    };
+    MoeCheckpoint {
+        experts: ids.len(),
+        w13: weights(&c.w13),
+        w2: weights(&c.w2),
+        up_decode_scales: pick(&c.up_decode_scales),
+        l1_input_scales: c.l1_input_scales.as_deref().map(pick),
+        up_input_scales: c.up_input_scales.as_deref().map(pick),
+        l2_input_scales: c.l2_input_scales.as_deref().map(pick),
+        ..c.clone()
+    }
+}
+
+#[test]
+fn expert_shards_load_the_layers_bytes_for_their_experts() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 6, 64, 32);
+    let shards: [&[usize]; 5] = [&[0, 1, 2, 3, 4, 5], &[2, 3], &[5, 0, 3], &[4], &[1, 0]];
+    for naming in [ExpertNaming::GateUpDown, ExpertNaming::FusedW13, ExpertNaming::W1W3W2] {
+        let c = if naming.is_fused() { fusable(&c) } else { c.clone() };
+        let prefix = if naming == ExpertNaming::W1W3W2 { MIXTRAL } else { QWEN };
+        let d = TmpDir::new("shard");
+        // ModelOpt in one file and sharded over two; compressed-tensors in one file.
+        let single = d.path("m.safetensors");
+        write_modelopt_experts(&single, prefix, naming, &c).unwrap();
+        let sub = TmpDir::new("shard-index");
+        let index = write_sharded(&sub.0, &raw_tensors(prefix, naming, &c));
+        let ct = d.path("ct.safetensors");
+        write_raw(&ct, &ct_tensors(prefix, naming, &c, &[]));
+        for path in [&single, &index, &ct] {
+            let full = load_experts(path, prefix).unwrap();
+            assert_eq!(full.expert_ids, (0..6).collect::<Vec<_>>(), "{seed}");
+            for &ids in &shards {
+                let got = load_expert_shard(path, prefix, ids).unwrap();
+                assert_eq!(got.expert_ids, ids, "{seed}");
+                assert_eq!(got.format, full.format, "{seed}");
+                assert_eq!(got.checkpoint.naming, naming, "{seed}");
+                assert_same(&got.checkpoint, &subset(&full.checkpoint, ids), &format!("{naming} {ids:?}: {seed}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn an_expert_shard_reads_only_its_experts_data() {
+    // Expert 4's decode scale is NaN: the layer refuses it (a value check, after reading), a shard
+    // without expert 4 never reads it. Every header is still checked: a shard does not hide a
+    // malformed expert.
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 6, 64, 32);
+    let mut ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &c);
+    let bad = format!("{QWEN}.4.down_proj.weight_scale_2");
+    let j = find(&ts, &bad);
+    ts[j].3 = f32::NAN.to_le_bytes().to_vec();
+    let d = TmpDir::new("shard-nan");
+    let path = d.path("m.safetensors");
+    write_raw(&path, &ts);
+    assert_tensor_err(load_experts(&path, QWEN).map(|l| l.checkpoint), &bad, &["finite"], &seed);
+    let got = load_expert_shard(&path, QWEN, &[0, 5, 2]).unwrap();
+    assert_same(&got.checkpoint, &subset(&c, &[0, 5, 2]), &seed);
+    assert_tensor_err(load_expert_shard(&path, QWEN, &[3, 4]).map(|l| l.checkpoint), &bad, &["finite"], &seed);
+    // A wrong shape in an expert outside the shard is still an error.
+    let wrong = format!("{QWEN}.4.up_proj.weight");
+    let k = find(&ts, &wrong);
+    let half = ts[k].3.len() / 2;
+    ts[k].2 = vec![ts[k].2[0], ts[k].2[1] / 2];
+    ts[k].3.truncate(half);
+    write_raw(&path, &ts);
+    assert_tensor_err(load_expert_shard(&path, QWEN, &[0]).map(|l| l.checkpoint), &wrong, &["shape"], &seed);
+}
+
+#[test]
+fn bad_expert_shards_are_named() {
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 3, 64, 32);
+    let d = TmpDir::new("shard-bad");
+    let path = d.path("m.safetensors");
+    write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    for (ids, want) in [
+        (&[][..], "at least one expert"),
+        (&[3][..], "expert 3 of the shard is not in"),
+        (&[0, usize::MAX][..], "has 3 experts (0 to 2)"),
+        (&[1, 2, 1][..], "expert 1 is listed twice"),
+    ] {
+        match load_expert_shard(&path, QWEN, ids) {
+            Err(Error::Invalid(msg)) => assert!(msg.contains(want), "{ids:?}: `{msg}` lacks `{want}`; {seed}"),
+            other => panic!("{ids:?}: expected Error::Invalid, got {other:?}; {seed}"),
+        }
+    }
 }
