@@ -22,6 +22,8 @@ from . import _ops  # noqa: F401  (loads the operators)
 
 # The overload itself: calling the packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
 _FORWARD = torch.ops.nvfp4_moe.forward.default
+# The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32).
+_OPERATOR_BUFFERS = ("w13", "w13_scales", "w2", "w2_scales", "workspace")
 
 #: Gate, up and down projection names (Qwen3, DeepSeek-V3); Mixtral's are w1, w3, w2. (The layer
 #: computes SwiGLU as silu(gate) * up: models with another activation, such as gpt-oss's clamped
@@ -172,19 +174,33 @@ class MoeLayer(torch.nn.Module):
         self.__dict__.pop("_op_buffers", None)
         return super()._apply(fn, recurse)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _OPERATOR_BUFFERS:
+            self.__dict__.pop("_op_buffers", None)  # (the same: a replaced buffer is not kept alive)
+        super().__setattr__(name, value)
+
+    def __getstate__(self) -> dict:
+        # (torch.save refuses two views of one storage with different dtypes: the cache is not state.)
+        state = dict(super().__getstate__())
+        state.pop("_op_buffers", None)
+        return state
+
     def _operator_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13, w13 scales as float32, w2, w2 scales as float32, workspace) as the operator takes
-        them, made again only when a buffer was replaced: in eager mode, the module's attribute
-        lookups and the two views cost several microseconds of host time per forward."""
+        them, made again when a buffer was replaced or a scale buffer's storage changed (``.data =``,
+        ``set_``): in eager mode, the module's attribute lookups and the two views cost several
+        microseconds of host time per forward."""
         b = self._buffers
-        key = (b["w13"], b["w13_scales"], b["w2"], b["w2_scales"], b["workspace"])
+        w13, s13, w2, s2, ws = (b.get(n) for n in _OPERATOR_BUFFERS)
+        if w13 is None or s13 is None or w2 is None or s2 is None or ws is None:
+            missing = [n for n in _OPERATOR_BUFFERS if b.get(n) is None]
+            raise RuntimeError(f"MoeLayer: buffer {', '.join(missing)} was removed")
+        key, storage = (w13, s13, w2, s2, ws), (s13.data_ptr(), s2.data_ptr())
         cached = self.__dict__.get("_op_buffers")
-        if cached is None or any(x is not y for x, y in zip(cached[0], key)):
-            w13, s13, w2, s2, ws = key
-            assert w13 is not None and s13 is not None and w2 is not None and s2 is not None and ws is not None
-            cached = (key, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws))
+        if cached is None or cached[1] != storage or any(x is not y for x, y in zip(cached[0], key)):
+            cached = (key, storage, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws))
             self.__dict__["_op_buffers"] = cached
-        return cached[1]
+        return cached[2]
 
     def forward(
         self,

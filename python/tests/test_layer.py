@@ -7,6 +7,7 @@ CUDA-graph capture, and its argument errors. Skipped without a GPU.
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -135,20 +136,43 @@ def test_compile_fullgraph_and_cuda_graph():
     assert torch.equal(out, eager)
 
 
+def uncached(layer, x, ids, w):
+    """The operator on the layer's buffers as they are now (no module, no cache)."""
+    return torch.ops.nvfp4_moe.forward(x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2,
+                                       layer.w2_scales.view(torch.float32), ids, w, None, ids.shape[1], True,
+                                       layer.workspace, layer._config, layer._g)
+
+
 def test_replaced_buffers_are_what_the_forward_reads():
-    # The eager forward caches the operator's view of the buffers: a replaced buffer (assignment,
-    # Module.to) must be read, never the cached one.
+    # The eager forward caches the operator's view of the buffers: every replaced buffer (assignment,
+    # a scale buffer's storage swapped, Module._apply) must be read, never the cached one.
     a, _, x, ids, w = layer_and_inputs(tokens=8)
     g = rng(99)
     b = nvfp4_moe.MoeLayer(*(random_projection(g, 16, n, k) for n, k in ((128, 256), (128, 256), (256, 128))),
                            max_tokens=64, top_k=4)
-    want_a, want_b = a(x, topk_ids=ids, topk_weights=w), b(x, topk_ids=ids, topk_weights=w)
-    assert not torch.equal(want_a, want_b)
+    before = a(x, topk_ids=ids, topk_weights=w)
     for name in ("w13", "w13_scales", "w2", "w2_scales"):
-        setattr(a, name, getattr(b, name))
-    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), want_b), "a replaced buffer was not read"
-    a.to(torch.float16)  # (moves nothing: the buffers are integers, the scale pairs kept as int32 bits)
-    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), want_b)
+        setattr(a, name, getattr(b, name))  # one at a time: each one's replacement must be seen
+        got = a(x, topk_ids=ids, topk_weights=w)
+        assert torch.equal(got, uncached(a, x, ids, w)), f"{name}: a replaced buffer was not read"
+        assert not torch.equal(got, before), f"{name}: the output did not change"
+        before = got
+    assert torch.equal(before, b(x, topk_ids=ids, topk_weights=w))
+    a.w2_scales.data = a.w2_scales.data.clone().fill_(0)  # new storage in place: a zero decode scale
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), uncached(a, x, ids, w))
+    a._apply(lambda t: t.clone())  # what Module.to does when it moves or converts
+    assert "_op_buffers" not in a.__dict__
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), uncached(a, x, ids, w))
+
+
+def test_save_and_load_after_a_forward():
+    layer, _, x, ids, w = layer_and_inputs(tokens=8)
+    want = layer(x, topk_ids=ids, topk_weights=w)
+    f = io.BytesIO()
+    torch.save(layer, f)  # (the cached float32 views of int32 buffers are not state)
+    f.seek(0)
+    again = torch.load(f, weights_only=False)
+    assert torch.equal(again(x, topk_ids=ids, topk_weights=w), want)
 
 
 def test_bad_inputs_raise():

@@ -536,33 +536,37 @@ pub fn load_experts(path: impl AsRef<Path>, prefix: &str) -> Result<LoadedExpert
 /// experts numbered `experts` (any distinct numbers below the layer's E, in the order given; the
 /// result's expert `j` is the layer's expert `experts[j]`, [`LoadedExperts::expert_ids`]). Every
 /// expert's names, dtypes and shapes are checked from the headers as for the whole layer, but only
-/// the shard's tensor data is read.
+/// the shard's tensor data is read. The result numbers its experts `0..experts.len()`: a router's
+/// expert ids go through `expert_ids` to reach them. (One difference from the same experts taken
+/// from the whole layer: with separate gate and up projections, `up_input_scales` is `None` when
+/// up's activation scales equal gate's on the shard's experts, though not on the layer's.)
 ///
 /// # Errors
-/// As [`load_experts`]; an empty list, a number that is not one of the layer's experts, or one
-/// listed twice is an [`Error::Invalid`].
+/// An empty list or a number listed twice is an [`Error::Invalid`] before any file is opened; then
+/// as [`load_experts`], and a number that is not one of the layer's experts is an
+/// [`Error::Invalid`].
 pub fn load_expert_shard(path: impl AsRef<Path>, prefix: &str, experts: &[usize]) -> Result<LoadedExperts> {
+    if experts.is_empty() {
+        return Err(Error::Invalid("an expert shard needs at least one expert".into()));
+    }
+    let mut sorted = experts.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::Invalid(format!("expert {} is listed twice in the shard", w[0])));
+    }
     load(path.as_ref(), prefix, None, Some(experts))
 }
 
-/// The shard's expert numbers, checked against the layer's `all` experts.
+/// The shard's expert numbers (not empty, distinct: [`load_expert_shard`]), checked against the
+/// layer's `all` experts.
 fn shard_ids(shard: &[usize], all: usize, p: &str, cat: &Catalog) -> Result<Vec<usize>> {
-    if shard.is_empty() {
-        return Err(Error::Invalid("an expert shard needs at least one expert".into()));
-    }
-    let mut seen = vec![false; all];
-    for &e in shard {
-        if e >= all {
-            return Err(Error::Invalid(format!(
-                "expert {e} of the shard is not in `{}`: the layer `{}` has {all} experts (0 to {})",
-                shown_path(&cat.source),
-                shown(p.trim_end_matches('.')),
-                all - 1
-            )));
-        }
-        if std::mem::replace(&mut seen[e], true) {
-            return Err(Error::Invalid(format!("expert {e} is listed twice in the shard")));
-        }
+    if let Some(&e) = shard.iter().find(|&&e| e >= all) {
+        return Err(Error::Invalid(format!(
+            "expert {e} of the shard is not in `{}`: the layer `{}` has {all} experts (0 to {})",
+            shown_path(&cat.source),
+            shown(p.trim_end_matches('.')),
+            all - 1
+        )));
     }
     Ok(shard.to_vec())
 }

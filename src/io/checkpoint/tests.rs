@@ -1200,9 +1200,9 @@ fn expert_shards_load_the_layers_bytes_for_their_experts() {
 }
 
 #[test]
-fn an_expert_shard_reads_only_its_experts_data() {
+fn an_expert_shard_sees_only_its_experts_values() {
     // Expert 4's decode scale is NaN: the layer refuses it (a value check, after reading), a shard
-    // without expert 4 never reads it. Every header is still checked: a shard does not hide a
+    // without expert 4 never takes it. Every header is still checked: a shard does not hide a
     // malformed expert.
     let (mut r, seed) = rng();
     let c = random_ckpt(&mut r, 6, 64, 32);
@@ -1225,6 +1225,26 @@ fn an_expert_shard_reads_only_its_experts_data() {
     ts[k].3.truncate(half);
     write_raw(&path, &ts);
     assert_tensor_err(load_expert_shard(&path, QWEN, &[0]).map(|l| l.checkpoint), &wrong, &["shape"], &seed);
+}
+
+#[test]
+fn expert_shards_without_or_with_some_activation_scales() {
+    // Weight-only (no input_scale anywhere) and down alone carrying one: the names a shard skips
+    // per projection depend on it.
+    let (mut r, seed) = rng();
+    let c = random_ckpt(&mut r, 5, 64, 32);
+    for keep in [None, Some("down_proj")] {
+        let mut ts = raw_tensors(QWEN, ExpertNaming::GateUpDown, &c);
+        ts.retain(|t| !t.0.ends_with(".input_scale") || keep.is_some_and(|k| t.0.contains(k)));
+        let d = TmpDir::new("shard-inputs");
+        let path = d.path("m.safetensors");
+        write_raw(&path, &ts);
+        let full = load_experts(&path, QWEN).unwrap();
+        for ids in [&[3, 1][..], &[4][..], &[0, 2, 4][..]] {
+            let got = load_expert_shard(&path, QWEN, ids).unwrap();
+            assert_same(&got.checkpoint, &subset(&full.checkpoint, ids), &format!("{keep:?} {ids:?}: {seed}"));
+        }
+    }
 }
 
 #[test]
