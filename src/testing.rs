@@ -138,6 +138,33 @@ fn device_fill(s: &Arc<CudaStream>, len: usize, gen: &mut dyn FnMut() -> u8) -> 
     Ok(dst)
 }
 
+/// The experts `ids` of `c`, in that order (what a shard of them holds: tests of expert shards).
+///
+/// # Panics
+/// If an id is not below `c.experts` (a test helper).
+pub fn expert_subset(c: &MoeCheckpoint, ids: &[usize]) -> MoeCheckpoint {
+    let pick_bytes = |v: &[u8], per: usize| ids.iter().flat_map(|&e| v[e * per..(e + 1) * per].to_vec()).collect();
+    let pick = |v: &[f32]| ids.iter().map(|&e| v[e]).collect::<Vec<f32>>();
+    let weights = |w: &ExpertWeightsHost| ExpertWeightsHost {
+        experts: ids.len(),
+        n: w.n,
+        k: w.k,
+        codes: pick_bytes(&w.codes, w.n * w.k / 2),
+        scales: pick_bytes(&w.scales, w.n * w.k / 16),
+        decode_scales: pick(&w.decode_scales),
+    };
+    MoeCheckpoint {
+        experts: ids.len(),
+        w13: weights(&c.w13),
+        w2: weights(&c.w2),
+        up_decode_scales: pick(&c.up_decode_scales),
+        l1_input_scales: c.l1_input_scales.as_deref().map(pick),
+        up_input_scales: c.up_input_scales.as_deref().map(pick),
+        l2_input_scales: c.l2_input_scales.as_deref().map(pick),
+        ..c.clone()
+    }
+}
+
 #[cfg(feature = "cuda")]
 /// Random prepared NVFP4 weights `[experts, n, k]` made on the device, for benchmarks (scales
 /// valid E4M3 bytes in 0x20..0x48, decode scales in [1e-3, 1e-2), up's twice gate's for

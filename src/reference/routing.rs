@@ -212,7 +212,7 @@ pub fn try_combine(
 /// One MoE feed-forward layer in f64: route, `silu(x W_gate^T g_gate) * (x W_up^T g_up)` per
 /// chosen expert, `W_down`, and the weighted sum over the k experts. `w13` holds per expert the
 /// gate rows then the up rows (`n = 2I`, `k = H`), its decode scales the gate's; `w2` is `n = H`,
-/// `k = I` (the fields of a [`MoeCheckpoint`] `experts`). The oracle for the device layer (which
+/// `k = I` (the fields of a [`MoeCheckpoint`] `ckpt`). The oracle for the device layer (which
 /// rounds the SwiGLU output to BF16 between the GEMMs, well inside the 1e-2 tolerance).
 ///
 /// # Errors
@@ -224,8 +224,32 @@ pub fn moe_layer(
     topk_ids: &[i32],
     topk_weights: &[f32],
     top_k: usize,
-    experts: &MoeCheckpoint,
+    ckpt: &MoeCheckpoint,
 ) -> Result<Vec<f64>> {
+    check_layer(hidden, tokens, topk_ids, topk_weights, top_k, ckpt)?;
+    let (h, inter, experts) = (ckpt.w13.k, ckpt.w13.n / 2, ckpt.w13.experts);
+    let perm = permute(topk_ids, top_k, experts)?;
+    let rows = perm.pair_of_row.len();
+    let mut y = vec![0f64; rows * h];
+    let mut act = vec![0f64; inter];
+    for row in 0..rows {
+        let pair = perm.pair_of_row[row] as usize;
+        let (t, e) = (pair / top_k, topk_ids[pair] as usize);
+        expert_ffn(&hidden[t * h..(t + 1) * h], e, ckpt, &mut act, &mut y[row * h..(row + 1) * h]);
+    }
+    Ok(combine(&y, h, &perm, topk_weights, top_k))
+}
+
+/// [`moe_layer`]'s argument checks: the weights make one layer, in bounds, and the inputs have
+/// `tokens` rows and `tokens x top_k` slots.
+fn check_layer(
+    hidden: &[bf16],
+    tokens: usize,
+    topk_ids: &[i32],
+    topk_weights: &[f32],
+    top_k: usize,
+    experts: &MoeCheckpoint,
+) -> Result<()> {
     let (w13, up_decode_scales, w2) = (&experts.w13, &experts.up_decode_scales, &experts.w2);
     let (h, inter, experts) = (w13.k, w13.n / 2, w13.experts);
     if w2.n != h || w2.k != inter || w2.experts != experts || up_decode_scales.len() != experts {
@@ -255,36 +279,143 @@ pub fn moe_layer(
     {
         return Err(Error::InvalidShape("hidden, topk_ids or topk_weights has the wrong length".into()));
     }
-    let perm = permute(topk_ids, top_k, experts)?;
-    let rows = perm.pair_of_row.len();
-    let mut y = vec![0f64; rows * h];
-    let mut act = vec![0f64; inter];
-    for row in 0..rows {
-        let pair = perm.pair_of_row[row] as usize;
-        let (t, e) = (pair / top_k, topk_ids[pair] as usize);
-        let x = &hidden[t * h..(t + 1) * h];
-        for (f, a) in act.iter_mut().enumerate() {
-            let (mut g, mut u) = (0f64, 0f64);
-            for (kk, xv) in x.iter().enumerate() {
-                let xv = f64::from(xv.to_f32());
-                g += xv * f64::from(w13.weight(e, f, kk));
-                u += xv * f64::from(w13.weight(e, inter + f, kk));
-            }
-            let (g, u) = (g * f64::from(w13.decode_scales[e]), u * f64::from(up_decode_scales[e]));
-            *a = g / (1.0 + (-g).exp()) * u;
+    Ok(())
+}
+
+/// Expert `e` of `ckpt` on one token `x` (`[H]`) in f64, into `y` (`[H]`); `act` (`[I]`) is
+/// scratch. [`moe_layer`]'s and [`moe_layer_shard`]'s one computation.
+fn expert_ffn(x: &[bf16], e: usize, ckpt: &MoeCheckpoint, act: &mut [f64], y: &mut [f64]) {
+    let (w13, up_decode_scales, w2) = (&ckpt.w13, &ckpt.up_decode_scales, &ckpt.w2);
+    let inter = w13.n / 2;
+    for (f, a) in act.iter_mut().enumerate() {
+        let (mut g, mut u) = (0f64, 0f64);
+        for (kk, xv) in x.iter().enumerate() {
+            let xv = f64::from(xv.to_f32());
+            g += xv * f64::from(w13.weight(e, f, kk));
+            u += xv * f64::from(w13.weight(e, inter + f, kk));
         }
-        for (o, yv) in y[row * h..(row + 1) * h].iter_mut().enumerate() {
-            let dot: f64 = act.iter().enumerate().map(|(kk, a)| a * f64::from(w2.weight(e, o, kk))).sum();
-            *yv = dot * f64::from(w2.decode_scales[e]);
+        let (g, u) = (g * f64::from(w13.decode_scales[e]), u * f64::from(up_decode_scales[e]));
+        *a = g / (1.0 + (-g).exp()) * u;
+    }
+    for (o, yv) in y.iter_mut().enumerate() {
+        let dot: f64 = act.iter().enumerate().map(|(kk, a)| a * f64::from(w2.weight(e, o, kk))).sum();
+        *yv = dot * f64::from(w2.decode_scales[e]);
+    }
+}
+
+/// A shard of one MoE layer in f64 (expert parallelism, issue 24): the layer's routing
+/// (`topk_ids` in `[0, layer_experts)`), of which only the slots whose expert is in the shard
+/// contribute; `shard` holds the layer's experts `expert_ids` (its expert `j` is the layer's
+/// `expert_ids[j]`, as [`crate::io::load_expert_shard`] returns them). Each token's sum runs over
+/// its slots in order, as [`moe_layer`]'s: the shards of a partition of the experts add up to the
+/// whole layer's output up to the order of that final sum (a shard with all experts in order gives
+/// [`moe_layer`]'s bits).
+///
+/// # Errors
+/// As [`moe_layer`], with ids checked against `layer_experts`; `expert_ids` not `shard.experts`
+/// distinct numbers below `layer_experts`.
+// (moe_layer's arguments, then the shard's three: kept flat like the oracle's other entry points.)
+#[allow(clippy::too_many_arguments)]
+pub fn moe_layer_shard(
+    hidden: &[bf16],
+    tokens: usize,
+    topk_ids: &[i32],
+    topk_weights: &[f32],
+    top_k: usize,
+    shard: &MoeCheckpoint,
+    expert_ids: &[usize],
+    layer_experts: usize,
+) -> Result<Vec<f64>> {
+    check_layer(hidden, tokens, topk_ids, topk_weights, top_k, shard)?;
+    let mut local = vec![None; layer_experts];
+    if expert_ids.len() != shard.w13.experts {
+        return Err(Error::InvalidShape(format!(
+            "{} expert ids for a shard of {} experts",
+            expert_ids.len(),
+            shard.w13.experts
+        )));
+    }
+    for (j, &e) in expert_ids.iter().enumerate() {
+        match local.get_mut(e) {
+            Some(slot @ None) => *slot = Some(j),
+            _ => {
+                return Err(Error::Invalid(format!(
+                    "expert id {e} of the shard is repeated or not below the layer's {layer_experts} experts"
+                )))
+            }
         }
     }
-    Ok(combine(&y, h, &perm, topk_weights, top_k))
+    // The same check and message as [`permute`]'s.
+    permute(topk_ids, top_k, layer_experts)?;
+    let h = shard.w13.k;
+    let mut out = vec![0f64; tokens * h];
+    let (mut act, mut y) = (vec![0f64; shard.w13.n / 2], vec![0f64; h]);
+    for (pair, &id) in topk_ids.iter().enumerate() {
+        let Some(e) = local[id as usize] else { continue };
+        let t = pair / top_k;
+        expert_ffn(&hidden[t * h..(t + 1) * h], e, shard, &mut act, &mut y);
+        let w = f64::from(topk_weights[pair]);
+        for (o, v) in out[t * h..(t + 1) * h].iter_mut().zip(&y) {
+            *o += w * v;
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rng::Rng;
+    use crate::testing::{expert_subset, random_moe_checkpoint};
+
+    /// Shards of a partition of the experts add up to the whole layer (f64, up to the order of each
+    /// token's final sum), one shard with every expert in order gives its bits, and a shard whose
+    /// experts nobody chose gives zeros.
+    #[test]
+    fn expert_shards_add_up_to_the_layer() {
+        let mut rng = crate::testing::test_rng();
+        let seed = format!("seed = {:#x}", rng.seed());
+        let (e, h, inter, t, k) = (8usize, 32usize, 16usize, 6usize, 3usize);
+        let ck = random_moe_checkpoint(&mut rng, e, h, inter);
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        // Experts 6 and 7 are never chosen.
+        let mut ids = Vec::with_capacity(t * k);
+        for _ in 0..t {
+            let mut pool: Vec<i32> = (0..6).collect();
+            for j in 0..k {
+                let r = j + rng.below((6 - j) as u64) as usize;
+                pool.swap(j, r);
+                ids.push(pool[j]);
+            }
+        }
+        let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+        let full = moe_layer(&hidden, t, &ids, &w, k, &ck).unwrap();
+        let all: Vec<usize> = (0..e).collect();
+        let same = moe_layer_shard(&hidden, t, &ids, &w, k, &ck, &all, e).unwrap();
+        assert!(same.iter().zip(&full).all(|(a, b)| a.to_bits() == b.to_bits()), "{seed}");
+        for partition in [&[&[0usize, 1, 2, 3][..], &[4, 5, 6, 7]][..], &[&[5, 0, 3], &[7, 6], &[1, 4, 2]]] {
+            let mut sum = vec![0f64; t * h];
+            for &shard in partition {
+                let got = moe_layer_shard(&hidden, t, &ids, &w, k, &expert_subset(&ck, shard), shard, e).unwrap();
+                if shard == [7, 6] {
+                    assert!(got.iter().all(|&v| v == 0.0), "an unchosen shard contributed; {seed}");
+                }
+                sum.iter_mut().zip(&got).for_each(|(s, g)| *s += g);
+            }
+            let num: f64 = sum.iter().zip(&full).map(|(a, b)| (a - b) * (a - b)).sum();
+            let den: f64 = full.iter().map(|b| b * b).sum();
+            assert!(den > 0.0 && (num / den).sqrt() < 1e-12, "{partition:?}: {:e}; {seed}", (num / den).sqrt());
+        }
+        // Bad shard descriptions and ids.
+        let sub = expert_subset(&ck, &[1, 2]);
+        for (shard_ids, layer) in [(&[1usize][..], e), (&[1, 1][..], e), (&[1, 8][..], e), (&[1, 2][..], 2)] {
+            assert!(moe_layer_shard(&hidden, t, &ids, &w, k, &sub, shard_ids, layer).is_err(), "{shard_ids:?}; {seed}");
+        }
+        let mut bad = ids.clone();
+        bad[4] = e as i32;
+        let err = moe_layer_shard(&hidden, t, &bad, &w, k, &sub, &[1, 2], e).unwrap_err().to_string();
+        assert!(err.contains("topk_ids[1, 1] = 8"), "{err}; {seed}");
+    }
 
     /// The checked forms of the oracle's indexing helpers: the same result on valid arguments,
     /// an error (not a panic) on each kind of bad one (issue 21's no-panic rule).

@@ -1145,29 +1145,7 @@ fn repeated_config_keys_are_refused() {
     );
 }
 
-/// The experts `ids` of `c`, in that order (what a shard of them must load as).
-fn subset(c: &MoeCheckpoint, ids: &[usize]) -> MoeCheckpoint {
-    let pick_bytes = |v: &[u8], per: usize| ids.iter().flat_map(|&e| v[e * per..(e + 1) * per].to_vec()).collect();
-    let pick = |v: &[f32]| ids.iter().map(|&e| v[e]).collect::<Vec<f32>>();
-    let weights = |w: &ExpertWeightsHost| ExpertWeightsHost {
-        experts: ids.len(),
-        n: w.n,
-        k: w.k,
-        codes: pick_bytes(&w.codes, w.n * w.k / 2),
-        scales: pick_bytes(&w.scales, w.n * w.k / 16),
-        decode_scales: pick(&w.decode_scales),
-    };
-    MoeCheckpoint {
-        experts: ids.len(),
-        w13: weights(&c.w13),
-        w2: weights(&c.w2),
-        up_decode_scales: pick(&c.up_decode_scales),
-        l1_input_scales: c.l1_input_scales.as_deref().map(pick),
-        up_input_scales: c.up_input_scales.as_deref().map(pick),
-        l2_input_scales: c.l2_input_scales.as_deref().map(pick),
-        ..c.clone()
-    }
-}
+use crate::testing::expert_subset as subset;
 
 #[test]
 fn expert_shards_load_the_layers_bytes_for_their_experts() {
