@@ -187,15 +187,15 @@ class MoeLayer(torch.nn.Module):
 
     def _operator_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13, w13 scales as float32, w2, w2 scales as float32, workspace) as the operator takes
-        them, made again when a buffer was replaced or a scale buffer's storage changed (``.data =``,
-        ``set_``): in eager mode, the module's attribute lookups and the two views cost several
-        microseconds of host time per forward."""
+        them, made again when a buffer was replaced or a scale buffer's storage or shape changed
+        (``.data =``, ``set_``): in eager mode, the module's attribute lookups and the two views cost
+        several microseconds of host time per forward."""
         b = self._buffers
         w13, s13, w2, s2, ws = (b.get(n) for n in _OPERATOR_BUFFERS)
         if w13 is None or s13 is None or w2 is None or s2 is None or ws is None:
             missing = [n for n in _OPERATOR_BUFFERS if b.get(n) is None]
             raise RuntimeError(f"MoeLayer: buffer {', '.join(missing)} was removed")
-        key, storage = (w13, s13, w2, s2, ws), (s13.data_ptr(), s2.data_ptr())
+        key, storage = (w13, s13, w2, s2, ws), (s13.data_ptr(), s13.shape, s2.data_ptr(), s2.shape)
         cached = self.__dict__.get("_op_buffers")
         if cached is None or cached[1] != storage or any(x is not y for x, y in zip(cached[0], key)):
             cached = (key, storage, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws))

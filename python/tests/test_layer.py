@@ -111,11 +111,15 @@ def test_router_path_equals_the_top_k_it_chooses():
     assert overall <= 1e-3, overall
 
 
+def op_args(layer, x, ids, w) -> tuple:
+    """The operator's arguments for the layer's buffers as they are now (no module, no cache)."""
+    return (x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales.view(torch.float32), ids, w,
+            None, ids.shape[1], True, layer.workspace, layer._config, layer._g)
+
+
 def test_opcheck():
     layer, _, x, ids, w = layer_and_inputs(tokens=8)
-    args = (x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales.view(torch.float32), ids, w,
-            None, ids.shape[1], True, layer.workspace, layer._config, layer._g)
-    torch.library.opcheck(torch.ops.nvfp4_moe.forward, args)
+    torch.library.opcheck(torch.ops.nvfp4_moe.forward, op_args(layer, x, ids, w))
 
 
 def test_compile_fullgraph_and_cuda_graph():
@@ -137,32 +141,36 @@ def test_compile_fullgraph_and_cuda_graph():
 
 
 def uncached(layer, x, ids, w):
-    """The operator on the layer's buffers as they are now (no module, no cache)."""
-    return torch.ops.nvfp4_moe.forward(x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2,
-                                       layer.w2_scales.view(torch.float32), ids, w, None, ids.shape[1], True,
-                                       layer.workspace, layer._config, layer._g)
+    return torch.ops.nvfp4_moe.forward(*op_args(layer, x, ids, w))
 
 
 def test_replaced_buffers_are_what_the_forward_reads():
     # The eager forward caches the operator's view of the buffers: every replaced buffer (assignment,
-    # a scale buffer's storage swapped, Module._apply) must be read, never the cached one.
+    # register_buffer, a scale buffer's storage swapped, Module._apply) must be read, never a cached one.
     a, _, x, ids, w = layer_and_inputs(tokens=8)
     g = rng(99)
     b = nvfp4_moe.MoeLayer(*(random_projection(g, 16, n, k) for n, k in ((128, 256), (128, 256), (256, 128))),
                            max_tokens=64, top_k=4)
     before = a(x, topk_ids=ids, topk_weights=w)
     for name in ("w13", "w13_scales", "w2", "w2_scales"):
-        setattr(a, name, getattr(b, name))  # one at a time: each one's replacement must be seen
+        t = getattr(b, name).clone()
+        if name == "w2":
+            a.register_buffer(name, t, persistent=False)  # (not through __setattr__: the identity check's case)
+        else:
+            setattr(a, name, t)  # one at a time: each one's replacement must be seen
         got = a(x, topk_ids=ids, topk_weights=w)
         assert torch.equal(got, uncached(a, x, ids, w)), f"{name}: a replaced buffer was not read"
         assert not torch.equal(got, before), f"{name}: the output did not change"
         before = got
     assert torch.equal(before, b(x, topk_ids=ids, topk_weights=w))
-    a.w2_scales.data = a.w2_scales.data.clone().fill_(0)  # new storage in place: a zero decode scale
-    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), uncached(a, x, ids, w))
+    scales = a.w2_scales.clone()
+    a.w2_scales.data = torch.zeros_like(scales)  # new storage in place: zero decode scales
+    zero = a(x, topk_ids=ids, topk_weights=w)
+    assert torch.equal(zero, uncached(a, x, ids, w)) and not torch.equal(zero, before)
     a._apply(lambda t: t.clone())  # what Module.to does when it moves or converts
     assert "_op_buffers" not in a.__dict__
-    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), uncached(a, x, ids, w))
+    a.w2_scales.copy_(scales)  # into the new tensor: a cache kept across _apply would still read zeros
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), before)
 
 
 def test_save_and_load_after_a_forward():

@@ -74,19 +74,7 @@ pub struct Permutation {
 /// # Errors
 /// [`Error::InvalidShape`] for a length not a multiple of `top_k`, [`Error::Invalid`] for a bad id.
 pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permutation> {
-    if top_k == 0 || !topk_ids.len().is_multiple_of(top_k) {
-        return Err(Error::InvalidShape(format!(
-            "topk_ids has {} entries, not a multiple of k = {top_k}",
-            topk_ids.len()
-        )));
-    }
-    if let Some((i, &id)) = topk_ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= experts) {
-        return Err(Error::Invalid(format!(
-            "topk_ids[{}, {}] = {id} is not an expert id in [0, {experts})",
-            i / top_k,
-            i % top_k
-        )));
-    }
+    check_ids(topk_ids, top_k, experts)?;
     let mut counts = vec![0i32; experts];
     for &id in topk_ids {
         counts[id as usize] += 1;
@@ -106,6 +94,25 @@ pub fn permute(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<Permuta
         pair_of_row[row as usize] = pair as i32;
     }
     Ok(Permutation { expert_offsets, row_of_pair, pair_of_row })
+}
+
+/// [`permute`]'s checks of `topk_ids` (`[T, k]`): whole rows of `top_k >= 1` slots, every id in
+/// `[0, experts)` (the first bad one named by token, slot and id).
+fn check_ids(topk_ids: &[i32], top_k: usize, experts: usize) -> Result<()> {
+    if top_k == 0 || !topk_ids.len().is_multiple_of(top_k) {
+        return Err(Error::InvalidShape(format!(
+            "topk_ids has {} entries, not a multiple of k = {top_k}",
+            topk_ids.len()
+        )));
+    }
+    if let Some((i, &id)) = topk_ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= experts) {
+        return Err(Error::Invalid(format!(
+            "topk_ids[{}, {}] = {id} is not an expert id in [0, {experts})",
+            i / top_k,
+            i % top_k
+        )));
+    }
+    Ok(())
 }
 
 /// The rows of `hidden` (`[T, H]`) in permuted order (`[T * k, H]`). `top_k = 0` means no pairs:
@@ -248,9 +255,9 @@ fn check_layer(
     topk_ids: &[i32],
     topk_weights: &[f32],
     top_k: usize,
-    experts: &MoeCheckpoint,
+    ckpt: &MoeCheckpoint,
 ) -> Result<()> {
-    let (w13, up_decode_scales, w2) = (&experts.w13, &experts.up_decode_scales, &experts.w2);
+    let (w13, up_decode_scales, w2) = (&ckpt.w13, &ckpt.up_decode_scales, &ckpt.w2);
     let (h, inter, experts) = (w13.k, w13.n / 2, w13.experts);
     if w2.n != h || w2.k != inter || w2.experts != experts || up_decode_scales.len() != experts {
         return Err(Error::InvalidShape("w13, up scales and w2 do not describe one MoE layer".into()));
@@ -312,7 +319,7 @@ fn expert_ffn(x: &[bf16], e: usize, ckpt: &MoeCheckpoint, act: &mut [f64], y: &m
 /// [`moe_layer`]'s bits).
 ///
 /// # Errors
-/// As [`moe_layer`], with ids checked against `layer_experts`; `expert_ids` not `shard.experts`
+/// As [`moe_layer`], with ids checked against `layer_experts`; `expert_ids` not `shard.w13.experts`
 /// distinct numbers below `layer_experts`.
 // (moe_layer's arguments, then the shard's three: kept flat like the oracle's other entry points.)
 #[allow(clippy::too_many_arguments)]
@@ -327,7 +334,6 @@ pub fn moe_layer_shard(
     layer_experts: usize,
 ) -> Result<Vec<f64>> {
     check_layer(hidden, tokens, topk_ids, topk_weights, top_k, shard)?;
-    let mut local = vec![None; layer_experts];
     if expert_ids.len() != shard.w13.experts {
         return Err(Error::InvalidShape(format!(
             "{} expert ids for a shard of {} experts",
@@ -335,23 +341,24 @@ pub fn moe_layer_shard(
             shard.w13.experts
         )));
     }
-    for (j, &e) in expert_ids.iter().enumerate() {
-        match local.get_mut(e) {
-            Some(slot @ None) => *slot = Some(j),
-            _ => {
-                return Err(Error::Invalid(format!(
-                    "expert id {e} of the shard is repeated or not below the layer's {layer_experts} experts"
-                )))
-            }
-        }
+    // (layer id, shard index), sorted: nothing sized by `layer_experts`, which is only a bound.
+    let mut local: Vec<(usize, usize)> = expert_ids.iter().enumerate().map(|(j, &e)| (e, j)).collect();
+    local.sort_unstable();
+    let repeated = local.windows(2).find(|w| w[0].0 == w[1].0).map(|w| w[0].0);
+    let beyond = local.last().map(|l| l.0).filter(|&e| e >= layer_experts);
+    if let Some(e) = repeated.or(beyond) {
+        return Err(Error::Invalid(format!(
+            "expert id {e} of the shard is repeated or not below the layer's {layer_experts} experts"
+        )));
     }
     // The same check and message as [`permute`]'s.
-    permute(topk_ids, top_k, layer_experts)?;
+    check_ids(topk_ids, top_k, layer_experts)?;
     let h = shard.w13.k;
     let mut out = vec![0f64; tokens * h];
     let (mut act, mut y) = (vec![0f64; shard.w13.n / 2], vec![0f64; h]);
     for (pair, &id) in topk_ids.iter().enumerate() {
-        let Some(e) = local[id as usize] else { continue };
+        let Ok(at) = local.binary_search_by_key(&(id as usize), |&(e, _)| e) else { continue };
+        let e = local[at].1;
         let t = pair / top_k;
         expert_ffn(&hidden[t * h..(t + 1) * h], e, shard, &mut act, &mut y);
         let w = f64::from(topk_weights[pair]);
@@ -408,8 +415,17 @@ mod tests {
         }
         // Bad shard descriptions and ids.
         let sub = expert_subset(&ck, &[1, 2]);
-        for (shard_ids, layer) in [(&[1usize][..], e), (&[1, 1][..], e), (&[1, 8][..], e), (&[1, 2][..], 2)] {
-            assert!(moe_layer_shard(&hidden, t, &ids, &w, k, &sub, shard_ids, layer).is_err(), "{shard_ids:?}; {seed}");
+        for (shard_ids, layer, want) in [
+            (&[1usize][..], e, "1 expert ids for a shard of 2 experts"),
+            (&[1, 1][..], e, "expert id 1 of the shard is repeated"),
+            (&[1, 8][..], e, "expert id 8 of the shard is repeated or not below the layer's 8"),
+            (&[1, 2][..], 2, "expert id 2 of the shard is repeated or not below the layer's 2"),
+            (&[1, 2][..], usize::MAX, ""),
+        ] {
+            match moe_layer_shard(&hidden, t, &ids, &w, k, &sub, shard_ids, layer) {
+                Err(err) if !want.is_empty() => assert!(err.to_string().contains(want), "{err}; {seed}"),
+                r => assert!(want.is_empty() && r.is_ok(), "{shard_ids:?} of {layer}: {r:?}; {seed}"),
+            }
         }
         let mut bad = ids.clone();
         bad[4] = e as i32;

@@ -604,6 +604,8 @@ fn load(path: &Path, prefix: &str, want: Option<Dialect>, shard: Option<&[usize]
     // Where each of the layer's experts goes in the result (`None`: not loaded).
     let mut local = vec![None; layout.experts];
     for (j, &e) in expert_ids.iter().enumerate() {
+        // (Distinct: load_expert_shard checked; a repeat would silently drop an expert here.)
+        debug_assert!(local[e].is_none(), "expert {e} listed twice");
         local[e] = Some(j);
     }
 

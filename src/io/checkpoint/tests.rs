@@ -13,6 +13,7 @@ use crate::io::checkpoint::{
 };
 use crate::io::safetensors::shape_str;
 use crate::rng::Rng;
+use crate::testing::expert_subset as subset;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// A fresh directory under the temporary directory, removed on drop.
@@ -1145,8 +1146,6 @@ fn repeated_config_keys_are_refused() {
     );
 }
 
-use crate::testing::expert_subset as subset;
-
 #[test]
 fn expert_shards_load_the_layers_bytes_for_their_experts() {
     let (mut r, seed) = rng();
@@ -1232,6 +1231,13 @@ fn bad_expert_shards_are_named() {
     let d = TmpDir::new("shard-bad");
     let path = d.path("m.safetensors");
     write_modelopt_experts(&path, QWEN, ExpertNaming::GateUpDown, &c).unwrap();
+    // An empty or repeated list is refused before any file is opened: the path need not exist.
+    for ids in [&[][..], &[1, 1][..]] {
+        match load_expert_shard(d.path("missing.safetensors"), QWEN, ids) {
+            Err(Error::Invalid(_)) => {}
+            other => panic!("{ids:?}: expected Error::Invalid before opening, got {other:?}; {seed}"),
+        }
+    }
     for (ids, want) in [
         (&[][..], "at least one expert"),
         (&[3][..], "expert 3 of the shard is not in"),
