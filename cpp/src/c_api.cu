@@ -45,8 +45,17 @@ class DeviceGuard {
     if (e != cudaSuccess) return cuda_fail(what, e);
     device_ = previous_;
     if (stream) {
-      e = cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &device_);
+      // cudaStreamGetDevice is not permitted while the stream captures (it invalidates a capture in
+      // global mode, PyTorch's default), so a capturing stream is taken to be on the current
+      // device: a capture on another device's stream then fails at the first kernel launch
+      // (launches need the stream's device current), never runs on the wrong device.
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      e = cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture);
       if (e != cudaSuccess) return cuda_fail(what, e);
+      if (capture == cudaStreamCaptureStatusNone) {
+        e = cudaStreamGetDevice(static_cast<cudaStream_t>(stream), &device_);
+        if (e != cudaSuccess) return cuda_fail(what, e);
+      }
     }
     if (device_ != previous_) {
       e = cudaSetDevice(device_);

@@ -220,6 +220,36 @@ def test_same_bytes_as_the_c_abi():
             c.close()
 
 
+def test_c_abi_forward_captures_in_a_graph():
+    """nvfp4moe_layer_forward inside torch.cuda.graph (global capture mode, where an unsafe call
+    such as cudaStreamGetDevice invalidates the capture): the replay writes the eager bytes."""
+    from capi import CLayer
+
+    layer, (gate, up, down), x, ids, w = layer_and_inputs(tokens=16)
+    c = CLayer(gate, up, down, max_tokens=64, top_k=ids.shape[1])
+    try:
+        eager = c(x, ids, w)
+        out = torch.full_like(eager, float("nan"))  # poisoned: the replay must write every element
+        f = c.args(x, ids, w, out)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            c.forward_args(f)  # warm-up on the side stream
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c.forward_args(f)
+        assert torch.isnan(out.float()).all()  # captured, not run
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert torch.equal(eager, layer(x, topk_ids=ids, topk_weights=w))
+    finally:
+        c.close()
+
+
 def test_nvfp4_intermediate_and_options():
     """The NVFP4 intermediate (the crate's `check --intermediate nvfp4` tolerances: NVFP4's own
     error on SwiGLU data is ~9% RMS), batch invariance, renormalize=False, and .to(dtype) leaving

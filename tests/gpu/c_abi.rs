@@ -3,7 +3,8 @@
 //! qwen3-30b-a3b and mixtral-8x7b (every expert: the tiles and splits are those of the real layers)
 //! and T = 1, 16 and 1024, and its
 //! output is within the f64 reference's tolerance; a bad expert id comes back through
-//! `nvfp4moe_layer_check`. The C functions are in the static core the test links.
+//! `nvfp4moe_layer_check`; a forward captured into a CUDA graph replays the eager bytes. The C
+//! functions are in the static core the test links.
 
 use super::*;
 use crate::layer::moe_layer::random_checkpoint;
@@ -213,5 +214,89 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
             ok(nvfp4moe_weights_destroy(w13), "nvfp4moe_weights_destroy");
             ok(nvfp4moe_weights_destroy(w2), "nvfp4moe_weights_destroy");
         }
+    }
+}
+
+/// `nvfp4moe_layer_forward` captured into a CUDA graph (thread-local mode: this thread may make no
+/// capture-unsafe call, such as cudaStreamGetDevice, which session 17 found the ABI making) and
+/// replayed: the eager bytes; before the replay the output is untouched. PyTorch's global mode is
+/// python/tests/test_layer.py's `test_c_abi_forward_captures_in_a_graph`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn c_abi_forward_is_graph_capturable() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let ctx = stream().context().clone();
+    let s = ctx.new_stream().unwrap();
+    let cs = s.cu_stream() as *mut c_void;
+    let mut rng = test_rng();
+    let rp = replay();
+    let (e, h, i, t, k) = (16usize, 512usize, 256usize, 24usize, 4usize);
+    let ck = random_checkpoint(&mut rng, e, h, i);
+    let prepare = |w: &nvfp4_moe::host::ExpertWeightsHost, up: Option<&[f32]>| {
+        let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+        let args = WeightsCreateArgs {
+            struct_size: std::mem::size_of::<WeightsCreateArgs>() as i64,
+            codes: addr(&s, &codes),
+            scales: addr(&s, &scales),
+            experts: w.experts as i64,
+            n: w.n as i64,
+            k: w.k as i64,
+            decode_scales: w.decode_scales.as_ptr(),
+            up_decode_scales: up.map_or(std::ptr::null(), <[f32]>::as_ptr),
+        };
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: [E, n, k/2] codes and [E, n, k/16] scales on the stream's device, E decode scales
+        // each; the call synchronizes the stream before returning.
+        ok(unsafe { nvfp4moe_weights_create(&args, cs, &mut handle) }, "nvfp4moe_weights_create");
+        handle
+    };
+    let (w13, w2) = (prepare(&ck.w13, Some(&ck.up_decode_scales)), prepare(&ck.w2, None));
+    let la = LayerCreateArgs {
+        struct_size: std::mem::size_of::<LayerCreateArgs>() as i64,
+        w13,
+        w2,
+        options: MoeLayerDesc { max_tokens: 64, max_top_k: k as i64, ..Default::default() },
+    };
+    let mut layer = std::ptr::null_mut();
+    // SAFETY: two handles made above.
+    ok(unsafe { nvfp4moe_layer_create(&la, &mut layer) }, "nvfp4moe_layer_create");
+    let mut ws_bytes = 0usize;
+    // SAFETY: a layer handle.
+    ok(unsafe { nvfp4moe_layer_workspace_size(layer, &mut ws_bytes) }, "nvfp4moe_layer_workspace_size");
+    let c_ws = s.alloc_zeros::<u8>(ws_bytes).unwrap();
+    // SAFETY: c_ws holds ws_bytes on the stream's device.
+    ok(unsafe { nvfp4moe_layer_workspace_init(layer, addr(&s, &c_ws), ws_bytes, cs) }, "workspace_init");
+
+    let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
+    let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+    let (hd, idd, wd) =
+        (s.clone_htod(&rng.normal_bf16(t * h, 1.0)).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+    let poison = vec![bf16::from_bits(POISON_BF16); t * h];
+    let mut out = s.clone_htod(&poison).unwrap();
+    let f =
+        forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), (addr(&s, &c_ws), ws_bytes));
+    // SAFETY: every buffer holds what t, k, H and the layer imply, on the stream's device.
+    ok(unsafe { nvfp4moe_layer_forward(layer, &f, cs) }, "eager nvfp4moe_layer_forward");
+    let eager = s.clone_dtoh(&out).unwrap();
+    assert!(eager.iter().all(|v| v.to_bits() != POISON_BF16), "eager output not all written: {rp}");
+    s.memcpy_htod(&poison, &mut out).unwrap();
+    s.synchronize().unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    // SAFETY: as above.
+    let status = unsafe { nvfp4moe_layer_forward(layer, &f, cs) };
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    ok(status, "captured nvfp4moe_layer_forward");
+    let graph = graph.unwrap().expect("a captured graph");
+    assert!(s.clone_dtoh(&out).unwrap().iter().all(|v| v.to_bits() == POISON_BF16), "capture ran the forward: {rp}");
+    for _ in 0..2 {
+        graph.launch().unwrap();
+    }
+    let replayed = s.clone_dtoh(&out).unwrap();
+    assert!(eager.iter().zip(&replayed).all(|(a, b)| a.to_bits() == b.to_bits()), "graph replay: {rp}");
+    // SAFETY: the stream is synchronized (clone_dtoh), nothing enqueued uses the handles.
+    unsafe {
+        ok(nvfp4moe_layer_destroy(layer), "nvfp4moe_layer_destroy");
+        ok(nvfp4moe_weights_destroy(w13), "nvfp4moe_weights_destroy");
+        ok(nvfp4moe_weights_destroy(w2), "nvfp4moe_weights_destroy");
     }
 }

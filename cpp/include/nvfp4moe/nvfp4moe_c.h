@@ -16,7 +16,10 @@
  * (cudaStreamGetDevice), never an assumed current device, and the calling thread's current device
  * is the same after a call as before it (switched with cudaSetDevice: the devices' primary
  * contexts, as the CUDA runtime uses them). The null stream means the current device's legacy
- * default stream. Every pointer must be on that device.
+ * default stream. Every pointer must be on that device. A stream that is capturing a CUDA graph
+ * cannot be asked its device (cudaStreamGetDevice would invalidate the capture), so during capture
+ * the current device is taken as the stream's: make the stream's device current before capturing
+ * (PyTorch's torch.cuda.graph does); a mismatch fails the first kernel launch with a CUDA error.
  *
  * Threads: handles are immutable after creation. Forwards of one layer may run concurrently on
  * different streams, each with its own workspace; a workspace serves one forward at a time.
