@@ -160,6 +160,9 @@ impl PermuteBuffers {
             x_perm: x.addr,
             error: e.addr,
             workspace: w.addr,
+            // (The layer's expert shards map ids in the core; this permutation is a whole layer's.)
+            expert_map: 0,
+            global_experts: 0,
         };
         // SAFETY: every buffer holds max_pairs >= pairs entries (checked); inputs checked above.
         unsafe { l.launch(&args, raw::permute_and_gather_can_implement, raw::permute_and_gather) }

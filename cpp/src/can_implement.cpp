@@ -97,6 +97,12 @@ Status permute_and_gather_can_implement(const PermuteArgs& a) noexcept {
                 "hidden_size=%lld)", (long long)kExpertLimit, (long long)routing::kMaxHidden, (long long)a.tokens,
                 (long long)a.top_k, (long long)a.experts, (long long)a.hidden_size);
   }
+  if (a.expert_map ? a.global_experts < a.experts || a.global_experts > kExpertLimit
+                   : a.global_experts != 0 && a.global_experts != a.experts) {
+    return fail(Status::kInvalidShape, "permute_and_gather: global_experts %lld: with an expert map it must be in "
+                "[experts (%lld), %lld], without one 0 or experts", (long long)a.global_experts, (long long)a.experts,
+                (long long)kExpertLimit);
+  }
   return Status::kSuccess;
 }
 
@@ -118,6 +124,10 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
   }
   if (Status s = check_weights("grouped_gemm_nvfp4", a.experts, a.n, a.k); s != Status::kSuccess) return s;
+  if (a.schedule_experts != 0 && (a.schedule_experts < a.experts || a.schedule_experts > kExpertLimit)) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: schedule_experts %lld must be 0 or in [experts (%lld), %lld]",
+                (long long)a.schedule_experts, (long long)a.experts, (long long)kExpertLimit);
+  }
   if (a.total_rows < 0 || a.total_rows > kMaxInt32) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
   }

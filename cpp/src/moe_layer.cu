@@ -58,6 +58,9 @@ Layout layout_of(const MoeLayerDesc& d) {
   return l;
 }
 
+// The experts the routing ids and router logits count: the whole layer's for an expert shard.
+int64_t global_experts(const MoeLayerDesc& d) { return d.expert_map ? d.global_experts : d.experts; }
+
 template <class T>
 T* at(void* ws, int64_t offset) {
   return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
@@ -79,6 +82,8 @@ GroupedGemmArgs first_gemm_args(const MoeLayerDesc& d, const void* x_perm, int64
   g.tile = d.tile;
   g.epilogue = GemmEpilogue::kSwigluBf16;
   g.max_splits = d.batch_invariant ? 1 : 0;
+  // A shard's experts get the whole layer's tiles and K splits (the same bits as in the whole layer).
+  g.schedule_experts = global_experts(d);
   return g;
 }
 
@@ -167,7 +172,8 @@ Status route_permute_first(const MoeLayerDesc& d, const MoeForwardArgs& a, const
   if (!ids) {
     int* ids_ws = at<int>(ws, l.ids);
     float* weights_ws = at<float>(ws, l.weights);
-    Status s = softmax_topk(a.router_logits, a.tokens, d.experts, a.top_k, a.renormalize != 0, ids_ws, weights_ws, st);
+    Status s = softmax_topk(a.router_logits, a.tokens, global_experts(d), a.top_k, a.renormalize != 0, ids_ws,
+                            weights_ws, st);
     if (s != Status::kSuccess) return s;
     ids = ids_ws;
     *weights = weights_ws;
@@ -185,6 +191,8 @@ Status route_permute_first(const MoeLayerDesc& d, const MoeForwardArgs& a, const
   p.x_perm = at<void>(ws, l.x_perm);
   p.error = at<unsigned long long>(ws, l.error);
   p.workspace = at<void>(ws, l.permute);
+  p.expert_map = d.expert_map;
+  p.global_experts = d.expert_map ? d.global_experts : 0;
   if (Status s = permute_and_gather(p, st); s != Status::kSuccess) return s;
   return grouped_gemm_nvfp4(l1, st);
 }
@@ -197,9 +205,19 @@ Status moe_layer_can_implement(const MoeLayerDesc& d) noexcept {
     return fail(Status::kInvalidShape, "%s: %lld experts (1..=%lld)", what, static_cast<long long>(d.experts),
                 static_cast<long long>(kExpertLimit));
   }
-  const int64_t top_k_limit = d.experts < kTopKLimit ? d.experts : kTopKLimit;
+  if (d.expert_map ? d.global_experts < d.experts || d.global_experts > kExpertLimit
+                   : d.global_experts != 0 && d.global_experts != d.experts) {
+    return fail(Status::kInvalidShape, "%s: global_experts %lld: with an expert map it must be in [experts (%lld), "
+                "%lld], without one 0 or experts", what, static_cast<long long>(d.global_experts),
+                static_cast<long long>(d.experts), static_cast<long long>(kExpertLimit));
+  }
+  if (d.output_format != OutputFormat::kBf16 && d.output_format != OutputFormat::kFp32) {
+    return fail(Status::kUnsupportedLayout, "%s: unknown output format %d", what, int(d.output_format));
+  }
+  // Top-k picks among the global experts (an expert shard's forward takes the whole layer's routing).
+  const int64_t top_k_limit = global_experts(d) < kTopKLimit ? global_experts(d) : kTopKLimit;
   if (d.max_top_k < 1 || d.max_top_k > top_k_limit) {
-    return fail(Status::kInvalidShape, "%s: max_top_k %lld must be in 1..=min(experts, %lld)", what,
+    return fail(Status::kInvalidShape, "%s: max_top_k %lld must be in 1..=min(global experts, %lld)", what,
                 static_cast<long long>(d.max_top_k), static_cast<long long>(kTopKLimit));
   }
   if (d.max_tokens < 0 || d.max_tokens > (int64_t(1) << 31) / d.max_top_k ||
@@ -235,6 +253,8 @@ Status moe_layer_can_implement(const MoeLayerDesc& d) noexcept {
   p.top_k = d.max_top_k;
   p.experts = d.experts;
   p.hidden_size = d.hidden;
+  p.expert_map = d.expert_map;
+  p.global_experts = d.expert_map ? d.global_experts : 0;
   if (Status s = permute_and_gather_can_implement(p); s != Status::kSuccess) return s;
   constexpr int64_t kWarpRows = gemm::warp::kMaxRows;
   const int64_t gemm_rows = d.tile == GemmTile::kWarpM16N8 && pairs > kWarpRows ? kWarpRows : pairs;
@@ -308,7 +328,8 @@ Status moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, void* s
   l2.k = d.intermediate;
   l2.epilogue = GemmEpilogue::kPlain;
   if (Status s = grouped_gemm_nvfp4(l2, st); s != Status::kSuccess) return s;
-  return combine(at<void>(ws, l.y), at<int>(ws, l.row_of_pair), weights, a.tokens, a.top_k, d.hidden, a.out, st);
+  const auto combine_into = d.output_format == OutputFormat::kFp32 ? combine_fp32 : combine;
+  return combine_into(at<void>(ws, l.y), at<int>(ws, l.row_of_pair), weights, a.tokens, a.top_k, d.hidden, a.out, st);
 }
 
 Status moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, void* act_out, void* stream) noexcept {

@@ -19,6 +19,7 @@
 #include <cutlass/cutlass.h>
 
 #include <cfloat>
+#include <type_traits>
 
 namespace nvfp4moe {
 namespace {
@@ -28,6 +29,23 @@ constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 
 CUTLASS_DEVICE bool better(float v, int id, float v2, int id2) { return v > v2 || (v == v2 && id < id2); }
+
+// Where the routing ids point: the layer's experts (map null, ids in [0, experts)), or an expert
+// shard's (ids in [0, global_experts), map[id] the local expert or -1 for another shard's).
+struct ExpertIds {
+  const int* __restrict__ map;
+  int global_experts;  // the ids' range: experts without a map
+  int experts;         // local experts
+
+  // A pair's local expert, or -1: for a bad id (outside the ids' range: `*bad` set) and for an
+  // expert of another shard (a map entry outside [0, experts) counts as one, never an index).
+  CUTLASS_DEVICE int local(int id, bool* bad) const {
+    *bad = id < 0 || id >= global_experts;
+    if (*bad) return -1;
+    const int e = map ? map[id] : id;
+    return e >= 0 && e < experts ? e : -1;
+  }
+};
 
 // One warp per token.
 __global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens, int experts, int top_k,
@@ -82,19 +100,19 @@ __global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens
   if (lane < top_k) weights[int64_t(t) * top_k + lane] = renormalize ? picked / total : picked;
 }
 
-__global__ void count_kernel(const int* __restrict__ ids, int pairs, int experts, int* __restrict__ counts,
+__global__ void count_kernel(const int* __restrict__ ids, int pairs, ExpertIds x, int* __restrict__ counts,
                              unsigned long long* __restrict__ error) {
   pdl::wait_and_release();
+  const int experts = x.experts;
   __shared__ int hist[kMaxExperts];
   for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   for (int i = blockIdx.x * kChunk + threadIdx.x; i < min(pairs, (blockIdx.x + 1) * kChunk); i += blockDim.x) {
-    int id = ids[i];
-    if (id >= 0 && id < experts) {
-      atomicAdd(&hist[id], 1);
-    } else {
-      atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(id));
-    }
+    const int id = ids[i];
+    bool bad;
+    const int e = x.local(id, &bad);
+    if (e >= 0) atomicAdd(&hist[e], 1);
+    if (bad) atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(id));
   }
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[int64_t(blockIdx.x) * experts + e] = hist[e];
@@ -176,16 +194,17 @@ CUTLASS_DEVICE void scatter_chunk(int id, int i, int pairs, int* next, int* clai
 }
 
 // One CTA of 1024 threads per chunk.
-__global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, int experts,
+__global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ ids, int pairs, ExpertIds x,
                                                        const int* __restrict__ bases, int* __restrict__ row_of_pair,
                                                        int* __restrict__ pair_of_row) {
   pdl::wait_and_release();
+  const int experts = x.experts;
   __shared__ int next[kMaxExperts];
   __shared__ int claimed[1024];
   for (int e = threadIdx.x; e < experts; e += 1024) next[e] = bases[int64_t(blockIdx.x) * experts + e];
   const int i = blockIdx.x * kChunk + threadIdx.x;
-  int id = i < pairs ? ids[i] : -1;
-  if (id >= experts) id = -1;
+  bool bad;
+  const int id = i < pairs ? x.local(ids[i], &bad) : -1;  // (count_kernel recorded the bad ones)
   __syncthreads();
   scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
 }
@@ -193,11 +212,12 @@ __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ i
 // pairs <= kChunk (decode and small batches): count, scan and scatter in one CTA of 1024 threads,
 // one launch instead of three, writing exactly what the three-launch path writes (with one chunk,
 // the chunk's bases are the expert offsets, and the scatter claims slots in the same warp order).
-__global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict__ ids, int pairs, int experts,
+__global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict__ ids, int pairs, ExpertIds x,
                                                            int* __restrict__ offsets, int* __restrict__ row_of_pair,
                                                            int* __restrict__ pair_of_row,
                                                            unsigned long long* __restrict__ error) {
   pdl::wait_and_release();
+  const int experts = x.experts;
   static_assert(kChunk == 1024 && kMaxExperts == 1024, "one thread per pair and per expert slot");
   __shared__ int next[kMaxExperts];   // counts, then each expert's next free row
   __shared__ int warp_total[32];
@@ -205,15 +225,14 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   const int t = threadIdx.x;
   next[t] = 0;
   __syncthreads();
-  int id = t < pairs ? ids[t] : -1;
+  int id = -1;
   if (t < pairs) {
-    if (id >= 0 && id < experts) {
-      atomicAdd(&next[id], 1);
-    } else {
-      atomicMin(error, (static_cast<unsigned long long>(t) << 32) | static_cast<unsigned int>(id));
-    }
+    const int given = ids[t];
+    bool bad;
+    id = x.local(given, &bad);
+    if (id >= 0) atomicAdd(&next[id], 1);
+    if (bad) atomicMin(error, (static_cast<unsigned long long>(t) << 32) | static_cast<unsigned int>(given));
   }
-  if (id >= experts) id = -1;
   __syncthreads();
   const int count = t < experts ? next[t] : 0;
   // Inclusive scan of the counts: within each warp by shuffles, then over the 32 warp totals (two
@@ -290,11 +309,14 @@ __global__ void __launch_bounds__(kVecsPerCta) gather_kernel(const __nv_bfloat16
 // The slots are taken kCombineGroup at a time, their row indices, weights and y vectors all loaded
 // before any is added: a loop that loaded one slot's index, then its vector, then added it kept one
 // load in flight per thread (deepseek-v3 T = 128: 7.3 us for 14.7 MB, 2026-12-02).
+// Out is __nv_bfloat16 (the sum rounded) or float (the sum as is: expert shards' outputs add up).
 constexpr int kCombineGroup = 8;
+template <class Out>
 __global__ void __launch_bounds__(kVecsPerCta) combine_kernel(const __nv_bfloat16* __restrict__ y, int64_t y_rows,
                                                               const int* __restrict__ row_of_pair,
                                                               const float* __restrict__ w, int top_k,
-                                                              int64_t vecs_per_row, __nv_bfloat16* __restrict__ out) {
+                                                              int64_t vecs_per_row, Out* __restrict__ out) {
+  static_assert(std::is_same_v<Out, __nv_bfloat16> || std::is_same_v<Out, float>, "bf16 or f32 output");
   pdl::wait_and_release();
   const int64_t t = blockIdx.x;
   const int64_t v = int64_t(blockIdx.y) * kVecsPerCta + threadIdx.x;
@@ -327,11 +349,17 @@ __global__ void __launch_bounds__(kVecsPerCta) combine_kernel(const __nv_bfloat1
       }
     }
   }
-  uint4 o;
-  __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
-  CUTLASS_PRAGMA_UNROLL
-  for (int p = 0; p < 4; ++p) op[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
-  reinterpret_cast<uint4*>(out)[t * vecs_per_row + v] = o;
+  if constexpr (std::is_same_v<Out, float>) {
+    float4* o = reinterpret_cast<float4*>(out) + 2 * (t * vecs_per_row + v);
+    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+  } else {
+    uint4 o;
+    __nv_bfloat162* op = reinterpret_cast<__nv_bfloat162*>(&o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int p = 0; p < 4; ++p) op[p] = __floats2bfloat162_rn(acc[2 * p], acc[2 * p + 1]);
+    reinterpret_cast<uint4*>(out)[t * vecs_per_row + v] = o;
+  }
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -382,19 +410,20 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int chunks = int((pairs + kChunk - 1) / kChunk);
   int* counts = static_cast<int*>(a.workspace);
+  const ExpertIds x{a.expert_map, int(a.expert_map ? a.global_experts : a.experts), int(a.experts)};
   if (pairs <= kChunk) {
     // Decode and small batches: one launch for count, scan and scatter.
-    cudaError_t e = pdl::launch(route_small_kernel, dim3(1), dim3(1024), 0, st, a.topk_ids, int(pairs),
-                                int(a.experts), a.expert_offsets, a.row_of_pair, a.pair_of_row, a.error);
+    cudaError_t e = pdl::launch(route_small_kernel, dim3(1), dim3(1024), 0, st, a.topk_ids, int(pairs), x,
+                                a.expert_offsets, a.row_of_pair, a.pair_of_row, a.error);
     if (Status s = launched(e, "permute_and_gather (route)"); s != Status::kSuccess) return s;
     if (pairs == 0) return Status::kSuccess;
   } else {
-    cudaError_t e = pdl::launch(count_kernel, dim3(chunks), dim3(256), 0, st, a.topk_ids, int(pairs),
-                                int(a.experts), counts, a.error);
+    cudaError_t e = pdl::launch(count_kernel, dim3(chunks), dim3(256), 0, st, a.topk_ids, int(pairs), x, counts,
+                                a.error);
     if (Status s = launched(e, "permute_and_gather (count)"); s != Status::kSuccess) return s;
     e = pdl::launch(scan_kernel, dim3(1), dim3(1024), 0, st, counts, chunks, int(a.experts), a.expert_offsets);
     if (Status s = launched(e, "permute_and_gather (scan)"); s != Status::kSuccess) return s;
-    e = pdl::launch(scatter_kernel, dim3(chunks), dim3(1024), 0, st, a.topk_ids, int(pairs), int(a.experts),
+    e = pdl::launch(scatter_kernel, dim3(chunks), dim3(1024), 0, st, a.topk_ids, int(pairs), x,
                     static_cast<const int*>(counts), a.row_of_pair, a.pair_of_row);
     if (Status s = launched(e, "permute_and_gather (scatter)"); s != Status::kSuccess) return s;
   }
@@ -409,8 +438,11 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
   return launched(e, "permute_and_gather (gather)");
 }
 
-Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
-               int64_t hidden_size, void* out, void* stream) noexcept {
+namespace {
+
+template <class Out>
+Status combine_into(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+                    int64_t hidden_size, void* out, void* stream) noexcept {
   if (tokens < 0 || top_k <= 0 || hidden_size <= 0 || hidden_size % 8 || hidden_size > kMaxHidden ||
       tokens > 0x7FFFFFFF || top_k > 0x7FFFFFFF || tokens * top_k > 0x7FFFFFFF) {
     return fail(Status::kInvalidShape, "combine: need tokens >= 0, 0 < top_k, tokens x top_k < 2^31, hidden_size a "
@@ -420,11 +452,23 @@ Status combine(const void* y, const int* row_of_pair, const float* topk_weights,
   if (!y || !row_of_pair || !topk_weights || !out) return fail(Status::kNullPointer, "combine: null pointer");
   if (!aligned16(y) || !aligned16(out)) return fail(Status::kMisaligned, "combine: y and out must be 16-byte aligned");
   const int64_t vecs = hidden_size / 8;
-  cudaError_t e = pdl::launch(combine_kernel, dim3(unsigned(tokens), unsigned((vecs + kVecsPerCta - 1) / kVecsPerCta)),
+  cudaError_t e = pdl::launch(combine_kernel<Out>, dim3(unsigned(tokens), unsigned((vecs + kVecsPerCta - 1) / kVecsPerCta)),
                               dim3(kVecsPerCta), 0, static_cast<cudaStream_t>(stream),
                               static_cast<const __nv_bfloat16*>(y), tokens * top_k, row_of_pair, topk_weights,
-                              int(top_k), vecs, static_cast<__nv_bfloat16*>(out));
+                              int(top_k), vecs, static_cast<Out*>(out));
   return launched(e, "combine");
+}
+
+}  // namespace
+
+Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+               int64_t hidden_size, void* out, void* stream) noexcept {
+  return combine_into<__nv_bfloat16>(y, row_of_pair, topk_weights, tokens, top_k, hidden_size, out, stream);
+}
+
+Status combine_fp32(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
+                    int64_t hidden_size, void* out, void* stream) noexcept {
+  return combine_into<float>(y, row_of_pair, topk_weights, tokens, top_k, hidden_size, out, stream);
 }
 
 }  // namespace nvfp4moe

@@ -65,6 +65,8 @@ int main() {
   EXPECT_STATUS(softmax_topk(nullptr, 2, 8, 2, false, nullptr, nullptr, nullptr), kNullPointer, "softmax_topk");
   EXPECT_STATUS(combine(nullptr, nullptr, nullptr, 2, 2, 64, nullptr, nullptr), kNullPointer, "combine");
   EXPECT_STATUS(combine(nullptr, nullptr, nullptr, 2, 0, 64, nullptr, nullptr), kInvalidShape, "combine");
+  EXPECT_STATUS(combine_fp32(nullptr, nullptr, nullptr, 2, 2, 64, nullptr, nullptr), kNullPointer, "combine");
+  EXPECT_STATUS(combine_fp32(nullptr, nullptr, nullptr, 2, 2, 60, nullptr, nullptr), kInvalidShape, "combine");
   EXPECT_STATUS(swiglu_bf16(nullptr, 2, 64, nullptr, nullptr), kNullPointer, "");
 
   GroupedGemmArgs g;
@@ -74,6 +76,11 @@ int main() {
   EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "");
   g.k = 256;
   EXPECT(grouped_gemm_nvfp4_can_implement(g) == Status::kSuccess);
+  g.schedule_experts = 3;  // fewer than the experts
+  EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "schedule_experts");
+  g.schedule_experts = 256;
+  EXPECT(grouped_gemm_nvfp4_can_implement(g) == Status::kSuccess);
+  g.schedule_experts = 0;
   g.total_rows = 8;
   EXPECT_STATUS(grouped_gemm_nvfp4(g, nullptr), kNullPointer, "grouped_gemm_nvfp4");
   g.experts = kExpertLimit + 1;
@@ -95,6 +102,16 @@ int main() {
   EXPECT_STATUS(permute_and_gather(pa, nullptr), kNullPointer, "");
   pa.hidden_size = 60;  // not a multiple of 8
   EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "");
+  pa.hidden_size = 64;
+  pa.global_experts = 16;  // a global count needs an expert map
+  EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "global_experts");
+  static const int fake_map[1] = {0};
+  pa.expert_map = fake_map;  // (not read by the check)
+  EXPECT(permute_and_gather_can_implement(pa) == Status::kSuccess);
+  pa.global_experts = 4;  // fewer than the local experts
+  EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "global_experts");
+  pa.global_experts = 1025;
+  EXPECT_STATUS(permute_and_gather_can_implement(pa), kInvalidShape, "global_experts");
 
   // The MoE layer: the descriptor's rules, the workspace size, and a forward's argument errors.
   MoeLayerDesc d;
@@ -129,6 +146,21 @@ int main() {
   bad = d;
   bad.intermediate_format = static_cast<IntermediateFormat>(5);
   EXPECT_STATUS(moe_layer_can_implement(bad), kUnsupportedLayout, "intermediate format");
+  bad = d;
+  bad.output_format = static_cast<OutputFormat>(2);
+  EXPECT_STATUS(moe_layer_can_implement(bad), kUnsupportedLayout, "output format");
+  // An expert shard: 8 local experts of 32; top-k counts the global experts.
+  static const int shard_map[1] = {0};
+  MoeLayerDesc shard = d;
+  shard.global_experts = 32;
+  EXPECT_STATUS(moe_layer_can_implement(shard), kInvalidShape, "global_experts");  // no map
+  shard.expert_map = shard_map;
+  shard.max_top_k = 9;
+  EXPECT(moe_layer_can_implement(shard) == Status::kSuccess);
+  shard.global_experts = 7;
+  EXPECT_STATUS(moe_layer_can_implement(shard), kInvalidShape, "global_experts");
+  shard.global_experts = 8;
+  EXPECT_STATUS(moe_layer_can_implement(shard), kInvalidShape, "max_top_k");
 
   MoeForwardArgs f;
   f.tokens = 4;

@@ -434,6 +434,8 @@ pub struct GroupedGemm<'w, E: Epilogue = PlainBf16> {
     weights: &'w Nvfp4Weights,
     tile: GemmTile,
     batch_invariant: bool,
+    /// The expert count the tile and split choice assume (0: the weights').
+    schedule_experts: usize,
     _epilogue: PhantomData<E>,
 }
 
@@ -449,7 +451,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
                 "this epilogue computes SwiGLU: it needs gate/up weights (Nvfp4Weights::prepare_gate_up)".into(),
             ));
         }
-        Ok(GroupedGemm { weights, tile, batch_invariant: false, _epilogue: PhantomData })
+        Ok(GroupedGemm { weights, tile, batch_invariant: false, schedule_experts: 0, _epilogue: PhantomData })
     }
 
     /// Batch invariance: with `true`, no launch splits K over a cluster of CTAs, so a row's
@@ -459,6 +461,34 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     pub fn batch_invariant(mut self, on: bool) -> Self {
         self.batch_invariant = on;
         self
+    }
+
+    /// The expert count the tile and K-split choice assume (the core's `schedule_experts`):
+    /// `experts` (at least the weights' count) for the experts of an expert shard of a layer of
+    /// that many, so that each gets the whole layer's tile and splits (the same bits) and the
+    /// choice sees the rows a shard's experts have on average. Default: the weights' count.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for fewer experts than the weights have, or more than the core takes.
+    pub fn schedule_experts(mut self, experts: usize) -> Result<Self> {
+        let limit = crate::abi::EXPERT_LIMIT;
+        if experts < self.weights.experts || experts > limit {
+            return Err(Error::InvalidShape(format!(
+                "schedule_experts {experts} must be in {}..={limit} (the weights' experts to the core's limit)",
+                self.weights.experts
+            )));
+        }
+        self.schedule_experts = experts;
+        Ok(self)
+    }
+
+    /// The expert count of the tile and split choice.
+    fn scheduled_experts(&self) -> usize {
+        if self.schedule_experts > 0 {
+            self.schedule_experts
+        } else {
+            self.weights.experts
+        }
     }
 
     /// Scratch memory a launch needs: none (the per-expert tile prefix is built in shared memory).
@@ -472,7 +502,8 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
     /// of the calling thread's current device).
     pub fn tile_for(&self, total_rows: usize) -> GemmTile {
         let w = self.weights;
-        launch_tile(self.tile, total_rows, w.experts, w.n, w.k, E::KIND, self.batch_invariant, 0)
+        // (The core reads the expert count only for its choice.)
+        launch_tile(self.tile, total_rows, self.scheduled_experts(), w.n, w.k, E::KIND, self.batch_invariant, 0)
     }
 
     /// The core's `max_splits`: 1 (never split K) when batch invariant, else the library's choice.
@@ -509,6 +540,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             tile: self.tile,
             epilogue: E::KIND,
             max_splits: self.max_splits(),
+            schedule_experts: self.schedule_experts as i64,
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).

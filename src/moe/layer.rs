@@ -11,6 +11,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::MoeWeights;
+pub use crate::abi::OutputFormat;
 use crate::abi::{IntermediateFormat, MoeForwardArgs, MoeLayerDesc};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
@@ -49,6 +50,44 @@ pub struct MoeOptions {
     /// Batch invariance: no GEMM splits K, so a token's output bits do not depend on how many
     /// tokens share its forward ([`GroupedGemm::batch_invariant`]). Default `false`.
     pub batch_invariant: bool,
+    /// The element type of a forward's `out`: `bf16` (the default) or `f32` (the combine's FP32
+    /// sum unrounded: the outputs of a layer's expert shards, [`MoeLayer::new_shard`], add up to
+    /// the whole layer's up to the order of that addition).
+    pub output: OutputFormat,
+}
+
+/// An element type a layer writes: `bf16` ([`OutputFormat::Bf16`]) or `f32`
+/// ([`OutputFormat::Fp32`]), as its options say.
+pub trait OutputElement: sealed::Sealed {
+    /// The layer output format that writes this type.
+    const FORMAT: OutputFormat;
+}
+
+impl OutputElement for bf16 {
+    const FORMAT: OutputFormat = OutputFormat::Bf16;
+}
+
+impl OutputElement for f32 {
+    const FORMAT: OutputFormat = OutputFormat::Fp32;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for f32 {}
+}
+
+/// Which experts of a larger layer a shard holds (expert parallelism, [`MoeLayer::new_shard`]).
+#[derive(Debug)]
+struct Shard {
+    /// Experts of the whole layer (the routing ids' range).
+    global_experts: usize,
+    /// The global id of each local expert.
+    expert_ids: Vec<usize>,
+    /// i32 `[global_experts]`: each global id's local expert, or -1 (the core's `expert_map`).
+    map: CudaSlice<i32>,
+    /// `map`'s device address (fixed for its life), for descriptors that are only checked.
+    map_addr: u64,
 }
 
 impl MoeOptions {
@@ -60,6 +99,7 @@ impl MoeOptions {
             tile: GemmTile::Auto,
             intermediate: Intermediate::Bf16,
             batch_invariant: false,
+            output: OutputFormat::Bf16,
         }
     }
 }
@@ -223,6 +263,8 @@ pub struct MoeWorkspace {
 pub struct MoeLayer {
     weights: MoeWeights,
     opts: MoeOptions,
+    /// `Some` for an expert shard of a larger layer.
+    shard: Option<Shard>,
 }
 
 impl MoeLayer {
@@ -233,10 +275,42 @@ impl MoeLayer {
     /// [`Error::InvalidShape`] for a `max_top_k` outside `1..=min(E, 32)` or too many rows, and
     /// [`Error::InvalidDecodeScale`] for a bad NVFP4 intermediate decode scale.
     pub fn new(weights: MoeWeights, opts: MoeOptions) -> Result<Self> {
-        if opts.max_top_k == 0 || opts.max_top_k > weights.experts.min(32) {
+        Self::build(weights, opts, None)
+    }
+
+    /// An expert shard (expert parallelism): the experts of `weights` are the experts
+    /// `expert_ids` (local expert `i` is global expert `expert_ids[i]`, any distinct ids in any
+    /// order, e.g. [`crate::io::LoadedExperts::expert_ids`]) of a layer of `global_experts`
+    /// experts. Its forwards take the whole layer's routing (global ids, or router logits over
+    /// `global_experts`); slots routed to other shards cost no work and add nothing, a token routed
+    /// to none of these experts gets zeros. Each expert gets the whole layer's GEMM tile and K
+    /// splits, so with [`OutputFormat::Fp32`] the shards' outputs add up to the whole layer's FP32
+    /// output up to the order of that addition. The expert map is uploaded on `stream`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a list whose length is not the weights' expert count, an id not
+    /// below `global_experts`, a repeated id, or more than the core's 1024 experts; then as
+    /// [`MoeLayer::new`] (its top-k limit counts the global experts); a CUDA error.
+    pub fn new_shard(
+        stream: &Arc<CudaStream>,
+        weights: MoeWeights,
+        opts: MoeOptions,
+        global_experts: usize,
+        expert_ids: &[usize],
+    ) -> Result<Self> {
+        let map = shard_map(global_experts, expert_ids, weights.experts)?;
+        let map = stream.clone_htod(&map)?;
+        let map_addr = map.device_ptr(stream).0;
+        let shard = Shard { global_experts, expert_ids: expert_ids.to_vec(), map, map_addr };
+        Self::build(weights, opts, Some(shard))
+    }
+
+    fn build(weights: MoeWeights, opts: MoeOptions, shard: Option<Shard>) -> Result<Self> {
+        let global = shard.as_ref().map_or(weights.experts, |s| s.global_experts);
+        if opts.max_top_k == 0 || opts.max_top_k > global.min(32) {
             return Err(Error::InvalidShape(format!(
-                "max_top_k ({}) must be in 1..=min(experts ({}), 32)",
-                opts.max_top_k, weights.experts
+                "max_top_k ({}) must be in 1..=min(experts ({global}), 32)",
+                opts.max_top_k
             )));
         }
         if opts.max_tokens.checked_mul(opts.max_top_k).is_none_or(|p| p > i32::MAX as usize) {
@@ -250,7 +324,7 @@ impl MoeLayer {
                 ));
             }
         }
-        let layer = MoeLayer { weights, opts };
+        let layer = MoeLayer { weights, opts, shard };
         // The core's own rules for the layer (both GEMMs' and the permutation's shapes).
         status(raw::moe_layer_can_implement(&layer.desc([0; 4])))?;
         Ok(layer)
@@ -279,7 +353,20 @@ impl MoeLayer {
             intermediate_format: format,
             intermediate_decode_scale: g,
             batch_invariant: i32::from(self.opts.batch_invariant),
+            expert_map: self.shard.as_ref().map_or(0, |s| s.map_addr),
+            global_experts: self.shard.as_ref().map_or(0, |s| s.global_experts as i64),
+            output_format: self.opts.output,
         }
+    }
+
+    /// The experts the routing counts: the whole layer's for an expert shard.
+    pub fn global_experts(&self) -> usize {
+        self.shard.as_ref().map_or(self.weights.experts, |s| s.global_experts)
+    }
+
+    /// For an expert shard ([`MoeLayer::new_shard`]): the global id of each local expert.
+    pub fn shard_expert_ids(&self) -> Option<&[usize]> {
+        self.shard.as_ref().map(|s| s.expert_ids.as_slice())
     }
 
     /// Runs `f` (a core call enqueuing on the launch's stream) with the descriptor over the
@@ -289,6 +376,8 @@ impl MoeLayer {
         let (w13, w2) = (&self.weights.w13, &self.weights.w2);
         let ((p13, s13), (p2, s2)) = (w13.device_buffers(), w2.device_buffers());
         let (p13, s13, p2, s2) = (l.input(p13), l.input(s13), l.input(p2), l.input(s2));
+        // The shard's map is read by the routing: ordered on the stream like the weights.
+        let _map = self.shard.as_ref().map(|s| l.input(&s.map));
         let desc = self.desc([p13.addr, s13.addr, p2.addr, s2.addr]);
         // SAFETY (of the callers' `f`): the weights were prepared for the descriptor's shape (they
         // are the layer's); the callers checked every other buffer.
@@ -303,18 +392,21 @@ impl MoeLayer {
         &self.weights
     }
 
-    /// The same layer with another intermediate format (allocate a new workspace for it).
+    /// The same layer (an expert shard stays one) with another intermediate format (allocate a new
+    /// workspace for it).
     ///
     /// # Errors
     /// As [`MoeLayer::new`].
     pub fn with_intermediate(self, intermediate: Intermediate) -> Result<Self> {
-        MoeLayer::new(self.weights, MoeOptions { intermediate, ..self.opts })
+        Self::build(self.weights, MoeOptions { intermediate, ..self.opts }, self.shard)
     }
 
     /// The plan of one of the layer's GEMMs over `w` with epilogue `E` (the options' tile and batch
     /// invariance): what every forward launches and what [`MoeLayer::gemm_tiles`] reports.
     fn plan<'a, E: Epilogue>(&self, w: &'a Nvfp4Weights) -> Result<GroupedGemm<'a, E>> {
-        Ok(GroupedGemm::<E>::new(w, self.opts.tile)?.batch_invariant(self.opts.batch_invariant))
+        GroupedGemm::<E>::new(w, self.opts.tile)?
+            .batch_invariant(self.opts.batch_invariant)
+            .schedule_experts(self.global_experts())
     }
 
     /// The tiles of the first and second GEMM of a forward over `tokens` x `top_k` rows (the
@@ -464,7 +556,7 @@ impl MoeLayer {
     /// More tokens or a larger top-k than the layer was made for, a workspace of another layer
     /// (another shape or intermediate format), a buffer too small, `hidden` or `out` not 16-byte
     /// aligned, or a failed launch. All but the last are found before anything is enqueued.
-    pub fn forward<H, I, W, O>(
+    pub fn forward<H, I, W, O, T>(
         &self,
         stream: &CudaStream,
         input: &MoeInput<'_, H, I, W>,
@@ -475,9 +567,11 @@ impl MoeLayer {
         H: DevicePtr<bf16>,
         I: DevicePtr<i32>,
         W: DevicePtr<f32>,
-        O: DevicePtrMut<bf16>,
+        O: DevicePtrMut<T>,
+        T: OutputElement,
     {
         let MoeInput { hidden, tokens, topk_ids, topk_weights, top_k } = *input;
+        self.check_output::<T>()?;
         self.check_tokens(tokens, top_k, ws)?;
         let l = Launch::new(stream)?;
         let (h, ids, w) = (l.input(hidden), l.input(topk_ids), l.input(topk_weights));
@@ -502,7 +596,7 @@ impl MoeLayer {
     ///
     /// # Errors
     /// As [`MoeLayer::forward`], or bad routing arguments.
-    pub fn forward_with_router<H, L, O>(
+    pub fn forward_with_router<H, L, O, T>(
         &self,
         stream: &CudaStream,
         input: &RouterInput<'_, H, L>,
@@ -512,14 +606,16 @@ impl MoeLayer {
     where
         H: DevicePtr<bf16>,
         L: DevicePtr<f32>,
-        O: DevicePtrMut<bf16>,
+        O: DevicePtrMut<T>,
+        T: OutputElement,
     {
         let RouterInput { hidden, tokens, router_logits, top_k, renormalize } = *input;
+        self.check_output::<T>()?;
         self.check_tokens(tokens, top_k, ws)?;
         let l = Launch::new(stream)?;
         let (h, lg) = (l.input(hidden), l.input(router_logits));
         let o = l.output(out);
-        let routing = Routing::Logits { logits: lg.len, experts: self.weights.experts };
+        let routing = Routing::Logits { logits: lg.len, experts: self.global_experts() };
         check_forward_buffers(self.weights.hidden, tokens, top_k, h.info(), o.info(), routing)?;
         let b = l.output(&mut ws.buf);
         let args = MoeForwardArgs {
@@ -547,8 +643,51 @@ impl MoeLayer {
             // SAFETY: the workspace's own bytes; the descriptor's weights are not read.
             unsafe { l.run(|st| raw::moe_layer_read_error(&desc, b.addr, b.len as i64, st, &mut word))? };
         }
-        bad_id_error(word, top_k, self.weights.experts)
+        bad_id_error(word, top_k, self.global_experts())
     }
+
+    /// `out`'s element type is the one the options say the layer writes.
+    fn check_output<T: OutputElement>(&self) -> Result<()> {
+        if T::FORMAT != self.opts.output {
+            return Err(Error::Invalid(format!(
+                "this layer writes {:?} output (MoeOptions::output), out holds {:?} elements",
+                self.opts.output,
+                T::FORMAT
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The core's expert map of a shard: i32 `[global_experts]`, each global id's local expert or -1,
+/// for local experts `expert_ids` (`experts` of them; pure, checked).
+///
+/// # Errors
+/// [`Error::InvalidShape`] naming the problem: a length other than `experts`, an id not below
+/// `global_experts`, a repeated id, `global_experts` above the core's limit.
+pub(crate) fn shard_map(global_experts: usize, expert_ids: &[usize], experts: usize) -> Result<Vec<i32>> {
+    let limit = crate::abi::EXPERT_LIMIT;
+    if global_experts > limit {
+        return Err(Error::InvalidShape(format!("global_experts {global_experts} exceeds the core's {limit}")));
+    }
+    if expert_ids.len() != experts {
+        return Err(Error::InvalidShape(format!(
+            "the shard lists {} expert ids, its weights hold {experts} experts",
+            expert_ids.len()
+        )));
+    }
+    let mut map = vec![-1i32; global_experts];
+    for (local, &id) in expert_ids.iter().enumerate() {
+        let slot = map.get_mut(id).ok_or_else(|| {
+            Error::InvalidShape(format!("expert_ids[{local}] = {id} is not below global_experts {global_experts}"))
+        })?;
+        if *slot >= 0 {
+            return Err(Error::InvalidShape(format!("expert_ids[{local}] = {id} repeats expert_ids[{}]", *slot)));
+        }
+        // (local < experts <= global_experts <= 1024: fits i32.)
+        *slot = local as i32;
+    }
+    Ok(map)
 }
 
 #[cfg(test)]
@@ -637,5 +776,22 @@ mod tests {
         }
         let empty = Routing::Logits { logits: 0, experts: e };
         assert!(check_forward_buffers(h, 0, k, buf(0x1002, 0), buf(0x9008, 0), empty).is_ok());
+    }
+
+    /// A shard's expert map: each listed global id maps to its position, every other id to -1;
+    /// a wrong count, an id out of range, a repeat or too many global experts is named.
+    #[test]
+    fn shard_map_inverts_the_expert_list_and_names_bad_lists() {
+        assert_eq!(shard_map(6, &[4, 1, 5], 3).unwrap(), vec![-1, 1, -1, -1, 0, 2]);
+        assert_eq!(shard_map(3, &[2, 0, 1], 3).unwrap(), vec![1, 2, 0]);
+        let says = |r: Result<Vec<i32>>, text: &str| match r {
+            Err(Error::InvalidShape(m)) => assert!(m.contains(text), "{m:?} should say {text:?}"),
+            other => panic!("expected a shape error saying {text:?}, got {other:?}"),
+        };
+        says(shard_map(6, &[4, 1], 3), "lists 2 expert ids, its weights hold 3");
+        says(shard_map(6, &[4, 6, 1], 3), "expert_ids[1] = 6 is not below global_experts 6");
+        says(shard_map(6, &[4, 1, 4], 3), "expert_ids[2] = 4 repeats expert_ids[0]");
+        says(shard_map(1025, &[0], 1), "global_experts 1025 exceeds the core's 1024");
+        says(shard_map(2, &[0, 1, 1], 3), "repeats");
     }
 }

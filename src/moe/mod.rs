@@ -5,5 +5,5 @@
 pub mod layer;
 pub mod weights;
 
-pub use layer::{Intermediate, MoeInput, MoeLayer, MoeOptions, MoeWorkspace, RouterInput};
+pub use layer::{Intermediate, MoeInput, MoeLayer, MoeOptions, MoeWorkspace, OutputElement, OutputFormat, RouterInput};
 pub use weights::{quantize_bf16_experts, MoeWeights, MoeWeightsBf16};

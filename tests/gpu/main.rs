@@ -11,7 +11,8 @@
 //!   `NVFP4MOE_SWEEP_CASES`; small and medium sizes run under compute-sanitizer, see
 //!   `scripts/gpu-sanitize.sh`);
 //! - [`faults`]: bad expert ids, forwards after rejected ones, drop orders, concurrent streams and
-//!   the NaN-isolation policy.
+//!   the NaN-isolation policy;
+//! - [`shard`]: expert shards (expert parallelism): their FP32 outputs add up to the whole layer's.
 //!
 //! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
 //! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
@@ -46,6 +47,7 @@ mod gemm;
 mod layer;
 #[path = "../modelopt_fixture/mod.rs"]
 mod modelopt_fixture;
+mod shard;
 mod sweep;
 
 /// The poison of u8 outputs ([`poisoned_u8`]).

@@ -197,7 +197,7 @@ fn skewed_offsets(rng: &mut Rng, experts: usize, rows: usize) -> Vec<i32> {
 /// Skewed routing of `tokens` tokens over `experts` experts, `top_k` slots each: hot experts take
 /// about half of the slots and a third of the experts is never chosen (unless too few are left for
 /// distinct ids); with `distinct` a token's experts are distinct.
-fn skewed_ids(rng: &mut Rng, tokens: usize, top_k: usize, experts: usize, distinct: bool) -> Vec<i32> {
+pub(crate) fn skewed_ids(rng: &mut Rng, tokens: usize, top_k: usize, experts: usize, distinct: bool) -> Vec<i32> {
     let mut allowed: Vec<usize> = (0..experts).filter(|_| rng.below(3) != 0).collect();
     if allowed.len() < top_k.max(1) {
         allowed = (0..experts).collect();

@@ -88,6 +88,9 @@ NVFP4MOE_API Status permute_and_gather(const PermuteArgs& args, void* stream) no
 // (pairs with row -1 skipped), rounded to bf16: bit-identical across runs.
 NVFP4MOE_API Status combine(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens, int64_t top_k,
                int64_t hidden_size, void* out, void* stream) noexcept;
+// combine with out f32 [tokens, hidden_size]: the same FP32 sum, not rounded.
+NVFP4MOE_API Status combine_fp32(const void* y, const int* row_of_pair, const float* topk_weights, int64_t tokens,
+                                 int64_t top_k, int64_t hidden_size, void* out, void* stream) noexcept;
 
 // What this core was built with.
 struct BuildInfo {
@@ -182,6 +185,14 @@ NVFP4MOE_API Status grouped_gemm_nvfp4(const GroupedGemmArgs& args, void* stream
 // changes only that token's output row. Expert ids outside [0, E) are never used as an index:
 // the slot contributes nothing, and the smallest such (pair, id) since the last
 // moe_layer_read_error is kept in the workspace's error word.
+//
+// Expert shards (expert parallelism): a descriptor with an expert_map runs the experts of one
+// shard of a layer of global_experts experts. Its forwards take the whole layer's routing (global
+// ids in [0, global_experts), or router logits over them; bad ids are those outside that range);
+// slots routed to another shard's experts cost no work (no row, no GEMM tile) and add nothing, so
+// a token routed to none of the shard's experts gets zeros. Each local expert gets the tiles and
+// K splits the whole layer would give it, so with output_format kFp32 the shards' outputs add up
+// to the whole layer's FP32 output up to the order of that addition.
 
 // The descriptor's shapes, counts, enum values and decode scale, and both GEMMs' and the
 // permutation's rules for them (pointers are not looked at).

@@ -75,9 +75,11 @@ typedef struct nvfp4moe_LayerCreateArgs {
   int64_t struct_size;              /* sizeof(nvfp4moe_LayerCreateArgs) */
   const nvfp4moe_weights* w13;      /* gate and up: created with up_decode_scales, n = 2I, k = H */
   const nvfp4moe_weights* w2;       /* down: n = H, k = I */
-  /* max_tokens, max_top_k, tile, intermediate_format, intermediate_decode_scale and
-   * batch_invariant as in nvfp4moe_MoeLayerDesc (types.h); its weight pointers, experts, hidden and
-   * intermediate are ignored (they come from w13 and w2). */
+  /* max_tokens, max_top_k, tile, intermediate_format, intermediate_decode_scale, batch_invariant,
+   * output_format, and for an expert shard expert_map and global_experts, as in
+   * nvfp4moe_MoeLayerDesc (types.h); its weight pointers, experts, hidden and intermediate are
+   * ignored (they come from w13 and w2). An expert_map is the caller's device array on the weights'
+   * device, read by every forward: it must outlive the layer, like the handles. */
   nvfp4moe_MoeLayerDesc options;
 } nvfp4moe_LayerCreateArgs;
 

@@ -184,6 +184,12 @@ NVFP4MOE_STRUCT(PermuteArgs) {
   // the permutation and the smallest (pair index << 32 | id) of them is recorded here.
   unsigned long long* error NVFP4MOE_INIT();
   void* workspace NVFP4MOE_INIT();                          // permute_workspace_bytes(pairs, experts)
+  // An expert shard (expert parallelism): device i32 [global_experts], the local expert of each
+  // global id (in [0, E)) or -1 for an expert of another shard, whose pairs are left out with no
+  // error (row_of_pair -1, no row, no work); ids are then checked against [0, global_experts).
+  // Null: ids are local, in [0, E).
+  const int* expert_map NVFP4MOE_INIT();
+  int64_t global_experts NVFP4MOE_INIT();                   // with expert_map: in [E, kExpertLimit]; without: 0 or E
 };
 
 // Arguments of prepare_nvfp4_weights: checkpoint-layout NVFP4 weights -> the GEMM's chunk layout.
@@ -222,6 +228,10 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   // choice, up to 4 CTAs or 8 warps; 1: never, and no warp kernel under kAuto, so every row's K-sum
   // order, and with it its result, is the same whatever the launch's rows).
   int64_t max_splits NVFP4MOE_INIT();
+  // The expert count the tile and split-K choice assume (0: experts). An expert shard passes its
+  // whole layer's, so that each of its experts gets the whole layer's tile and K splits (the same
+  // bits) and the choice sees the rows a shard's experts really have on average.
+  int64_t schedule_experts NVFP4MOE_INIT();
 };
 
 // The format between a MoE layer's two GEMMs.
@@ -232,6 +242,13 @@ NVFP4MOE_ENUM(IntermediateFormat) {
   // dequantize_nvfp4_grouped for the second GEMM (Hopper has no FP4 MMA): the path FP4 consumers
   // take; it adds NVFP4's quantization error to the layer.
   NVFP4MOE_ENUMERATOR(IntermediateFormat, kNvfp4, 1),
+};
+// The element type of a MoE layer's output.
+NVFP4MOE_ENUM(OutputFormat) {
+  NVFP4MOE_ENUMERATOR(OutputFormat, kBf16, 0),  // bf16 [tokens, H] (the default)
+  // f32 [tokens, H]: the combine's FP32 sum unrounded, so that the outputs of a layer's expert
+  // shards add up to the whole layer's FP32 output up to the order of that addition.
+  NVFP4MOE_ENUMERATOR(OutputFormat, kFp32, 1),
 };
 // A MoE feed-forward layer (moe_layer_*): non-owning views of its prepared weights and what its
 // forwards may take. Nothing here is written by a forward: one descriptor serves any number of
@@ -253,6 +270,13 @@ NVFP4MOE_STRUCT(MoeLayerDesc) {
   float intermediate_decode_scale NVFP4MOE_INIT(1.0f);      // kNvfp4: the activation decode scale g (finite, > 0)
   // Non-zero: no GEMM splits K (max_splits 1), so a token's output bits do not depend on T.
   int32_t batch_invariant NVFP4MOE_INIT();
+  // An expert shard of a layer of global_experts experts (expert parallelism): the E experts here
+  // are some of them, expert_map (device i32 [global_experts]) gives each global id's local expert
+  // or -1. Routing ids and router logits are global; slots routed to another shard cost no work,
+  // a token with none here gets zeros. Null map: global_experts 0 or E, a whole layer.
+  const int* expert_map NVFP4MOE_INIT();
+  int64_t global_experts NVFP4MOE_INIT();                   // with expert_map: in [E, kExpertLimit]; without: 0 or E
+  NVFP4MOE_ENUM_T(OutputFormat) output_format NVFP4MOE_INIT();  // the element type of `out`
 };
 // One forward of a MoE layer (moe_layer_forward): out = sum_j topk_weights[t, j] *
 // expert_{topk_ids[t, j]}(hidden[t]), routed by the given top-k or by softmax top-k over logits.
@@ -262,9 +286,9 @@ NVFP4MOE_STRUCT(MoeForwardArgs) {
   int64_t top_k NVFP4MOE_INIT();                            // in [1, max_top_k]
   const int* topk_ids NVFP4MOE_INIT();                      // device i32 [tokens, top_k]; null: route with router_logits
   const float* topk_weights NVFP4MOE_INIT();                // device f32 [tokens, top_k] (with topk_ids)
-  const float* router_logits NVFP4MOE_INIT();               // device f32 [tokens, E] (without topk_ids)
+  const float* router_logits NVFP4MOE_INIT();               // device f32 [tokens, global experts] (without topk_ids)
   int32_t renormalize NVFP4MOE_INIT();                      // router: a token's k weights divided by their sum
-  void* out NVFP4MOE_INIT();                                // bf16 [tokens, H], 16-byte aligned
+  void* out NVFP4MOE_INIT();                                // [tokens, H] of the layer's output_format, 16-byte aligned
   // moe_layer_workspace_bytes(desc) bytes, 16-byte aligned (256 is best), set up by moe_layer_initialize.
   void* workspace NVFP4MOE_INIT();
   int64_t workspace_bytes NVFP4MOE_INIT();                  // its size
