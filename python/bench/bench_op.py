@@ -4,6 +4,8 @@ per eager call (CPU time to enqueue, GPU kept busy: median of rounds of 20 calls
 includes allocating its output, as a PyTorch caller's does), and CUDA-graph
 replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 MiB write before
 each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
+The host cost is also split: the operator's overload called directly with its arguments made
+beforehand (no module: `host overload`), and `torch.empty` of the output alone (`host empty`).
 
     PYTHONPATH=<site with nvfp4_moe>:python/tests python3 python/bench/bench_op.py \
         [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024] [--json rows.json]
@@ -85,6 +87,10 @@ def main() -> None:
             f = c.args(x, ids, w, c_out)
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             host_op = host_cost(lambda: op(x, topk_ids=ids, topk_weights=w))
+            args = (x, *op._operator_buffers()[:4], ids, w, None, k, True, op.workspace, op._config, op._g)
+            overload = torch.ops.nvfp4_moe.forward.default
+            host_overload = host_cost(lambda: overload(*args))
+            host_empty = host_cost(lambda: torch.empty(t, h, dtype=torch.bfloat16, device="cuda"))
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # fixed outside a capture
             host_c = host_cost(lambda: c.forward_args(f, stream))
             g_op, g_c = graph_of(lambda: op(x, topk_ids=ids, topk_weights=w)), graph_of(lambda: c.forward_args(f))
@@ -99,15 +105,17 @@ def main() -> None:
                     torch.cuda.synchronize()
                     times[key].append(t0.elapsed_time(t1) * 1e3)
             r_op, r_c = statistics.median(times["op"]), statistics.median(times["c"])
-            rows.append((name, t, host_op, host_c, r_op, r_c, same))
+            rows.append((name, t, host_op, host_c, r_op, r_c, same, host_overload, host_empty))
         c.close()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, nvfp4_moe {nvfp4_moe.__version__}")
     print(f"{'preset':16} {'T':>5} {'host op us':>11} {'host C us':>10} {'graph op us':>12} {'graph C us':>11} "
-          f"{'op/C':>6} same-bytes")
-    for name, t, ho, hc, ro, rc, same in rows:
-        print(f"{name:16} {t:5d} {ho:11.2f} {hc:10.2f} {ro:12.2f} {rc:11.2f} {ro / rc:6.3f} {same}")
+          f"{'op/C':>6} same-bytes {'host overload':>14} {'host empty':>11}")
+    for name, t, ho, hc, ro, rc, same, hov, he in rows:
+        print(f"{name:16} {t:5d} {ho:11.2f} {hc:10.2f} {ro:12.2f} {rc:11.2f} {ro / rc:6.3f} {same!s:10} {hov:14.2f} "
+              f"{he:11.2f}")
     if a.json:
-        keys = ("preset", "T", "host_op_us", "host_c_us", "graph_op_us", "graph_c_us", "same_bytes")
+        keys = ("preset", "T", "host_op_us", "host_c_us", "graph_op_us", "graph_c_us", "same_bytes",
+                "host_overload_us", "host_empty_us")
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": [dict(zip(keys, r)) for r in rows]}, f, indent=1)
 

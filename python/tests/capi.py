@@ -32,7 +32,8 @@ class MoeLayerDesc(ctypes.Structure):
     _fields_ = [("w13_prepared", c_ptr), ("w13_decode_scales", c_ptr), ("w2_prepared", c_ptr),
                 ("w2_decode_scales", c_ptr), ("experts", c_i64), ("hidden", c_i64), ("intermediate", c_i64),
                 ("max_tokens", c_i64), ("max_top_k", c_i64), ("tile", c_i32), ("intermediate_format", c_i32),
-                ("intermediate_decode_scale", c_f32), ("batch_invariant", c_i32)]
+                ("intermediate_decode_scale", c_f32), ("batch_invariant", c_i32), ("expert_map", c_ptr),
+                ("global_experts", c_i64), ("output_format", c_i32)]
 
 
 class LayerCreateArgs(ctypes.Structure):
@@ -49,7 +50,9 @@ class ForwardArgs(ctypes.Structure):
     _fields_ = [("struct_size", c_i64), ("args", MoeForwardArgs)]
 
 
-assert ctypes.sizeof(WeightsCreateArgs) == 64 and ctypes.sizeof(LayerCreateArgs) == 112
+# (types.h's layout by C's rules: the core refuses a struct_size below its own sizeof.)
+assert ctypes.sizeof(WeightsCreateArgs) == 64 and ctypes.sizeof(MoeLayerDesc) == 112
+assert ctypes.sizeof(LayerCreateArgs) == 136
 assert ctypes.sizeof(ForwardArgs) == 88
 
 lib.nvfp4moe_last_error.restype = ctypes.c_char_p
