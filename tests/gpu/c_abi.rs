@@ -94,6 +94,74 @@ fn forward_args(hidden: u64, t: usize, k: usize, ids: u64, weights: u64, out: u6
     }
 }
 
+/// A C ABI layer over a checkpoint's tensors (uploaded, then prepared by the core), with its
+/// workspace set up on `s`; the handles are destroyed on drop (the layer first).
+struct CLayer {
+    w13: *mut c_void,
+    w2: *mut c_void,
+    layer: *mut c_void,
+    ws: CudaSlice<u8>,
+    ws_bytes: usize,
+}
+
+impl CLayer {
+    fn new(s: &Arc<CudaStream>, ck: &nvfp4_moe::host::MoeCheckpoint, max_tokens: usize, k: usize) -> Self {
+        let cs = s.cu_stream() as *mut c_void;
+        let prepare = |w: &nvfp4_moe::host::ExpertWeightsHost, up: Option<&[f32]>| {
+            let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
+            let args = WeightsCreateArgs {
+                struct_size: std::mem::size_of::<WeightsCreateArgs>() as i64,
+                codes: addr(s, &codes),
+                scales: addr(s, &scales),
+                experts: w.experts as i64,
+                n: w.n as i64,
+                k: w.k as i64,
+                decode_scales: w.decode_scales.as_ptr(),
+                up_decode_scales: up.map_or(std::ptr::null(), <[f32]>::as_ptr),
+            };
+            let mut handle = std::ptr::null_mut();
+            // SAFETY: the buffers hold [E, n, k/2] codes and [E, n, k/16] scales on the stream's
+            // device, E decode scales each; the call synchronizes the stream before returning.
+            ok(unsafe { nvfp4moe_weights_create(&args, cs, &mut handle) }, "nvfp4moe_weights_create");
+            handle
+        };
+        let (w13, w2) = (prepare(&ck.w13, Some(&ck.up_decode_scales)), prepare(&ck.w2, None));
+        let la = LayerCreateArgs {
+            struct_size: std::mem::size_of::<LayerCreateArgs>() as i64,
+            w13,
+            w2,
+            options: MoeLayerDesc { max_tokens: max_tokens as i64, max_top_k: k as i64, ..Default::default() },
+        };
+        let mut layer = std::ptr::null_mut();
+        // SAFETY: two handles made above.
+        ok(unsafe { nvfp4moe_layer_create(&la, &mut layer) }, "nvfp4moe_layer_create");
+        let mut ws_bytes = 0usize;
+        // SAFETY: a layer handle.
+        ok(unsafe { nvfp4moe_layer_workspace_size(layer, &mut ws_bytes) }, "nvfp4moe_layer_workspace_size");
+        let ws = s.alloc_zeros::<u8>(ws_bytes).unwrap();
+        // SAFETY: ws holds ws_bytes on the stream's device.
+        ok(unsafe { nvfp4moe_layer_workspace_init(layer, addr(s, &ws), ws_bytes, cs) }, "workspace_init");
+        CLayer { w13, w2, layer, ws, ws_bytes }
+    }
+
+    /// The workspace as a forward takes it: (address, bytes).
+    fn workspace(&self, s: &CudaStream) -> (u64, usize) {
+        (addr(s, &self.ws), self.ws_bytes)
+    }
+}
+
+impl Drop for CLayer {
+    fn drop(&mut self) {
+        // SAFETY: handles made by new(); the caller synchronized the work that uses them (every
+        // test reads its outputs back first).
+        unsafe {
+            ok(nvfp4moe_layer_destroy(self.layer), "nvfp4moe_layer_destroy");
+            ok(nvfp4moe_weights_destroy(self.w13), "nvfp4moe_weights_destroy");
+            ok(nvfp4moe_weights_destroy(self.w2), "nvfp4moe_weights_destroy");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn c_abi_layer_gives_the_rust_layers_bytes() {
@@ -115,41 +183,8 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
         let mut rust_ws = rust.workspace(&s).unwrap();
 
         // The C handles, from the same checkpoint tensors on the device.
-        let prepare = |w: &nvfp4_moe::host::ExpertWeightsHost, up: Option<&[f32]>| {
-            let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-            let args = WeightsCreateArgs {
-                struct_size: std::mem::size_of::<WeightsCreateArgs>() as i64,
-                codes: addr(&s, &codes),
-                scales: addr(&s, &scales),
-                experts: w.experts as i64,
-                n: w.n as i64,
-                k: w.k as i64,
-                decode_scales: w.decode_scales.as_ptr(),
-                up_decode_scales: up.map_or(std::ptr::null(), <[f32]>::as_ptr),
-            };
-            let mut handle = std::ptr::null_mut();
-            // SAFETY: the buffers hold [E, n, k/2] codes and [E, n, k/16] scales on the stream's
-            // device, E decode scales each; the call synchronizes the stream before returning.
-            ok(unsafe { nvfp4moe_weights_create(&args, cs, &mut handle) }, "nvfp4moe_weights_create");
-            handle
-        };
-        let w13 = prepare(&ck.w13, Some(&ck.up_decode_scales));
-        let w2 = prepare(&ck.w2, None);
-        let la = LayerCreateArgs {
-            struct_size: std::mem::size_of::<LayerCreateArgs>() as i64,
-            w13,
-            w2,
-            options: MoeLayerDesc { max_tokens: 1024, max_top_k: k as i64, ..Default::default() },
-        };
-        let mut layer = std::ptr::null_mut();
-        // SAFETY: two handles made above.
-        ok(unsafe { nvfp4moe_layer_create(&la, &mut layer) }, "nvfp4moe_layer_create");
-        let mut ws_bytes = 0usize;
-        // SAFETY: a layer handle.
-        ok(unsafe { nvfp4moe_layer_workspace_size(layer, &mut ws_bytes) }, "nvfp4moe_layer_workspace_size");
-        let c_ws = s.alloc_zeros::<u8>(ws_bytes).unwrap();
-        // SAFETY: c_ws holds ws_bytes on the stream's device.
-        ok(unsafe { nvfp4moe_layer_workspace_init(layer, addr(&s, &c_ws), ws_bytes, cs) }, "workspace_init");
+        let c = CLayer::new(&s, &ck, 1024, k);
+        let layer = c.layer;
 
         for t in [1usize, 16, 1024] {
             let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
@@ -162,8 +197,7 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
             let input = MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
             rust.forward(&s, &input, &mut rust_out, &mut rust_ws).unwrap();
             let c_out = s.clone_htod(&poison).unwrap();
-            let ws = (addr(&s, &c_ws), ws_bytes);
-            let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &c_out), ws);
+            let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &c_out), c.workspace(&s));
             // SAFETY: every buffer holds what t, k, H and the layer imply, on the stream's device.
             ok(unsafe { nvfp4moe_layer_forward(layer, &f, cs) }, "nvfp4moe_layer_forward");
             let (a, b) = (s.clone_dtoh(&rust_out).unwrap(), s.clone_dtoh(&c_out).unwrap());
@@ -193,13 +227,12 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
             s.clone_htod(&vec![0.5f32; t * k]).unwrap(),
         );
         let out = s.alloc_zeros::<bf16>(t * h).unwrap();
-        let ws = (addr(&s, &c_ws), ws_bytes);
-        let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), ws);
+        let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), c.workspace(&s));
         let (mut found, mut token, mut slot, mut id) = (0i32, 0i64, 0i64, 0i32);
         // SAFETY: as above; the check's outputs are host variables.
         unsafe {
             ok(nvfp4moe_layer_forward(layer, &f, cs), "forward with a bad id");
-            let ws = addr(&s, &c_ws);
+            let (ws, ws_bytes) = c.workspace(&s);
             ok(
                 nvfp4moe_layer_check(layer, ws, ws_bytes, k as i64, cs, &mut found, &mut token, &mut slot, &mut id),
                 "check",
@@ -210,9 +243,6 @@ fn c_abi_layer_gives_the_rust_layers_bytes() {
                 "check",
             );
             assert_eq!(found, 0, "{name}: the check clears the word: {rp}");
-            ok(nvfp4moe_layer_destroy(layer), "nvfp4moe_layer_destroy");
-            ok(nvfp4moe_weights_destroy(w13), "nvfp4moe_weights_destroy");
-            ok(nvfp4moe_weights_destroy(w2), "nvfp4moe_weights_destroy");
         }
     }
 }
@@ -232,40 +262,8 @@ fn c_abi_forward_is_graph_capturable() {
     let rp = replay();
     let (e, h, i, t, k) = (16usize, 512usize, 256usize, 24usize, 4usize);
     let ck = random_checkpoint(&mut rng, e, h, i);
-    let prepare = |w: &nvfp4_moe::host::ExpertWeightsHost, up: Option<&[f32]>| {
-        let (codes, scales) = (s.clone_htod(&w.codes).unwrap(), s.clone_htod(&w.scales).unwrap());
-        let args = WeightsCreateArgs {
-            struct_size: std::mem::size_of::<WeightsCreateArgs>() as i64,
-            codes: addr(&s, &codes),
-            scales: addr(&s, &scales),
-            experts: w.experts as i64,
-            n: w.n as i64,
-            k: w.k as i64,
-            decode_scales: w.decode_scales.as_ptr(),
-            up_decode_scales: up.map_or(std::ptr::null(), <[f32]>::as_ptr),
-        };
-        let mut handle = std::ptr::null_mut();
-        // SAFETY: [E, n, k/2] codes and [E, n, k/16] scales on the stream's device, E decode scales
-        // each; the call synchronizes the stream before returning.
-        ok(unsafe { nvfp4moe_weights_create(&args, cs, &mut handle) }, "nvfp4moe_weights_create");
-        handle
-    };
-    let (w13, w2) = (prepare(&ck.w13, Some(&ck.up_decode_scales)), prepare(&ck.w2, None));
-    let la = LayerCreateArgs {
-        struct_size: std::mem::size_of::<LayerCreateArgs>() as i64,
-        w13,
-        w2,
-        options: MoeLayerDesc { max_tokens: 64, max_top_k: k as i64, ..Default::default() },
-    };
-    let mut layer = std::ptr::null_mut();
-    // SAFETY: two handles made above.
-    ok(unsafe { nvfp4moe_layer_create(&la, &mut layer) }, "nvfp4moe_layer_create");
-    let mut ws_bytes = 0usize;
-    // SAFETY: a layer handle.
-    ok(unsafe { nvfp4moe_layer_workspace_size(layer, &mut ws_bytes) }, "nvfp4moe_layer_workspace_size");
-    let c_ws = s.alloc_zeros::<u8>(ws_bytes).unwrap();
-    // SAFETY: c_ws holds ws_bytes on the stream's device.
-    ok(unsafe { nvfp4moe_layer_workspace_init(layer, addr(&s, &c_ws), ws_bytes, cs) }, "workspace_init");
+    let c = CLayer::new(&s, &ck, 64, k);
+    let layer = c.layer;
 
     let ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
     let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
@@ -273,8 +271,7 @@ fn c_abi_forward_is_graph_capturable() {
         (s.clone_htod(&rng.normal_bf16(t * h, 1.0)).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
     let poison = vec![bf16::from_bits(POISON_BF16); t * h];
     let mut out = s.clone_htod(&poison).unwrap();
-    let f =
-        forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), (addr(&s, &c_ws), ws_bytes));
+    let f = forward_args(addr(&s, &hd), t, k, addr(&s, &idd), addr(&s, &wd), addr(&s, &out), c.workspace(&s));
     // SAFETY: every buffer holds what t, k, H and the layer imply, on the stream's device.
     ok(unsafe { nvfp4moe_layer_forward(layer, &f, cs) }, "eager nvfp4moe_layer_forward");
     let eager = s.clone_dtoh(&out).unwrap();
@@ -293,10 +290,4 @@ fn c_abi_forward_is_graph_capturable() {
     }
     let replayed = s.clone_dtoh(&out).unwrap();
     assert!(eager.iter().zip(&replayed).all(|(a, b)| a.to_bits() == b.to_bits()), "graph replay: {rp}");
-    // SAFETY: the stream is synchronized (clone_dtoh), nothing enqueued uses the handles.
-    unsafe {
-        ok(nvfp4moe_layer_destroy(layer), "nvfp4moe_layer_destroy");
-        ok(nvfp4moe_weights_destroy(w13), "nvfp4moe_weights_destroy");
-        ok(nvfp4moe_weights_destroy(w2), "nvfp4moe_weights_destroy");
-    }
 }

@@ -16,14 +16,20 @@ use nvfp4_moe::moe::{MoeInput, OutputFormat, RouterInput};
 use nvfp4_moe::testing::expert_subset;
 use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
 
-/// The shards of `n` partitions of `e` experts: contiguous ranges, then a shuffled assignment with
-/// shards of unequal sizes (each at least one expert: a shard of no experts is no layer).
-fn partitions(rng: &mut Rng, e: usize, n: usize) -> [Vec<Vec<usize>>; 2] {
-    let contiguous = (0..n).map(|s| (s * e / n..(s + 1) * e / n).collect()).collect();
+/// 0..e in a random order (Fisher-Yates).
+fn shuffled(rng: &mut Rng, e: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..e).collect();
     for i in (1..e).rev() {
         order.swap(i, rng.below(i as u64 + 1) as usize);
     }
+    order
+}
+
+/// The shards of `n` partitions of `e` experts: contiguous ranges, then a shuffled assignment with
+/// shards of unequal sizes (each at least one expert: a shard of no experts is no layer).
+fn partitions(rng: &mut Rng, e: usize, n: usize) -> [Vec<Vec<usize>>; 2] {
+    let contiguous = (0..n).map(|s| (s * e / n..(s + 1) * e / n).collect()).collect();
+    let order = shuffled(rng, e);
     // Cut points: n - 1 distinct positions in 1..e, so every shard is non-empty and sizes differ.
     let mut cuts: Vec<usize> = Vec::new();
     while cuts.len() < n - 1 {
@@ -175,10 +181,7 @@ fn a_shard_of_every_expert_gives_the_whole_layers_bytes() {
     let ck = random_checkpoint(&mut rng, e, h, i);
     let opts = MoeOptions::new(300, k);
     let whole = layer_of(&s, &ck, None, opts);
-    let mut order: Vec<usize> = (0..e).collect();
-    for j in (1..e).rev() {
-        order.swap(j, rng.below(j as u64 + 1) as usize);
-    }
+    let order = shuffled(&mut rng, e);
     let shard = layer_of(&s, &ck, Some(&order), opts);
     for t in [1usize, 7, 300] {
         let ids = skewed_ids(&mut rng, t, k, e, true);
