@@ -87,7 +87,8 @@ def main() -> None:
             f = c.args(x, ids, w, c_out)
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             host_op = host_cost(lambda: op(x, topk_ids=ids, topk_weights=w))
-            args = (x, *op._operator_buffers()[:4], ids, w, None, k, True, op.workspace, op._config, op._g)
+            b = op._operator_buffers()
+            args = (x, *b[:4], ids, w, None, k, True, b[4], b[5], op._config, op._g)
             overload = torch.ops.nvfp4_moe.forward.default
             host_overload = host_cost(lambda: overload(*args))
             host_empty = host_cost(lambda: torch.empty(t, h, dtype=torch.bfloat16, device="cuda"))

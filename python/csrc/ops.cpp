@@ -40,9 +40,10 @@ void check_cuda_contiguous(const Tensor& t, const char* name, at::ScalarType dty
 }
 
 // The layer's configuration, as the Python module passes it: [experts, hidden, intermediate,
-// max_tokens, max_top_k, tile, intermediate_format, batch_invariant].
+// max_tokens, max_top_k, tile, intermediate_format, batch_invariant, global_experts (0: not an
+// expert shard), output_format]. The expert map's address is the forward's (its tensor argument).
 nvfp4moe::MoeLayerDesc layer_desc(at::IntArrayRef config, double nvfp4_decode_scale) {
-  TORCH_CHECK_VALUE(config.size() == 8, "config must hold 8 values, got ", config.size());
+  TORCH_CHECK_VALUE(config.size() == 10, "config must hold 10 values, got ", config.size());
   nvfp4moe::MoeLayerDesc d;
   d.experts = config[0];
   d.hidden = config[1];
@@ -53,6 +54,12 @@ nvfp4moe::MoeLayerDesc layer_desc(at::IntArrayRef config, double nvfp4_decode_sc
   d.intermediate_format = static_cast<nvfp4moe::IntermediateFormat>(config[6]);
   d.batch_invariant = config[7] != 0;
   d.intermediate_decode_scale = static_cast<float>(nvfp4_decode_scale);
+  d.global_experts = config[8];
+  d.output_format = static_cast<nvfp4moe::OutputFormat>(config[9]);
+  // The core checks a shard's counts only with a map: a non-null stand-in until the forward gives
+  // the tensor's address (the checks and sizes never read it).
+  static const int kMapStandIn = 0;
+  if (d.global_experts != 0) d.expert_map = &kMapStandIn;
   return d;
 }
 
@@ -120,11 +127,11 @@ void init_workspace(const Tensor& workspace, at::IntArrayRef config, double nvfp
                "nvfp4_moe.init_workspace");
 }
 
-// forward: the layer on PyTorch's current stream; returns out bf16 [T, H].
+// forward: the layer on PyTorch's current stream; returns out [T, H], bf16 or f32 (config's output_format).
 Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales, const Tensor& w2,
                const Tensor& w2_scales, const std::optional<Tensor>& topk_ids, const std::optional<Tensor>& topk_weights,
                const std::optional<Tensor>& router_logits, int64_t top_k, bool renormalize, const Tensor& workspace,
-               at::IntArrayRef config, double nvfp4_decode_scale) {
+               const std::optional<Tensor>& expert_map, at::IntArrayRef config, double nvfp4_decode_scale) {
   TORCH_CHECK_VALUE(w13.is_cuda(), "the layer's weights must be CUDA tensors");
   const at::Device device = w13.device();
   const nvfp4moe::MoeLayerDesc d0 = layer_desc(config, nvfp4_decode_scale);
@@ -150,8 +157,17 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
   } else {
     check_cuda_contiguous(*router_logits, "router_logits", at::kFloat, device);
     TORCH_CHECK_VALUE(router_logits->dim() == 2 && router_logits->size(0) == tokens &&
-                          router_logits->size(1) == d0.experts,
-                      "router_logits must be [T, E] = [", tokens, ", ", d0.experts, "], got ", router_logits->sizes());
+                          router_logits->size(1) == (d0.global_experts ? d0.global_experts : d0.experts),
+                      "router_logits must be [T, E] = [", tokens, ", ",
+                      (d0.global_experts ? d0.global_experts : d0.experts), "], got ", router_logits->sizes());
+  }
+  // An expert shard's map: int32 [global_experts] on the layer's device; none for a whole layer.
+  TORCH_CHECK_VALUE(expert_map.has_value() == (d0.global_experts != 0),
+                    "expert_map is given exactly for an expert shard (config's global_experts non-zero)");
+  if (expert_map) {
+    check_cuda_contiguous(*expert_map, "expert_map", at::kInt, device);
+    TORCH_CHECK_VALUE(expert_map->dim() == 1 && expert_map->size(0) == d0.global_experts, "expert_map must be [",
+                      d0.global_experts, "], got ", expert_map->sizes());
   }
   TORCH_CHECK_VALUE(w13.numel() == static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(
                                        d0.experts, 2 * d0.intermediate, d0.hidden)) &&
@@ -160,8 +176,10 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
                         w13_scales.numel() == 2 * d0.experts && w2_scales.numel() == 2 * d0.experts,
                     "the prepared weights do not match the layer's shape");
   const c10::cuda::CUDAGuard guard(device);
-  Tensor out = at::empty({tokens, d0.hidden}, hidden.options());
+  const bool fp32_out = d0.output_format == nvfp4moe::OutputFormat::kFp32;
+  Tensor out = at::empty({tokens, d0.hidden}, hidden.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   nvfp4moe::MoeLayerDesc d = d0;
+  if (expert_map) d.expert_map = expert_map->data_ptr<int>();
   d.w13_prepared = w13.data_ptr();
   d.w13_decode_scales = w13_scales.data_ptr<float>();
   d.w2_prepared = w2.data_ptr();
@@ -203,8 +221,8 @@ TORCH_LIBRARY(nvfp4_moe, m) {
   m.def("init_workspace(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> ()");
   m.def(
       "forward(Tensor hidden, Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor? topk_ids, "
-      "Tensor? topk_weights, Tensor? router_logits, int top_k, bool renormalize, Tensor(a!) workspace, int[] config, "
-      "float nvfp4_decode_scale) -> Tensor");
+      "Tensor? topk_weights, Tensor? router_logits, int top_k, bool renormalize, Tensor(a!) workspace, "
+      "Tensor? expert_map, int[] config, float nvfp4_decode_scale) -> Tensor");
   m.def("read_error(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> int");
 }
 

@@ -55,7 +55,9 @@ def _forward_fake(
     top_k: int,
     renormalize: bool,
     workspace: torch.Tensor,
+    expert_map: Optional[torch.Tensor],
     config: Sequence[int],
     nvfp4_decode_scale: float,
 ) -> torch.Tensor:
-    return hidden.new_empty((hidden.shape[0], config[1]))
+    # config[9]: the output format (0 bf16, 1 float32).
+    return hidden.new_empty((hidden.shape[0], config[1]), dtype=torch.float32 if config[9] else torch.bfloat16)

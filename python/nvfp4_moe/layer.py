@@ -22,8 +22,10 @@ from . import _ops  # noqa: F401  (loads the operators)
 
 # The overload itself: calling the packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
 _FORWARD = torch.ops.nvfp4_moe.forward.default
-# The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32).
+# The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32),
+# and an expert shard's map (absent for a whole layer).
 _OPERATOR_BUFFERS = ("w13", "w13_scales", "w2", "w2_scales", "workspace")
+_EXPERT_MAP = "expert_map"
 
 #: Gate, up and down projection names (Qwen3, DeepSeek-V3); Mixtral's are w1, w3, w2. (The layer
 #: computes SwiGLU as silu(gate) * up: models with another activation, such as gpt-oss's clamped
@@ -93,17 +95,51 @@ def _prepare(proj: Projection, up: Optional[Projection] = None) -> tuple[torch.T
     return torch.ops.nvfp4_moe.prepare(codes.contiguous(), scales.contiguous(), proj.decode_scales, up_g)
 
 
+def _expert_map(
+    expert_ids: Optional[Sequence[int]], global_experts: Optional[int], experts: int, device: torch.device
+) -> Optional[torch.Tensor]:
+    """An expert shard's map for the core: int32 [global_experts], each global id's local expert or
+    -1 (None for a whole layer). The list is checked here, naming the problem."""
+    if expert_ids is None:
+        if global_experts is not None:
+            raise ValueError("global_experts is given only with expert_ids (an expert shard)")
+        return None
+    if global_experts is None or not 1 <= int(global_experts) <= 1024:
+        raise ValueError(f"an expert shard needs global_experts in 1..=1024, got {global_experts}")
+    ids = [int(e) for e in expert_ids]
+    if len(ids) != experts:
+        raise ValueError(f"the shard lists {len(ids)} expert ids, its weights hold {experts} experts")
+    table = [-1] * int(global_experts)
+    for local, e in enumerate(ids):
+        if not 0 <= e < int(global_experts):
+            raise ValueError(f"expert_ids[{local}] = {e} is not in [0, {global_experts})")
+        if table[e] >= 0:
+            raise ValueError(f"expert_ids[{local}] = {e} repeats expert_ids[{table[e]}]")
+        table[e] = local
+    return torch.tensor(table, dtype=torch.int32, device=device)
+
+
 class MoeLayer(torch.nn.Module):
     """One MoE feed-forward layer over prepared NVFP4 weights (on the weights' CUDA device).
 
     ``forward(hidden, topk_ids=..., topk_weights=...)`` or ``forward(hidden, router_logits=...)``:
-    hidden bfloat16 [T, H] -> bfloat16 [T, H], with top-k ids int32 [T, k] and weights float32
+    hidden bfloat16 [T, H] -> [T, H] (``output_dtype``), with top-k ids int32 [T, k] and weights float32
     [T, k], or softmax top-k over router logits float32 [T, E]. Runs on PyTorch's current stream;
     no host synchronization; valid under torch.compile (fullgraph) and CUDA-graph capture. No
     backward: inputs that require grad are refused.
 
     ``intermediate``: ``"bf16"`` (the default: the first GEMM's SwiGLU output in BF16) or a float,
     the activation decode scale g of an NVFP4 intermediate (packed in the first GEMM's epilogue).
+
+    ``output_dtype``: ``torch.bfloat16`` (the default) or ``torch.float32`` (the combine's FP32 sums,
+    unrounded).
+
+    An expert shard (expert parallelism): ``expert_ids`` lists the global id of each of the given
+    experts (any distinct ids below ``global_experts``). Its forwards take the whole layer's routing
+    (global ids, or router logits over ``global_experts``); slots routed to other shards cost no work
+    and add nothing. Each expert gets the whole layer's GEMM tiles and K splits, so with
+    ``output_dtype=torch.float32`` the shards' outputs add up to the whole layer's up to the order of
+    that sum.
     """
 
     def __init__(
@@ -117,6 +153,9 @@ class MoeLayer(torch.nn.Module):
         intermediate: Union[str, float] = "bf16",
         tile: Tile = Tile.AUTO,
         batch_invariant: bool = False,
+        output_dtype: torch.dtype = torch.bfloat16,
+        expert_ids: Optional[Sequence[int]] = None,
+        global_experts: Optional[int] = None,
     ) -> None:
         super().__init__()
         if not gate.codes.is_cuda:
@@ -134,8 +173,15 @@ class MoeLayer(torch.nn.Module):
             fmt, g = 1, float(intermediate)
         else:
             raise ValueError(f'intermediate must be "bf16" or an NVFP4 decode scale, got {intermediate!r}')
+        if output_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"output_dtype must be torch.bfloat16 or torch.float32, got {output_dtype}")
+        expert_map = _expert_map(expert_ids, global_experts, experts, gate.codes.device)
         self.experts, self.hidden, self.intermediate, self.top_k = experts, hidden, inter, top_k
-        self._config = [experts, hidden, inter, max_tokens, top_k, int(tile), fmt, int(batch_invariant)]
+        #: The experts the routing counts (the whole layer's for an expert shard).
+        self.global_experts = experts if expert_map is None else int(global_experts)  # type: ignore[arg-type]
+        self.expert_ids = list(range(experts)) if expert_ids is None else [int(e) for e in expert_ids]
+        self._config = [experts, hidden, inter, max_tokens, top_k, int(tile), fmt, int(batch_invariant),
+                        0 if expert_map is None else self.global_experts, int(output_dtype == torch.float32)]
         self._g = g
         with torch.no_grad():
             w13, w13_scales = _prepare(gate, up)
@@ -149,6 +195,8 @@ class MoeLayer(torch.nn.Module):
         for name, t in (("w13", w13), ("w13_scales", w13_scales), ("w2", w2), ("w2_scales", w2_scales)):
             self.register_buffer(name, t, persistent=False)
         self.register_buffer("workspace", workspace, persistent=False)
+        if expert_map is not None:
+            self.register_buffer(_EXPERT_MAP, expert_map, persistent=False)
 
     @staticmethod
     def from_tensors(
@@ -158,14 +206,18 @@ class MoeLayer(torch.nn.Module):
         max_tokens: int,
         top_k: int,
         projections: Sequence[str] = DEFAULT_PROJECTIONS,
+        expert_ids: Optional[Sequence[int]] = None,
         **kwargs: object,
     ) -> "MoeLayer":
         """A layer from checkpoint tensors named ``{prefix}.{e}.{projection}.{field}`` (either dialect),
         e.g. ``safetensors.torch.load_file(path, device="cuda")``'s dict and
-        ``prefix="model.layers.3.mlp.experts"``. Keyword arguments go to the constructor."""
-        gate, up, down = (
-            Projection.from_experts(tensors, [f"{prefix}.{e}.{p}" for e in range(num_experts)]) for p in projections
-        )
+        ``prefix="model.layers.3.mlp.experts"``. With ``expert_ids``, the expert shard of those of the
+        ``num_experts`` experts (only their tensors are read). Keyword arguments go to the
+        constructor."""
+        ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
+        gate, up, down = (Projection.from_experts(tensors, [f"{prefix}.{e}.{p}" for e in ids]) for p in projections)
+        if expert_ids is not None:
+            kwargs = {**kwargs, "expert_ids": ids, "global_experts": num_experts}
         return MoeLayer(gate, up, down, max_tokens, top_k, **kwargs)  # type: ignore[arg-type]
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -175,7 +227,7 @@ class MoeLayer(torch.nn.Module):
         return super()._apply(fn, recurse)
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in _OPERATOR_BUFFERS:
+        if name in _OPERATOR_BUFFERS or name == _EXPERT_MAP:
             self.__dict__.pop("_op_buffers", None)  # (the same: a replaced buffer is not kept alive)
         super().__setattr__(name, value)
 
@@ -185,20 +237,24 @@ class MoeLayer(torch.nn.Module):
         state.pop("_op_buffers", None)
         return state
 
-    def _operator_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w13, w13 scales as float32, w2, w2 scales as float32, workspace) as the operator takes
+    def _operator_buffers(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(w13, w13 scales as float32, w2, w2 scales as float32, workspace, expert map) as the operator takes
         them, made again when a buffer was replaced or a scale buffer's storage or shape changed
         (``.data =``, ``set_``): in eager mode, the module's attribute lookups and the two views cost
         several microseconds of host time per forward."""
         b = self._buffers
         w13, s13, w2, s2, ws = (b.get(n) for n in _OPERATOR_BUFFERS)
-        if w13 is None or s13 is None or w2 is None or s2 is None or ws is None:
-            missing = [n for n in _OPERATOR_BUFFERS if b.get(n) is None]
+        em = b.get(_EXPERT_MAP)
+        if w13 is None or s13 is None or w2 is None or s2 is None or ws is None or (em is None) != (self._config[8] == 0):
+            names = _OPERATOR_BUFFERS + ((_EXPERT_MAP,) if self._config[8] else ())
+            missing = [n for n in names if b.get(n) is None]
             raise RuntimeError(f"MoeLayer: buffer {', '.join(missing)} was removed")
-        key, storage = (w13, s13, w2, s2, ws), (s13.data_ptr(), s13.shape, s2.data_ptr(), s2.shape)
+        key, storage = (w13, s13, w2, s2, ws, em), (s13.data_ptr(), s13.shape, s2.data_ptr(), s2.shape)
         cached = self.__dict__.get("_op_buffers")
         if cached is None or cached[1] != storage or any(x is not y for x, y in zip(cached[0], key)):
-            cached = (key, storage, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws))
+            cached = (key, storage, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws, em))
             self.__dict__["_op_buffers"] = cached
         return cached[2]
 
@@ -214,11 +270,12 @@ class MoeLayer(torch.nn.Module):
         if torch.compiler.is_compiling():
             # (Traced once: the plain lookups, which the graph then holds as inputs.)
             w13, s13, w2, s2 = self.w13, self.w13_scales.view(torch.float32), self.w2, self.w2_scales.view(torch.float32)
-            ws = self.workspace
+            ws, em = self.workspace, self._buffers.get(_EXPERT_MAP)
         else:
-            w13, s13, w2, s2, ws = self._operator_buffers()
+            w13, s13, w2, s2, ws, em = self._operator_buffers()
         return _FORWARD(
-            hidden, w13, s13, w2, s2, topk_ids, topk_weights, router_logits, top_k, renormalize, ws, self._config, self._g
+            hidden, w13, s13, w2, s2, topk_ids, topk_weights, router_logits, top_k, renormalize, ws, em, self._config,
+            self._g,
         )
 
     @torch.compiler.disable
@@ -234,6 +291,6 @@ class MoeLayer(torch.nn.Module):
         pair, bad = (word >> 32) & 0xFFFFFFFF, word & 0xFFFFFFFF
         bad = bad - (1 << 32) if bad >= 1 << 31 else bad
         raise ValueError(
-            f"topk_ids[{pair // k}, {pair % k}] = {bad} is not an expert id in [0, {self.experts}): "
+            f"topk_ids[{pair // k}, {pair % k}] = {bad} is not an expert id in [0, {self.global_experts}): "
             "that slot was routed nowhere"
         )

@@ -95,6 +95,13 @@ def test_both_dialects_give_the_same_bytes():
     for buf in ("w13", "w13_scales", "w2", "w2_scales"):
         assert torch.equal(getattr(a, buf), getattr(b, buf)), buf
     assert torch.equal(a(x, topk_ids=ids, topk_weights=w), b(x, topk_ids=ids, topk_weights=w))
+    # An expert shard reads only its experts' tensors (the others are not in the dict).
+    only = {k: v for k, v in compressed.items() if ".experts.3." in k or ".experts.1." in k}
+    c = nvfp4_moe.MoeLayer.from_tensors(only, **args, expert_ids=[3, 1])
+    d = nvfp4_moe.MoeLayer(*(sub_projection(projs[p], [3, 1]) for p in ("gate_proj", "up_proj", "down_proj")),
+                           max_tokens=8, top_k=2, expert_ids=[3, 1], global_experts=experts)
+    assert c.expert_ids == [3, 1] and c.global_experts == experts
+    assert torch.equal(c(x, topk_ids=ids, topk_weights=w), d(x, topk_ids=ids, topk_weights=w))
 
 
 def test_router_path_equals_the_top_k_it_chooses():
@@ -114,7 +121,7 @@ def test_router_path_equals_the_top_k_it_chooses():
 def op_args(layer, x, ids, w) -> tuple:
     """The operator's arguments for the layer's buffers as they are now (no module, no cache)."""
     return (x, layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales.view(torch.float32), ids, w,
-            None, ids.shape[1], True, layer.workspace, layer._config, layer._g)
+            None, ids.shape[1], True, layer.workspace, layer._buffers.get("expert_map"), layer._config, layer._g)
 
 
 def test_opcheck():
@@ -274,3 +281,71 @@ def test_nvfp4_intermediate_and_options():
     before = layer(x, topk_ids=ids, topk_weights=w)
     layer.to(torch.bfloat16)
     assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), before)
+
+
+def sub_projection(p: Projection, ids) -> Projection:
+    """The experts `ids` of a projection, in that order."""
+    idx = torch.tensor(ids, device=p.codes.device)
+    return Projection(p.codes[idx], p.scales[idx], p.decode_scales[idx])
+
+
+def test_expert_shards_add_up_to_the_whole_layer():
+    """Shards of 2 and 4 experts' partitions (contiguous and scattered) with float32 outputs add up
+    to the whole layer's float32 output within 1e-5 (the crate's bound: only the order of that sum
+    differs), through the caller's top-k and the router; a token routed to none of a shard's
+    experts gets zeros; a shard of every expert in a shuffled order gives the whole layer's bytes."""
+    experts, hidden, inter, top_k = 16, 512, 256, 4
+    layer, (gate, up, down), x, ids, w = layer_and_inputs(experts, hidden, inter, 40, top_k,
+                                                          output_dtype=torch.float32)
+    want = layer(x, topk_ids=ids, topk_weights=w)
+    assert want.dtype == torch.float32 and torch.isfinite(want).all()
+    logits = torch.randn(40, experts, generator=rng(11)).cuda()
+    want_router = layer(x, router_logits=logits)
+    g = rng(12)
+    for n in (2, 4):
+        order = torch.randperm(experts, generator=g).tolist()
+        for shards in ([list(range(s * experts // n, (s + 1) * experts // n)) for s in range(n)],
+                       [order[:3], order[3:]] if n == 2 else [order[:1], order[1:6], order[6:7], order[7:]]):
+            total, total_router = torch.zeros_like(want, dtype=torch.float64), torch.zeros_like(want, dtype=torch.float64)
+            for ids_here in shards:
+                shard = nvfp4_moe.MoeLayer(*(sub_projection(p, ids_here) for p in (gate, up, down)), max_tokens=64,
+                                           top_k=top_k, output_dtype=torch.float32, expert_ids=ids_here,
+                                           global_experts=experts)
+                assert shard.global_experts == experts and shard.expert_ids == ids_here
+                got = shard(x, topk_ids=ids, topk_weights=w)
+                none_here = ~torch.isin(ids, torch.tensor(ids_here, device=ids.device, dtype=ids.dtype)).any(dim=1)
+                assert (got[none_here] == 0).all(), (n, ids_here)
+                total += got.double()
+                total_router += shard(x, router_logits=logits).double()
+                shard.check()
+            for what, t, ref in (("top-k", total, want), ("router", total_router, want_router)):
+                rel = ((t - ref.double()).norm() / ref.double().norm()).item()
+                assert rel <= 1e-5, (what, n, shards, rel)
+    whole_bf16 = nvfp4_moe.MoeLayer(gate, up, down, max_tokens=64, top_k=top_k)
+    order = torch.randperm(experts, generator=g).tolist()
+    permuted = nvfp4_moe.MoeLayer(*(sub_projection(p, order) for p in (gate, up, down)), max_tokens=64, top_k=top_k,
+                                  expert_ids=order, global_experts=experts)
+    assert torch.equal(permuted(x, topk_ids=ids, topk_weights=w), whole_bf16(x, topk_ids=ids, topk_weights=w))
+
+
+def test_bad_shards_raise():
+    _, (gate, up, down), x, ids, w = layer_and_inputs(experts=8)
+    sub = [sub_projection(p, [5, 2]) for p in (gate, up, down)]
+    for kwargs, says in [
+        (dict(expert_ids=[5, 2]), "global_experts in 1..=1024"),
+        (dict(global_experts=8), "only with expert_ids"),
+        (dict(expert_ids=[5, 2, 1], global_experts=8), "lists 3 expert ids"),
+        (dict(expert_ids=[5, 8], global_experts=8), r"expert_ids\[1\] = 8 is not in \[0, 8\)"),
+        (dict(expert_ids=[5, 5], global_experts=8), r"repeats expert_ids\[0\]"),
+        (dict(output_dtype=torch.float16), "output_dtype"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            nvfp4_moe.MoeLayer(*sub, max_tokens=8, top_k=2, **kwargs)
+    shard = nvfp4_moe.MoeLayer(*sub, max_tokens=64, top_k=4, expert_ids=[5, 2], global_experts=8)
+    bad = ids.clone()
+    bad[3, 2] = 8  # a global id out of range
+    shard(x, topk_ids=bad, topk_weights=w)
+    with pytest.raises(ValueError, match=r"topk_ids\[3, 2\] = 8 is not an expert id in \[0, 8\)"):
+        shard.check()
+    with pytest.raises(ValueError, match=r"router_logits must be \[T, E\] = \[24, 8\]"):
+        shard(x, router_logits=torch.randn(24, 2).cuda())
