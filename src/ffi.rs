@@ -32,6 +32,7 @@ pub(crate) mod raw {
         type GroupedGemmArgs = crate::abi::GroupedGemmArgs;
         type MoeLayerDesc = crate::abi::MoeLayerDesc;
         type MoeForwardArgs = crate::abi::MoeForwardArgs;
+        type MoeDispatchedArgs = crate::abi::MoeDispatchedArgs;
     }
 
     unsafe extern "C++" {
@@ -109,6 +110,10 @@ pub(crate) mod raw {
         /// As for `moe_layer_initialize`; every buffer of `a` holds what its shape implies and
         /// stays alive until the enqueued work has finished.
         unsafe fn moe_layer_forward(d: &MoeLayerDesc, a: &MoeForwardArgs, stream: u64) -> i32;
+        /// # Safety
+        /// As for `moe_layer_initialize`; every buffer of `a` holds what its shape implies and
+        /// stays alive until the enqueued work has finished.
+        unsafe fn moe_layer_forward_dispatched(d: &MoeLayerDesc, a: &MoeDispatchedArgs, stream: u64) -> i32;
         /// # Safety
         /// As for `moe_layer_forward`; `act_out` holds tokens x top_k x intermediate bf16.
         unsafe fn moe_layer_first_gemm(d: &MoeLayerDesc, a: &MoeForwardArgs, act_out: u64, stream: u64) -> i32;

@@ -61,6 +61,10 @@ int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t 
 int32_t moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t stream) {
   return raw(::nvfp4moe::moe_layer_forward(d, a, stream_ptr(stream)));
 }
+
+int32_t moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedArgs& a, uint64_t stream) {
+  return raw(::nvfp4moe::moe_layer_forward_dispatched(d, a, stream_ptr(stream)));
+}
 int32_t moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t act_out, uint64_t stream) {
   return raw(::nvfp4moe::moe_layer_first_gemm(d, a, dptr_mut(act_out), stream_ptr(stream)));
 }

@@ -30,6 +30,7 @@ int32_t combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t toke
 
 int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
 int32_t moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t stream);
+int32_t moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedArgs& a, uint64_t stream);
 int32_t moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t act_out, uint64_t stream);
 int32_t moe_layer_read_error(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream,
                              uint64_t& word);

@@ -176,8 +176,8 @@ Status enter_layer(DeviceGuard& guard, const nvfp4moe_layer* layer, void* stream
   if (!layer) return fail(Status::kInvalidHandle, "%s: null layer", what);
   if (Status s = guard.enter(stream, what); s != Status::kSuccess) return s;
   if (guard.device() != layer->device) {
-    return fail(Status::kInvalidHandle, "%s: the stream is on device %d, the layer's weights on device %d", what,
-                guard.device(), layer->device);
+    return fail(Status::kInvalidHandle, "%s: the stream is on device %d (the current device, for a capturing stream), "
+                "the layer's weights on device %d", what, guard.device(), layer->device);
   }
   return Status::kSuccess;
 }

@@ -131,6 +131,13 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
   if (a.total_rows < 0 || a.total_rows > kMaxInt32) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: total_rows too large (%lld)", (long long)a.total_rows);
   }
+  // The pre-dispatched layout: every expert's stride of rows inside x and out (so e * stride + count
+  // never passes total_rows), and one row source.
+  if (a.expert_stride < 0 || (a.expert_stride > 0 && (a.expert_offsets || a.expert_stride > a.total_rows / a.experts))) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: expert_stride %lld must be 0 or, with expert_counts and no "
+                "expert_offsets, at most total_rows / experts (%lld / %lld)", (long long)a.expert_stride,
+                (long long)a.total_rows, (long long)a.experts);
+  }
   // (Narrowed to int at every launch, read only by SwigluNvfp4.)
   if (a.num_act_decode_scales < 0 || a.num_act_decode_scales > a.experts ||
       (a.epilogue == GemmEpilogue::kSwigluNvfp4 && a.num_act_decode_scales != 1 &&

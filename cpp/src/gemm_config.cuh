@@ -50,6 +50,10 @@ struct Params {
   int k;
   int total_rows;              // rows of x and out: offsets are clamped to [0, total_rows]
   int splits;                  // CTAs per tile (the cluster size; 1: no split-K), <= Cfg::kMaxSplits
+  // The pre-dispatched layout (expert_stride > 0, expert_offsets unused): expert e's rows start at
+  // e * expert_stride, expert_counts[e] of them (GroupedGemmArgs::expert_stride).
+  const int* expert_counts;    // [E]
+  int expert_stride;
 };
 
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer

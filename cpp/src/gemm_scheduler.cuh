@@ -10,7 +10,14 @@ namespace nvfp4moe::gemm {
 
 // Expert e's rows [begin, end), clamped so that malformed offsets can never address memory
 // outside x or out (they then give wrong rows, not out-of-bounds accesses).
+// In the pre-dispatched layout, e's rows start at e * expert_stride (the host checked that
+// E x expert_stride <= total_rows < 2^31), expert_counts[e] of them, clamped the same way.
 CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
+  if (p.expert_stride > 0) {
+    const int begin = e * p.expert_stride;
+    const int count = min(max(p.expert_counts[e], 0), p.expert_stride);
+    return make_int2(begin, begin + count);
+  }
   int begin = min(max(p.expert_offsets[e], 0), p.total_rows);
   int end = min(max(p.expert_offsets[e + 1], begin), p.total_rows);
   return make_int2(begin, end);

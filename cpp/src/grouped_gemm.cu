@@ -74,10 +74,12 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   return GemmTile::kM128N128;
 }
 
+namespace {
 // The expert count the tile and split choice assume (GroupedGemmArgs::schedule_experts).
-static int64_t schedule_experts(const GroupedGemmArgs& a) noexcept {
+int64_t schedule_experts(const GroupedGemmArgs& a) noexcept {
   return a.schedule_experts > 0 ? a.schedule_experts : a.experts;
 }
+}  // namespace
 
 GemmTile launch_gemm_tile(const GroupedGemmArgs& a, int sms) noexcept {
   if (a.tile != GemmTile::kAuto) return a.tile;
@@ -121,7 +123,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     }
   }
   if (a.total_rows == 0) return Status::kSuccess;
-  if (!a.prepared || !a.decode_scale || !a.x || !a.expert_offsets || !a.out) {
+  if (!a.prepared || !a.decode_scale || !a.x || !(a.expert_stride > 0 ? a.expert_counts : a.expert_offsets) || !a.out) {
     return fail(Status::kNullPointer, "grouped_gemm_nvfp4: null pointer");
   }
   if (reinterpret_cast<uintptr_t>(a.x) % 16 || reinterpret_cast<uintptr_t>(a.out) % 16 ||
@@ -144,7 +146,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                  int(a.n),
                  int(a.k),
                  int(a.total_rows),
-                 1};
+                 1,
+                 a.expert_counts,
+                 int(a.expert_stride)};
   cudaStream_t st = static_cast<cudaStream_t>(stream);
 
   const GemmTile tile = launch_gemm_tile(a, sms);

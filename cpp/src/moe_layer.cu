@@ -156,8 +156,10 @@ Status check_forward(const MoeLayerDesc& d, const Layout& l, const MoeForwardArg
   if (!aligned(a.hidden, 16) || (needs_out && !aligned(a.out, 16))) {
     return fail(Status::kMisaligned, "%s: hidden and out must be 16-byte aligned", what);
   }
-  if (!aligned(a.topk_ids, 4) || !aligned(a.topk_weights, 4) || !aligned(a.router_logits, 4)) {
-    return fail(Status::kMisaligned, "%s: topk_ids, topk_weights and router_logits must be 4-byte aligned", what);
+  if (!aligned(a.topk_ids, 4) || !aligned(a.topk_weights, 4) || !aligned(a.router_logits, 4) ||
+      !aligned(d.expert_map, 4)) {
+    return fail(Status::kMisaligned, "%s: topk_ids, topk_weights, router_logits and expert_map must be 4-byte aligned",
+                what);
   }
   return Status::kSuccess;
 }
@@ -330,6 +332,70 @@ Status moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, void* s
   if (Status s = grouped_gemm_nvfp4(l2, st); s != Status::kSuccess) return s;
   const auto combine_into = d.output_format == OutputFormat::kFp32 ? combine_fp32 : combine;
   return combine_into(at<void>(ws, l.y), at<int>(ws, l.row_of_pair), weights, a.tokens, a.top_k, d.hidden, a.out, st);
+}
+
+Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedArgs& a, void* stream) noexcept {
+  constexpr const char* what = "moe_layer_forward_dispatched";
+  if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
+  if (d.intermediate_format != IntermediateFormat::kBf16) {
+    return fail(Status::kUnsupportedLayout, "%s: pre-dispatched tokens take the BF16 intermediate only", what);
+  }
+  if (d.tile == GemmTile::kWarpM16N8) {
+    return fail(Status::kInvalidShape, "%s: the kWarpM16N8 tile takes contiguous rows only: choose another tile", what);
+  }
+  const Layout l = layout_of(d);
+  if (Status s = check_workspace(l, a.workspace, a.workspace_bytes, what); s != Status::kSuccess) return s;
+  // The intermediate lives in the workspace's act region, sized for max_tokens x max_top_k rows.
+  const int64_t capacity = d.max_tokens * d.max_top_k;
+  const int64_t m = a.max_tokens_per_expert;
+  if (m < 0 || m > capacity / d.experts) {
+    return fail(Status::kInvalidShape, "%s: max_tokens_per_expert %lld: experts (%lld) x it must be at most "
+                "max_tokens x max_top_k (%lld), the workspace's rows", what, static_cast<long long>(m),
+                static_cast<long long>(d.experts), static_cast<long long>(capacity));
+  }
+  if (a.expected_rows < 0) {
+    return fail(Status::kInvalidShape, "%s: expected_rows %lld must be >= 0", what, static_cast<long long>(a.expected_rows));
+  }
+  if (m == 0) return Status::kSuccess;
+  if (!a.hidden || !a.counts || !a.out) return fail(Status::kNullPointer, "%s: null hidden, counts or out", what);
+  if (!d.w13_prepared || !d.w13_decode_scales || !d.w2_prepared || !d.w2_decode_scales) {
+    return fail(Status::kNullPointer, "%s: the descriptor's weight pointers are null", what);
+  }
+  if (!aligned(a.hidden, 16) || !aligned(a.out, 16) || !aligned(a.counts, 4) || !aligned(d.w13_prepared, 16) ||
+      !aligned(d.w2_prepared, 16) || !aligned(d.w13_decode_scales, 4) || !aligned(d.w2_decode_scales, 4)) {
+    return fail(Status::kMisaligned, "%s: hidden, out and the prepared weights must be 16-byte aligned, counts and "
+                "decode scales 4-byte", what);
+  }
+  const int64_t rows = d.experts * m;
+  void* act = at<void>(a.workspace, l.act);
+  GroupedGemmArgs l1 = first_gemm_args(d, a.hidden, rows, nullptr, act);
+  l1.expert_counts = a.counts;
+  l1.expert_stride = m;
+  GroupedGemmArgs l2 = l1;
+  l2.prepared = d.w2_prepared;
+  l2.decode_scale = d.w2_decode_scales;
+  l2.n = d.hidden;
+  l2.k = d.intermediate;
+  l2.x = act;
+  l2.out = a.out;
+  l2.epilogue = GemmEpilogue::kPlain;
+  // The tile from the rows the step routes (the counts are on the device), never the warp kernel
+  // (it stages rows [0, total_rows) of x, not strided ones).
+  auto tile_for = [&](GroupedGemmArgs g) {
+    if (d.tile != GemmTile::kAuto) return d.tile;
+    g.total_rows = a.expected_rows > 0 && a.expected_rows < rows ? a.expected_rows : rows;
+    g.expert_counts = nullptr;
+    g.expert_stride = 0;
+    const GemmTile t = launch_gemm_tile(g, 0);
+    return t == GemmTile::kWarpM16N8 ? GemmTile::kM128N8 : t;
+  };
+  l1.tile = tile_for(l1);
+  l2.tile = tile_for(l2);
+  if (Status s = grouped_gemm_nvfp4_can_implement(l1); s != Status::kSuccess) return s;
+  if (Status s = grouped_gemm_nvfp4_can_implement(l2); s != Status::kSuccess) return s;
+  const auto st = static_cast<cudaStream_t>(stream);
+  if (Status s = grouped_gemm_nvfp4(l1, st); s != Status::kSuccess) return s;
+  return grouped_gemm_nvfp4(l2, st);
 }
 
 Status moe_layer_first_gemm(const MoeLayerDesc& d, const MoeForwardArgs& a, void* act_out, void* stream) noexcept {

@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kVecsPerCta) gather_kernel(const __nv_bfloat16
   }
 }
 
-// CTA (t, c): piece c of token t's output, 8 bf16 per thread, FP32 accumulation in slot order.
+// CTA (t, c): piece c of token t's output, 8 values per thread, FP32 accumulation in slot order.
 // The slots are taken kCombineGroup at a time, their row indices, weights and y vectors all loaded
 // before any is added: a loop that loaded one slot's index, then its vector, then added it kept one
 // load in flight per thread (deepseek-v3 T = 128: 7.3 us for 14.7 MB, 2026-12-02).

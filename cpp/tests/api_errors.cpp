@@ -81,6 +81,23 @@ int main() {
   g.schedule_experts = 256;
   EXPECT(grouped_gemm_nvfp4_can_implement(g) == Status::kSuccess);
   g.schedule_experts = 0;
+  // The pre-dispatched layout: 4 experts x a stride of 4 rows in 16, counts instead of offsets.
+  static const int counts[4] = {1, 0, 4, 2};
+  g.total_rows = 16;
+  g.expert_counts = counts;
+  g.expert_stride = 4;
+  EXPECT(grouped_gemm_nvfp4_can_implement(g) == Status::kSuccess);
+  g.expert_stride = 5;  // 20 rows of 16
+  EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "expert_stride");
+  g.expert_stride = 4;
+  g.expert_offsets = counts;  // both row sources
+  EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "expert_stride");
+  g.expert_stride = -1;
+  g.expert_offsets = nullptr;
+  EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "expert_stride");
+  g.expert_stride = 0;
+  g.expert_counts = nullptr;
+  g.total_rows = 0;
   g.total_rows = 8;
   EXPECT_STATUS(grouped_gemm_nvfp4(g, nullptr), kNullPointer, "grouped_gemm_nvfp4");
   g.experts = kExpertLimit + 1;
@@ -218,6 +235,23 @@ int main() {
   unsigned long long word = 0;
   EXPECT_STATUS(moe_layer_read_error(d, fake, int64_t(ws_bytes), nullptr, nullptr), kNullPointer, "word");
   EXPECT_STATUS(moe_layer_read_error(d, fake, 8, nullptr, &word), kInvalidShape, "workspace");
+
+  // The pre-dispatched forward: its own rules before anything is enqueued (8 experts, 32 rows).
+  MoeDispatchedArgs da;
+  da.max_tokens_per_expert = 4;
+  EXPECT_STATUS(moe_layer_forward_dispatched(d, da, nullptr), kNullPointer, "workspace");
+  da.workspace = fake;
+  da.workspace_bytes = int64_t(ws_bytes);
+  da.max_tokens_per_expert = 5;  // 8 x 5 rows > 16 x 2
+  EXPECT_STATUS(moe_layer_forward_dispatched(d, da, nullptr), kInvalidShape, "max_tokens_per_expert");
+  da.max_tokens_per_expert = 4;
+  EXPECT_STATUS(moe_layer_forward_dispatched(d, da, nullptr), kNullPointer, "counts");
+  MoeLayerDesc fp4 = d;
+  fp4.intermediate_format = IntermediateFormat::kNvfp4;
+  fp4.intermediate_decode_scale = 0.5f;
+  EXPECT_STATUS(moe_layer_forward_dispatched(fp4, da, nullptr), kUnsupportedLayout, "BF16 intermediate");
+  da.max_tokens_per_expert = 0;  // nothing to do
+  EXPECT(moe_layer_forward_dispatched(d, da, nullptr) == Status::kSuccess);
 
   if (failures) {
     std::fprintf(stderr, "api_errors: %d failed\n", failures);

@@ -291,6 +291,12 @@ impl Nvfp4Weights {
         }
     }
 
+    /// The stream the weights were prepared on, which frees them (after every other stream's
+    /// reads: see the type's `Drop`).
+    pub(crate) fn home_stream(&self) -> &Arc<CudaStream> {
+        self.prepared.stream()
+    }
+
     /// The prepared chunks and the `[E, 2]` decode scales, for a launch that reads them (which
     /// then calls [`Nvfp4Weights::note_read`]).
     pub(crate) fn device_buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<f32>) {
@@ -541,6 +547,9 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             epilogue: E::KIND,
             max_splits: self.max_splits(),
             schedule_experts: self.schedule_experts as i64,
+            // (The expert-major layout is the layer's pre-dispatched forward's, in the core.)
+            expert_counts: 0,
+            expert_stride: 0,
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).

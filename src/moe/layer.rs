@@ -12,7 +12,7 @@ use half::bf16;
 
 use super::MoeWeights;
 pub use crate::abi::OutputFormat;
-use crate::abi::{IntermediateFormat, MoeForwardArgs, MoeLayerDesc};
+use crate::abi::{IntermediateFormat, MoeDispatchedArgs, MoeForwardArgs, MoeLayerDesc};
 use crate::error::{Error, Result};
 use crate::ffi::raw;
 use crate::gemm::{Epilogue, GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16, SwigluBf16, SwigluNvfp4};
@@ -56,6 +56,20 @@ pub struct MoeOptions {
     pub output: OutputFormat,
 }
 
+impl MoeOptions {
+    /// `max_tokens` and `max_top_k` with the defaults: `GemmTile::Auto`, `Intermediate::Bf16`.
+    pub fn new(max_tokens: usize, max_top_k: usize) -> Self {
+        MoeOptions {
+            max_tokens,
+            max_top_k,
+            tile: GemmTile::Auto,
+            intermediate: Intermediate::Bf16,
+            batch_invariant: false,
+            output: OutputFormat::Bf16,
+        }
+    }
+}
+
 /// An element type a layer writes: `bf16` ([`OutputFormat::Bf16`]) or `f32`
 /// ([`OutputFormat::Fp32`]), as its options say.
 pub trait OutputElement: sealed::Sealed {
@@ -90,20 +104,6 @@ struct Shard {
     map_addr: u64,
 }
 
-impl MoeOptions {
-    /// `max_tokens` and `max_top_k` with the defaults: `GemmTile::Auto`, `Intermediate::Bf16`.
-    pub fn new(max_tokens: usize, max_top_k: usize) -> Self {
-        MoeOptions {
-            max_tokens,
-            max_top_k,
-            tile: GemmTile::Auto,
-            intermediate: Intermediate::Bf16,
-            batch_invariant: false,
-            output: OutputFormat::Bf16,
-        }
-    }
-}
-
 /// The input of one [`MoeLayer::forward`], on the device: `hidden` bf16 `[tokens, H]` and the
 /// routing, `topk_ids` i32 `[tokens, top_k]` (expert ids) and `topk_weights` f32
 /// `[tokens, top_k]`.
@@ -130,14 +130,15 @@ impl<H, I, W> Clone for MoeInput<'_, H, I, W> {
 impl<H, I, W> Copy for MoeInput<'_, H, I, W> {}
 
 /// The input of one [`MoeLayer::forward_with_router`], on the device: `hidden` bf16
-/// `[tokens, H]` and `router_logits` f32 `[tokens, E]`, routed by softmax top-k.
+/// `[tokens, H]` and `router_logits` f32 `[tokens, E]` (E the layer's global experts), routed by
+/// softmax top-k.
 #[derive(Debug)]
 pub struct RouterInput<'a, H, L> {
     /// bf16 `[tokens, H]`.
     pub hidden: &'a H,
     /// Tokens T in this forward (at most the layer's `max_tokens`).
     pub tokens: usize,
-    /// f32 `[T, E]`.
+    /// f32 `[T, E]` (the global experts, for an expert shard).
     pub router_logits: &'a L,
     /// Experts per token k (at most the layer's `max_top_k`).
     pub top_k: usize,
@@ -152,6 +153,31 @@ impl<H, L> Clone for RouterInput<'_, H, L> {
 }
 
 impl<H, L> Copy for RouterInput<'_, H, L> {}
+
+/// The input of one [`MoeLayer::forward_dispatched`], on the device: tokens already grouped by
+/// the layer's experts in the expert-major layout token dispatchers produce (DeepEP's low-latency
+/// mode, pplx-kernels).
+#[derive(Debug)]
+pub struct DispatchedInput<'a, H, C> {
+    /// bf16 `[E, max_tokens_per_expert, H]`: expert `e`'s rows first, then padding.
+    pub hidden: &'a H,
+    /// i32 `[E]`: the rows of each expert (each clamped to `[0, max_tokens_per_expert]`).
+    pub counts: &'a C,
+    /// M, the rows per expert of the layout (E x M at most the layer's `max_tokens x max_top_k`).
+    pub max_tokens_per_expert: usize,
+    /// About how many rows the counts add up to (the step's tokens x top-k), for the GEMMs' tile
+    /// choice only (the counts are on the device); 0: E x M, which over-sizes the tiles when M is a
+    /// dispatcher's padded capacity.
+    pub expected_rows: usize,
+}
+
+impl<H, C> Clone for DispatchedInput<'_, H, C> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H, C> Copy for DispatchedInput<'_, H, C> {}
 
 /// The routing a forward takes, as the buffer checks see it: lengths in elements.
 #[derive(Clone, Copy, Debug)]
@@ -239,9 +265,10 @@ pub struct MoeWorkspace {
 /// buffers (or the caller's stream and context handles) while forwards still run on the GPU is
 /// safe, without synchronizing the host: each buffer keeps its stream alive and its memory is freed
 /// stream-ordered after the work that uses it. This holds for a layer whose forwards run on
-/// several streams at once: its weights ([`Nvfp4Weights`], the only
-/// device memory a layer holds) record an event on each stream other than the one they were made
-/// on, and their free waits for every such stream, not only for the last one cudarc recorded. A
+/// several streams at once: its weights ([`Nvfp4Weights`], the device memory a layer holds beside
+/// an expert shard's map) record an event on each stream other than the one they were made on, and
+/// their free waits for every such stream, not only for the last one cudarc recorded; a shard's map
+/// lives on the same stream and is freed after them (every forward that read it read them). A
 /// workspace or a caller's buffer is freed after its last use (each use of a workspace is ordered
 /// after the one before, as it is written); a caller's input buffer read by forwards on two
 /// streams at once is the caller's to keep alive until both finish (cudarc keeps one read event per
@@ -263,7 +290,9 @@ pub struct MoeWorkspace {
 pub struct MoeLayer {
     weights: MoeWeights,
     opts: MoeOptions,
-    /// `Some` for an expert shard of a larger layer.
+    /// `Some` for an expert shard of a larger layer. (Declared after `weights`, so dropped after
+    /// them: the map lives on the weights' home stream, whose free already waits for every
+    /// stream that ran a forward, and every forward that read the map read the weights too.)
     shard: Option<Shard>,
 }
 
@@ -285,22 +314,23 @@ impl MoeLayer {
     /// `global_experts`); slots routed to other shards cost no work and add nothing, a token routed
     /// to none of these experts gets zeros. Each expert gets the whole layer's GEMM tile and K
     /// splits, so with [`OutputFormat::Fp32`] the shards' outputs add up to the whole layer's FP32
-    /// output up to the order of that addition. The expert map is uploaded on `stream`.
+    /// output up to the order of that addition. The expert map (4 bytes per global expert) is
+    /// uploaded on the weights' stream and freed with them (the type's "Drop" holds for it).
     ///
     /// # Errors
     /// [`Error::InvalidShape`] for a list whose length is not the weights' expert count, an id not
     /// below `global_experts`, a repeated id, or more than the core's 1024 experts; then as
     /// [`MoeLayer::new`] (its top-k limit counts the global experts); a CUDA error.
     pub fn new_shard(
-        stream: &Arc<CudaStream>,
         weights: MoeWeights,
         opts: MoeOptions,
         global_experts: usize,
         expert_ids: &[usize],
     ) -> Result<Self> {
         let map = shard_map(global_experts, expert_ids, weights.experts)?;
-        let map = stream.clone_htod(&map)?;
-        let map_addr = map.device_ptr(stream).0;
+        let home = weights.w13.home_stream().clone();
+        let map = home.clone_htod(&map)?;
+        let map_addr = map.device_ptr(&home).0;
         let shard = Shard { global_experts, expert_ids: expert_ids.to_vec(), map, map_addr };
         Self::build(weights, opts, Some(shard))
     }
@@ -309,8 +339,9 @@ impl MoeLayer {
         let global = shard.as_ref().map_or(weights.experts, |s| s.global_experts);
         if opts.max_top_k == 0 || opts.max_top_k > global.min(32) {
             return Err(Error::InvalidShape(format!(
-                "max_top_k ({}) must be in 1..=min(experts ({global}), 32)",
-                opts.max_top_k
+                "max_top_k ({}) must be in 1..=min(experts ({global}{}), 32)",
+                opts.max_top_k,
+                if shard.is_some() { ", the whole layer's" } else { "" }
             )));
         }
         if opts.max_tokens.checked_mul(opts.max_top_k).is_none_or(|p| p > i32::MAX as usize) {
@@ -541,8 +572,9 @@ impl MoeLayer {
     }
 
     /// `out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t])` over the
-    /// tokens and routing of `input` (device buffers, see [`MoeInput`]) into `out` bf16 `[T, H]`.
-    /// Expert ids outside `[0, E)` are never used as an index: those slots contribute nothing and
+    /// tokens and routing of `input` (device buffers, see [`MoeInput`]) into `out` `[T, H]` of the
+    /// options' [`OutputFormat`] (`bf16` or `f32`). Expert ids outside `[0, E)` (E the global
+    /// experts, for an expert shard) are never used as an index: those slots contribute nothing and
     /// the next [`MoeLayer::check`] reports the first one. No host synchronization.
     ///
     /// Argument errors are returned before any kernel, copy or memset is enqueued (with cudarc's
@@ -553,7 +585,8 @@ impl MoeLayer {
     /// input.
     ///
     /// # Errors
-    /// More tokens or a larger top-k than the layer was made for, a workspace of another layer
+    /// `out` of the other element type than the options' output ([`Error::Invalid`]), more tokens
+    /// or a larger top-k than the layer was made for, a workspace of another layer
     /// (another shape or intermediate format), a buffer too small, `hidden` or `out` not 16-byte
     /// aligned, or a failed launch. All but the last are found before anything is enqueued.
     pub fn forward<H, I, W, O, T>(
@@ -586,6 +619,67 @@ impl MoeLayer {
         };
         // SAFETY: every buffer checked above; the workspace is this layer's (check_tokens).
         self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward(d, &args, st) })
+    }
+
+    /// `out[e, r] = expert_e(hidden[e, r])` for `r < counts[e]`, over tokens already grouped by
+    /// expert (see [`DispatchedInput`]), into `out` bf16 `[E, M, H]` in the same layout (rows past
+    /// an expert's count are not written): both GEMMs straight over the layout, no routing,
+    /// permutation or combine (the dispatcher's combine weighs and sums the rows). For an expert
+    /// shard E and the layout are the shard's own experts. No host synchronization; valid inside
+    /// CUDA-graph capture.
+    ///
+    /// # Errors
+    /// The NVFP4 intermediate or the `WarpM16N8` tile (neither takes this layout yet), E x M above
+    /// the layer's `max_tokens x max_top_k`, a workspace of another layer, a buffer too small,
+    /// `hidden` or `out` not 16-byte aligned (all before anything is enqueued), or a failed launch.
+    pub fn forward_dispatched<H, C, O>(
+        &self,
+        stream: &CudaStream,
+        input: &DispatchedInput<'_, H, C>,
+        out: &mut O,
+        ws: &mut MoeWorkspace,
+    ) -> Result<()>
+    where
+        H: DevicePtr<bf16>,
+        C: DevicePtr<i32>,
+        O: DevicePtrMut<bf16>,
+    {
+        let DispatchedInput { hidden, counts, max_tokens_per_expert: m, expected_rows } = *input;
+        if self.opts.intermediate != Intermediate::Bf16 || self.opts.tile == GemmTile::WarpM16N8 {
+            return Err(Error::Invalid(
+                "pre-dispatched tokens take the BF16 intermediate and a tile other than WarpM16N8".into(),
+            ));
+        }
+        self.check_workspace(ws)?;
+        let (e, h) = (self.weights.experts, self.weights.hidden);
+        let capacity = self.opts.max_tokens * self.opts.max_top_k;
+        if m > capacity / e {
+            return Err(Error::InvalidShape(format!(
+                "max_tokens_per_expert {m}: experts ({e}) x it must be at most max_tokens x max_top_k ({capacity})"
+            )));
+        }
+        let l = Launch::new(stream)?;
+        let (x, c) = (l.input(hidden), l.input(counts));
+        let o = l.output(out);
+        check_len("hidden", x.len, e * m * h)?;
+        check_len("counts", c.len, e)?;
+        check_len("out", o.len, e * m * h)?;
+        if m > 0 {
+            check_align("hidden", x.addr, 16)?;
+            check_align("out", o.addr, 16)?;
+        }
+        let b = l.output(&mut ws.buf);
+        let args = MoeDispatchedArgs {
+            hidden: x.addr,
+            counts: c.addr,
+            max_tokens_per_expert: m as i64,
+            out: o.addr,
+            workspace: b.addr,
+            workspace_bytes: b.len as i64,
+            expected_rows: expected_rows as i64,
+        };
+        // SAFETY: every buffer checked above; the workspace is this layer's (check_workspace).
+        self.with_weights(&l, |d, st| unsafe { raw::moe_layer_forward_dispatched(d, &args, st) })
     }
 
     /// Routes with softmax top-k over the router logits of `input` (renormalized if asked), then

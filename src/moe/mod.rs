@@ -5,5 +5,8 @@
 pub mod layer;
 pub mod weights;
 
-pub use layer::{Intermediate, MoeInput, MoeLayer, MoeOptions, MoeWorkspace, OutputElement, OutputFormat, RouterInput};
+pub use layer::{
+    DispatchedInput, Intermediate, MoeInput, MoeLayer, MoeOptions, MoeWorkspace, OutputElement, OutputFormat,
+    RouterInput,
+};
 pub use weights::{quantize_bf16_experts, MoeWeights, MoeWeightsBf16};

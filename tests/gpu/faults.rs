@@ -10,6 +10,7 @@ use crate::layer::moe_layer::random_checkpoint;
 use nvfp4_moe::gemm::{GemmTile, GroupedGemm, Nvfp4Weights, PlainBf16};
 use nvfp4_moe::host::MoeCheckpoint;
 use nvfp4_moe::moe::{MoeInput, MoeWorkspace, RouterInput};
+use nvfp4_moe::testing::expert_subset;
 use nvfp4_moe::{Intermediate, MoeLayer, MoeOptions, MoeWeights};
 
 /// One forward's routing and hidden states on the host.
@@ -787,6 +788,8 @@ impl Drop for Gate {
 /// shut that event must not complete (the weights' free waits for s2's gated forward: before the
 /// fix it waited for s1's only, and the zeroing overwrote the weights s2 was about to read); then
 /// the gate opens and both outputs, read back, are the bytes of a one-stream reference forward.
+/// The same for an expert shard holding every expert in a shuffled order (the whole layer's bytes),
+/// whose expert map is freed with the weights.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn one_layer_forwarding_on_two_streams_dropped_mid_forward() {
@@ -802,13 +805,20 @@ fn one_layer_forwarding_on_two_streams_dropped_mid_forward() {
         let mut ws = layer.workspace(&s).unwrap();
         forward(&layer, &s, &upload(&s, &x), false, &mut ws)
     };
-    for home_runs_a_forward in [true, false] {
+    let mut order: Vec<usize> = (0..e).collect();
+    order.reverse();
+    for (home_runs_a_forward, shard) in [(true, false), (false, false), (false, true)] {
         let ctx = CudaContext::new(0).unwrap();
         let (s1, s2, s3) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
         let home = if home_runs_a_forward { &s1 } else { &s3 };
-        let layer = make_layer(home, &ck, t, k, Intermediate::Bf16);
+        let layer = if shard {
+            let w = MoeWeights::from_checkpoint(home, &expert_subset(&ck, &order)).unwrap();
+            MoeLayer::new_shard(w, MoeOptions::new(t, k), e, &order).unwrap()
+        } else {
+            make_layer(home, &ck, t, k, Intermediate::Bf16)
+        };
         let w = layer.weights();
-        let sizes = [w.w13.prepared_bytes(), w.w2.prepared_bytes(), e * 2 * 4, e * 2 * 4];
+        let sizes = [w.w13.prepared_bytes(), w.w2.prepared_bytes(), e * 2 * 4, e * 2 * 4, e * 4];
         let (d1, d2) = (upload(&s1, &x), upload(&s2, &x));
         let (mut ws1, mut ws2) = (layer.workspace(&s1).unwrap(), layer.workspace(&s2).unwrap());
         let (mut out1, mut out2) = (poisoned_bf16(&s1, t * h), poisoned_bf16(&s2, t * h));
@@ -826,7 +836,8 @@ fn one_layer_forwarding_on_two_streams_dropped_mid_forward() {
         let (got1, got2) = (s1.clone_dtoh(&out1).unwrap(), s2.clone_dtoh(&out2).unwrap());
         ctx.synchronize().unwrap();
         drop(reuse);
-        let case = format!("layer made on {}: {rp}", if home_runs_a_forward { "s1" } else { "s3" });
+        let what = if shard { "shard" } else { "layer" };
+        let case = format!("{what} made on {}: {rp}", if home_runs_a_forward { "s1" } else { "s3" });
         assert!(!freed_early, "the layer's memory was freed before the forward on s2 ran: {case}");
         for (name, got) in [("s1", &got1), ("s2", &got2)] {
             assert!(same_bits(got, &want), "forward on {name}: differs at {:?}: {case}", first_bits_diff(got, &want));

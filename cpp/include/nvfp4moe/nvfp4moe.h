@@ -210,6 +210,13 @@ NVFP4MOE_API Status moe_layer_initialize(const MoeLayerDesc& desc, void* workspa
 // One forward (see MoeForwardArgs). All arguments are checked before anything is enqueued.
 NVFP4MOE_API Status moe_layer_forward(const MoeLayerDesc& desc, const MoeForwardArgs& args, void* stream) noexcept;
 
+// One forward over pre-dispatched tokens (see MoeDispatchedArgs): both GEMMs straight over the
+// expert-major layout, the intermediate in the workspace. The BF16 intermediate only (an NVFP4 one
+// is kUnsupportedLayout), and not the kWarpM16N8 tile. All arguments are checked before anything is
+// enqueued; no host synchronization; valid inside CUDA-graph capture.
+NVFP4MOE_API Status moe_layer_forward_dispatched(const MoeLayerDesc& desc, const MoeDispatchedArgs& args,
+                                                 void* stream) noexcept;
+
 // The routing, permutation and first GEMM of a forward with the BF16 SwiGLU epilogue, its output
 // written to act_out (bf16 [tokens x top_k, I] in permuted order, 16-byte aligned) instead of the
 // workspace: what calibrating the NVFP4 intermediate's decode scale reads (args.out is unused).

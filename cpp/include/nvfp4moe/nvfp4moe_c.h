@@ -13,13 +13,15 @@
  * enqueued. No C++ exception crosses this interface.
  *
  * Devices and streams: `stream` is a cudaStream_t passed as void*; the device is the stream's
- * (cudaStreamGetDevice), never an assumed current device, and the calling thread's current device
- * is the same after a call as before it (switched with cudaSetDevice: the devices' primary
- * contexts, as the CUDA runtime uses them). The null stream means the current device's legacy
- * default stream. Every pointer must be on that device. A stream that is capturing a CUDA graph
- * cannot be asked its device (cudaStreamGetDevice would invalidate the capture), so during capture
- * the current device is taken as the stream's: make the stream's device current before capturing
- * (PyTorch's torch.cuda.graph does); a mismatch fails the first kernel launch with a CUDA error.
+ * (cudaStreamGetDevice), and the calling thread's current device is the same after a call as
+ * before it (switched with cudaSetDevice: the devices' primary contexts, as the CUDA runtime uses
+ * them). The null stream means the current device's legacy default stream. Every pointer must be
+ * on that device. The one exception: a stream that is capturing a CUDA graph cannot be asked its
+ * device (cudaStreamGetDevice would invalidate the capture), so during capture the current device
+ * is taken for the stream's. Make the stream's device current before capturing (PyTorch's
+ * torch.cuda.graph does): otherwise a layer on another device than the current one is refused
+ * (kInvalidHandle, naming the current device), and a stream of another device than the current
+ * one, which is also the layer's, fails at the first kernel launch with a CUDA error.
  *
  * Threads: handles are immutable after creation. Forwards of one layer may run concurrently on
  * different streams, each with its own workspace; a workspace serves one forward at a time.
@@ -79,7 +81,8 @@ typedef struct nvfp4moe_LayerCreateArgs {
    * output_format, and for an expert shard expert_map and global_experts, as in
    * nvfp4moe_MoeLayerDesc (types.h); its weight pointers, experts, hidden and intermediate are
    * ignored (they come from w13 and w2). An expert_map is the caller's device array on the weights'
-   * device, read by every forward: it must outlive the layer, like the handles. */
+   * device (4-byte aligned), read by every forward: it must outlive the layer, like the handles,
+   * and must not be written while a forward that reads it is enqueued. */
   nvfp4moe_MoeLayerDesc options;
 } nvfp4moe_LayerCreateArgs;
 

@@ -180,13 +180,15 @@ NVFP4MOE_STRUCT(PermuteArgs) {
   int* row_of_pair NVFP4MOE_INIT();                         // out: i32 [pairs]: permuted row of each pair, -1 if its id is bad
   int* pair_of_row NVFP4MOE_INIT();                         // out: i32 [pairs]: the pair at each permuted row
   void* x_perm NVFP4MOE_INIT();                             // out: bf16 [pairs, hidden_size]: hidden rows in permuted order
-  // Device u64, initialised by the caller to ~0: a pair whose id is outside [0, E) is left out of
-  // the permutation and the smallest (pair index << 32 | id) of them is recorded here.
+  // Device u64, initialised by the caller to ~0: a pair whose id is outside [0, E) (with an expert
+  // map: [0, global_experts)) is left out of the permutation and the smallest (pair index << 32 |
+  // id) of them is recorded here.
   unsigned long long* error NVFP4MOE_INIT();
   void* workspace NVFP4MOE_INIT();                          // permute_workspace_bytes(pairs, experts)
-  // An expert shard (expert parallelism): device i32 [global_experts], the local expert of each
-  // global id (in [0, E)) or -1 for an expert of another shard, whose pairs are left out with no
-  // error (row_of_pair -1, no row, no work); ids are then checked against [0, global_experts).
+  // An expert shard (expert parallelism): device i32 [global_experts], 4-byte aligned, the local
+  // expert of each global id (in [0, E)) or -1 for an expert of another shard, whose pairs are left
+  // out with no error (row_of_pair -1, no row, no work; an entry outside [0, E) counts as another
+  // shard's); ids are then checked against [0, global_experts).
   // Null: ids are local, in [0, E).
   const int* expert_map NVFP4MOE_INIT();
   int64_t global_experts NVFP4MOE_INIT();                   // with expert_map: in [E, kExpertLimit]; without: 0 or E
@@ -232,6 +234,11 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   // whole layer's, so that each of its experts gets the whole layer's tile and K splits (the same
   // bits) and the choice sees the rows a shard's experts really have on average.
   int64_t schedule_experts NVFP4MOE_INIT();
+  // The pre-dispatched (expert-major) layout instead of expert_offsets (which must then be null):
+  // with expert_stride > 0, expert e's rows are [e * expert_stride, e * expert_stride +
+  // expert_counts[e]) (each count clamped to [0, expert_stride]), E x expert_stride <= total_rows.
+  const int* expert_counts NVFP4MOE_INIT();                 // device i32 [E] (with expert_stride)
+  int64_t expert_stride NVFP4MOE_INIT();                    // 0: rows from expert_offsets
 };
 
 // The format between a MoE layer's two GEMMs.
@@ -264,7 +271,7 @@ NVFP4MOE_STRUCT(MoeLayerDesc) {
   int64_t hidden NVFP4MOE_INIT();                           // H, a multiple of 64
   int64_t intermediate NVFP4MOE_INIT();                     // I, a multiple of 64
   int64_t max_tokens NVFP4MOE_INIT();                       // most tokens a forward takes (sizes the workspace)
-  int64_t max_top_k NVFP4MOE_INIT();                        // most experts per token, in [1, min(E, kTopKLimit)]
+  int64_t max_top_k NVFP4MOE_INIT();                        // most experts per token, in [1, min(global E, kTopKLimit)]
   NVFP4MOE_ENUM_T(GemmTile) tile NVFP4MOE_INIT();           // both GEMMs' tile (kAuto: chosen per launch)
   NVFP4MOE_ENUM_T(IntermediateFormat) intermediate_format NVFP4MOE_INIT();  // the format between the GEMMs
   float intermediate_decode_scale NVFP4MOE_INIT(1.0f);      // kNvfp4: the activation decode scale g (finite, > 0)
@@ -292,6 +299,22 @@ NVFP4MOE_STRUCT(MoeForwardArgs) {
   // moe_layer_workspace_bytes(desc) bytes, 16-byte aligned (256 is best), set up by moe_layer_initialize.
   void* workspace NVFP4MOE_INIT();
   int64_t workspace_bytes NVFP4MOE_INIT();                  // its size
+};
+// One forward of a MoE layer over pre-dispatched tokens (moe_layer_forward_dispatched): tokens
+// already grouped by the layer's experts in the expert-major layout of dispatchers such as DeepEP's
+// low-latency mode and pplx-kernels, out[e, r] = expert_e(hidden[e, r]) for r < counts[e] in the
+// same layout (no routing, permutation or combine: the dispatcher's combine weighs and sums them).
+NVFP4MOE_STRUCT(MoeDispatchedArgs) {
+  const void* hidden NVFP4MOE_INIT();                       // bf16 [E, max_tokens_per_expert, H], 16-byte aligned
+  const int* counts NVFP4MOE_INIT();                        // device i32 [E]: rows of each expert (clamped to [0, max])
+  int64_t max_tokens_per_expert NVFP4MOE_INIT();            // M: E x M <= max_tokens x max_top_k (the workspace's rows)
+  void* out NVFP4MOE_INIT();                                // bf16 [E, M, H], 16-byte aligned; rows r >= counts[e] untouched
+  void* workspace NVFP4MOE_INIT();                          // as MoeForwardArgs'
+  int64_t workspace_bytes NVFP4MOE_INIT();                  // its size
+  // About how many rows the counts add up to (e.g. tokens x top-k of the step), for the GEMMs' tile
+  // choice only (the counts are on the device); 0: E x M, which over-sizes the tiles when M is a
+  // dispatcher's padded capacity.
+  int64_t expected_rows NVFP4MOE_INIT();
 };
 /* NVFP4MOE_ABI_END (the generator reads up to here) */
 
