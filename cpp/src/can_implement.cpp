@@ -1,5 +1,6 @@
 // can_implement: the host-side checks of each entry point, without a launch (pointers are not
-// looked at). The limits come from nvfp4moe/types.h, the one declaration every language shares.
+// looked at, except which of two alternative sources is given: an expert map, the grouped GEMM's
+// row source). The limits come from nvfp4moe/types.h, the one declaration every language shares.
 // Each launch function checks the same rules before it enqueues; these let a plan (the Rust
 // crate's GroupedGemm, MoeLayer) report a typed error once, at construction.
 #include "nvfp4moe/nvfp4moe.h"

@@ -1,7 +1,7 @@
 // The grouped GEMM's tile scheduler (grouped_gemm_sm90.cuh): persistent CTAs walk a tile list laid
 // out [expert][row tile][feature tile]. Each CTA builds the per-expert tile prefix sum in shared
-// memory from expert_offsets (device memory), so the host never needs the row counts and experts
-// with no rows cost nothing.
+// memory from expert_offsets, or in the pre-dispatched layout from expert_counts (device memory),
+// so the host never needs the row counts and experts with no rows cost nothing.
 #pragma once
 
 #include "gemm_config.cuh"

@@ -341,7 +341,8 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
     return fail(Status::kUnsupportedLayout, "%s: pre-dispatched tokens take the BF16 intermediate only", what);
   }
   if (d.tile == GemmTile::kWarpM16N8) {
-    return fail(Status::kInvalidShape, "%s: the kWarpM16N8 tile takes contiguous rows only: choose another tile", what);
+    return fail(Status::kInvalidShape, "%s: the kWarpM16N8 tile (at most 8 rows) does not take pre-dispatched tokens: "
+                "choose another tile", what);
   }
   const Layout l = layout_of(d);
   if (Status s = check_workspace(l, a.workspace, a.workspace_bytes, what); s != Status::kSuccess) return s;
@@ -379,8 +380,9 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
   l2.x = act;
   l2.out = a.out;
   l2.epilogue = GemmEpilogue::kPlain;
-  // The tile from the rows the step routes (the counts are on the device), never the warp kernel
-  // (it stages rows [0, total_rows) of x, not strided ones).
+  // The tile from the rows the step routes (the counts are on the device; the split-K choice still
+  // sees E x M rows, so a padded M gets fewer splits than the permuted forward: PERF_NOTES, session
+  // 17), never the warp kernel (it takes at most 8 rows in all, which E x M padded rows exceed).
   auto tile_for = [&](GroupedGemmArgs g) {
     if (d.tile != GemmTile::kAuto) return d.tile;
     g.total_rows = a.expected_rows > 0 && a.expected_rows < rows ? a.expected_rows : rows;

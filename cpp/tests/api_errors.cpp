@@ -97,7 +97,6 @@ int main() {
   EXPECT_STATUS(grouped_gemm_nvfp4_can_implement(g), kInvalidShape, "expert_stride");
   g.expert_stride = 0;
   g.expert_counts = nullptr;
-  g.total_rows = 0;
   g.total_rows = 8;
   EXPECT_STATUS(grouped_gemm_nvfp4(g, nullptr), kNullPointer, "grouped_gemm_nvfp4");
   g.experts = kExpertLimit + 1;
@@ -250,6 +249,9 @@ int main() {
   fp4.intermediate_format = IntermediateFormat::kNvfp4;
   fp4.intermediate_decode_scale = 0.5f;
   EXPECT_STATUS(moe_layer_forward_dispatched(fp4, da, nullptr), kUnsupportedLayout, "BF16 intermediate");
+  MoeLayerDesc warp_tile = d;
+  warp_tile.tile = GemmTile::kWarpM16N8;
+  EXPECT_STATUS(moe_layer_forward_dispatched(warp_tile, da, nullptr), kInvalidShape, "kWarpM16N8");
   da.max_tokens_per_expert = 0;  // nothing to do
   EXPECT(moe_layer_forward_dispatched(d, da, nullptr) == Status::kSuccess);
 

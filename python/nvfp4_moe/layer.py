@@ -217,6 +217,8 @@ class MoeLayer(torch.nn.Module):
         ids = list(range(num_experts)) if expert_ids is None else list(expert_ids)
         gate, up, down = (Projection.from_experts(tensors, [f"{prefix}.{e}.{p}" for e in ids]) for p in projections)
         if expert_ids is not None:
+            if kwargs.get("global_experts", num_experts) != num_experts:
+                raise ValueError(f"global_experts {kwargs['global_experts']} differs from num_experts {num_experts}")
             kwargs = {**kwargs, "expert_ids": ids, "global_experts": num_experts}
         return MoeLayer(gate, up, down, max_tokens, top_k, **kwargs)  # type: ignore[arg-type]
 
@@ -248,6 +250,8 @@ class MoeLayer(torch.nn.Module):
         w13, s13, w2, s2, ws = (b.get(n) for n in _OPERATOR_BUFFERS)
         em = b.get(_EXPERT_MAP)
         if w13 is None or s13 is None or w2 is None or s2 is None or ws is None or (em is None) != (self._config[8] == 0):
+            if em is not None and self._config[8] == 0:
+                raise RuntimeError(f"MoeLayer: a buffer {_EXPERT_MAP} was added to a layer that is not an expert shard")
             names = _OPERATOR_BUFFERS + ((_EXPERT_MAP,) if self._config[8] else ())
             missing = [n for n in names if b.get(n) is None]
             raise RuntimeError(f"MoeLayer: buffer {', '.join(missing)} was removed")

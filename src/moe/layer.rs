@@ -167,7 +167,8 @@ pub struct DispatchedInput<'a, H, C> {
     pub max_tokens_per_expert: usize,
     /// About how many rows the counts add up to (the step's tokens x top-k), for the GEMMs' tile
     /// choice only (the counts are on the device); 0: E x M, which over-sizes the tiles when M is a
-    /// dispatcher's padded capacity.
+    /// dispatcher's padded capacity. For an expert shard, the whole layer's rows (its tile choice
+    /// assumes the whole layer's experts, as its other forwards do).
     pub expected_rows: usize,
 }
 
@@ -336,7 +337,12 @@ impl MoeLayer {
     }
 
     fn build(weights: MoeWeights, opts: MoeOptions, shard: Option<Shard>) -> Result<Self> {
-        let global = shard.as_ref().map_or(weights.experts, |s| s.global_experts);
+        // The layer first: an early return then drops its fields in declaration order (the map
+        // after the weights, whose drop orders it after every stream's forwards), not the
+        // arguments in reverse.
+        let layer = MoeLayer { weights, opts, shard };
+        let (opts, shard) = (&layer.opts, &layer.shard);
+        let global = layer.global_experts();
         if opts.max_top_k == 0 || opts.max_top_k > global.min(32) {
             return Err(Error::InvalidShape(format!(
                 "max_top_k ({}) must be in 1..=min(experts ({global}{}), 32)",
@@ -355,7 +361,6 @@ impl MoeLayer {
                 ));
             }
         }
-        let layer = MoeLayer { weights, opts, shard };
         // The core's own rules for the layer (both GEMMs' and the permutation's shapes).
         status(raw::moe_layer_can_implement(&layer.desc([0; 4])))?;
         Ok(layer)

@@ -173,9 +173,11 @@ fn shards_add_up_to_the_whole_layer() {
 }
 
 /// With one expert per token, every token's output comes from one shard: its FP32 row there is
-/// the whole layer's, bit for bit, which holds only if the shard's GEMMs ran the whole layer's
-/// tiles and K splits for that expert (`schedule_experts`; a shard's own choice would see 8x the
-/// rows per expert and pick larger tiles or fewer splits). The tile choice is also compared.
+/// the whole layer's, bit for bit, which holds only if the shard's GEMMs split K as the whole
+/// layer's do for that expert (`schedule_experts`; a shard's own choice would see 8x the rows per
+/// expert and split less, or take the N8 tile where the whole layer takes the warp kernel). Split
+/// K and the warp kernel are decode's (at most 16 rows per expert on the N8 and N16 tiles; larger
+/// tiles never split, and without splits every tile gives the same bits), so T = 1 to 16.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn shards_take_the_whole_layers_tiles_and_bits() {
@@ -188,12 +190,9 @@ fn shards_take_the_whole_layers_tiles_and_bits() {
     let whole = layer_of(&s, &ck, None, opts);
     let shards = partitions(&mut rng, e, 8)[1].clone();
     let layers: Vec<MoeLayer> = shards.iter().map(|ids| layer_of(&s, &ck, Some(ids), opts)).collect();
-    // T = 8 (8 rows: the warp kernel or N8 by the SM count), 16 (N16, split-K), 200 and 512.
-    for t in [8usize, 16, 200, 512] {
+    // T = 1, 2 and 8 (the warp kernel or N8, by the SM count), 16 (N16, split K).
+    for t in [1usize, 2, 8, 16] {
         let ctx = format!("T={t}: {rp}");
-        for (si, layer) in layers.iter().enumerate() {
-            assert_eq!(layer.gemm_tiles(t, k).unwrap(), whole.gemm_tiles(t, k).unwrap(), "shard {si} tiles: {ctx}");
-        }
         let ids = skewed_ids(&mut rng, t, k, e, true);
         let w: Vec<f32> = (0..t).map(|_| rng.uniform(0.1, 1.0)).collect();
         let (hd, idd, wd) = (
@@ -376,7 +375,12 @@ fn dispatched_forward_gives_each_experts_rows() {
         Err(Error::InvalidShape(msg)) => assert!(msg.contains("max_tokens_per_expert 25"), "{msg}: {rp}"),
         other => panic!("E x M above the workspace's rows: {other:?}: {rp}"),
     }
-    let fp4 = layer_of(&s, &ck, None, MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: 0.01 }, ..opts });
+    let fp4 = layer_of(
+        &s,
+        &ck,
+        None,
+        MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: 0.01 }, ..opts },
+    );
     let mut ws4 = fp4.workspace(&s).unwrap();
     let input = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m, expected_rows: 0 };
     match fp4.forward_dispatched(&s, &input, &mut out, &mut ws4) {

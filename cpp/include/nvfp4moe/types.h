@@ -304,6 +304,9 @@ NVFP4MOE_STRUCT(MoeForwardArgs) {
 // already grouped by the layer's experts in the expert-major layout of dispatchers such as DeepEP's
 // low-latency mode and pplx-kernels, out[e, r] = expert_e(hidden[e, r]) for r < counts[e] in the
 // same layout (no routing, permutation or combine: the dispatcher's combine weighs and sums them).
+// E is the descriptor's (local) experts; its expert map and output format are not used (out is
+// bf16). The intermediate uses the workspace's act region, so E x M is bounded by the layer's
+// max_tokens x max_top_k (whose other regions this forward leaves unused).
 NVFP4MOE_STRUCT(MoeDispatchedArgs) {
   const void* hidden NVFP4MOE_INIT();                       // bf16 [E, max_tokens_per_expert, H], 16-byte aligned
   const int* counts NVFP4MOE_INIT();                        // device i32 [E]: rows of each expert (clamped to [0, max])
@@ -313,7 +316,8 @@ NVFP4MOE_STRUCT(MoeDispatchedArgs) {
   int64_t workspace_bytes NVFP4MOE_INIT();                  // its size
   // About how many rows the counts add up to (e.g. tokens x top-k of the step), for the GEMMs' tile
   // choice only (the counts are on the device); 0: E x M, which over-sizes the tiles when M is a
-  // dispatcher's padded capacity.
+  // dispatcher's padded capacity. For an expert shard: the whole layer's rows (the choice assumes
+  // the whole layer's experts, schedule_experts).
   int64_t expected_rows NVFP4MOE_INIT();
 };
 /* NVFP4MOE_ABI_END (the generator reads up to here) */
