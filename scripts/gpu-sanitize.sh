@@ -21,15 +21,19 @@
 #   8. memcheck-layer     memcheck over the layer tests and the C ABI test (layer_, c_abi::: the
 #                         C ABI at three full presets; 124 s with deepseek-v3 at 32 experts, H100
 #                         2026-12-06; bound NVFP4MOE_MEMCHECK_LAYER_TIMEOUT, default 400 s)
+#   9. memcheck-shard     memcheck over the expert-parallel tests (shard::: expert maps, FP32 combine,
+#                         the pre-dispatched row source; bound NVFP4MOE_MEMCHECK_SHARD_TIMEOUT,
+#                         default 400 s)
 # One fixed seed for every step (NVFP4MOE_TEST_SEED, printed; set it to replay another), logs in
 # $OUT (or ./gpu-out). Prints one line per step (rc, the test result, the sanitizer's summary) and
 # exits 1 if any step failed, timed out, found an error or ran no test.
 #
 # Timings on the H200 (2026-12-03): memcheck small 1 s, medium 3 s, racecheck 91 s, racecheck-parts
 # ~230 s (the NaN and SwiGLU parts 165 s, the SwigluNvfp4 parts 65 s, measured in separate calls),
-# synccheck 13 s, large 6 s. The bounds of all eight add up to more than one 10-minute device call:
-# run them in three calls by naming the steps (racecheck-parts alone; racecheck synccheck
-# sweep-large memcheck-small memcheck-medium; memcheck-cli memcheck-test-cli).
+# synccheck 13 s, large 6 s. The bounds of all ten add up to more than one 10-minute device call:
+# run them in four calls by naming the steps (racecheck-parts alone; racecheck synccheck
+# sweep-large memcheck-small memcheck-medium; memcheck-cli memcheck-test-cli; memcheck-layer
+# memcheck-shard).
 # The timeouts below are the bounds (NVFP4MOE_SANITIZE_TIMEOUTS="small medium race sync large [cli
 # test-cli race-parts]" overrides them, in seconds; the last three keep their defaults when left
 # out).
@@ -55,8 +59,9 @@ if [ -z "$t_large" ]; then
 fi
 t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-330}
 t_layer=${NVFP4MOE_MEMCHECK_LAYER_TIMEOUT:-400}
+t_shard=${NVFP4MOE_MEMCHECK_SHARD_TIMEOUT:-400}
 all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli
-  memcheck-layer)
+  memcheck-layer memcheck-shard)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for w in "${steps[@]}"; do
@@ -156,6 +161,7 @@ step racecheck-parts "$t_race_parts" -- bash -c 'race_parts "$@"' _ "${race[@]}"
 step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ swiglu faults:: --skip sweep:: --skip c_abi::
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
 step memcheck-layer "$t_layer" -- "${cs[@]}" memcheck "$bin" "${common[@]}" layer_ c_abi:: --skip sweep::
+step memcheck-shard "$t_shard" -- "${cs[@]}" memcheck "$bin" "${common[@]}" shard::
 
 # The CLI under memcheck, as scripts/gpu-memcheck.sh runs it: the tests start the bundle's
 # nvfp4-moe (NVFP4MOE_CLI) and --target-processes all checks those processes too, so the summary
