@@ -23,17 +23,20 @@ for line in sys.stdin:
         print(m["target"]["name"], m["target"]["kind"][0], m["executable"])
 '; }
 
-cargo build --release --bin nvfp4-moe
+# Every binary with the `nccl` feature (the expert-parallel runner's NCCL transport; NCCL itself is
+# loaded at run time, so binaries run without it and only that transport reports it missing).
+features=(--features nccl)
+cargo build --release "${features[@]}" --bin nvfp4-moe
 cp "$CARGO_TARGET_DIR/release/nvfp4-moe" "$bundle/"
-cargo test --release --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
+cargo test --release "${features[@]}" --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
   # (cargo test also builds the examples: they are bundled below, not as tests.)
   if [ "$kind" != example ]; then cp "$exe" "$bundle/tests/$kind-$name"; fi
 done
-cargo bench --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
+cargo bench "${features[@]}" --no-run --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
   if [ "$kind" = bench ]; then cp "$exe" "$bundle/benches/$name"; fi
 done
 # The examples (run.sh runs each once after the tests).
-cargo build --release --examples --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
+cargo build --release "${features[@]}" --examples --message-format=json 2>/dev/null | list_exes | while read -r name kind exe; do
   if [ "$kind" = example ]; then cp "$exe" "$bundle/examples/$name"; fi
 done
 # candle_moe (the `candle` feature): candle's CUDA backend links cuBLAS, cuBLASLt, cuRAND, NVRTC,

@@ -24,6 +24,9 @@
 #   9. memcheck-shard     memcheck over the expert-parallel tests (shard::: expert maps, FP32 combine,
 #                         the pre-dispatched row source; bound NVFP4MOE_MEMCHECK_SHARD_TIMEOUT,
 #                         default 400 s)
+#  10. memcheck-ep        memcheck over the expert-parallel runner's tests (expert_parallel::: row gathers, the
+#                         loopback exchange, the ordered sums, NCCL with one rank; bound
+#                         NVFP4MOE_MEMCHECK_EP_TIMEOUT, default 400 s)
 # One fixed seed for every step (NVFP4MOE_TEST_SEED, printed; set it to replay another), logs in
 # $OUT (or ./gpu-out). Prints one line per step (rc, the test result, the sanitizer's summary) and
 # exits 1 if any step failed, timed out, found an error or ran no test.
@@ -60,8 +63,15 @@ fi
 t_cli=${t_cli:-200} t_test_cli=${t_test_cli:-150} t_race_parts=${t_race_parts:-330}
 t_layer=${NVFP4MOE_MEMCHECK_LAYER_TIMEOUT:-400}
 t_shard=${NVFP4MOE_MEMCHECK_SHARD_TIMEOUT:-400}
+t_ep=${NVFP4MOE_MEMCHECK_EP_TIMEOUT:-400}
 all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli
-  memcheck-layer memcheck-shard)
+  memcheck-layer memcheck-shard memcheck-ep)
+# NCCL for expert_parallel:: (the bundle's `nccl` feature loads libnccl.so.2): the pip-installed one too.
+nccl_libs=$(python3 -c '
+import glob, os, site
+print(":".join(sorted({os.path.dirname(f) for sp in site.getsitepackages()
+    for f in glob.glob(os.path.join(sp, "nvidia", "**", "libnccl.so.*"), recursive=True)})))' 2>/dev/null)
+[ -n "$nccl_libs" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$nccl_libs"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for w in "${steps[@]}"; do
@@ -162,6 +172,7 @@ step synccheck "$t_sync" -- "${cs[@]}" synccheck "$bin" "${common[@]}" layer_ sw
 step sweep-large "$t_large" NVFP4MOE_SWEEP_SIZE=large -- "$bin" --include-ignored sweep::
 step memcheck-layer "$t_layer" -- "${cs[@]}" memcheck "$bin" "${common[@]}" layer_ c_abi:: --skip sweep::
 step memcheck-shard "$t_shard" -- "${cs[@]}" memcheck "$bin" "${common[@]}" shard::
+step memcheck-ep "$t_ep" -- "${cs[@]}" memcheck "$bin" "${common[@]}" expert_parallel::
 
 # The CLI under memcheck, as scripts/gpu-memcheck.sh runs it: the tests start the bundle's
 # nvfp4-moe (NVFP4MOE_CLI) and --target-processes all checks those processes too, so the summary

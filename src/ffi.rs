@@ -103,6 +103,34 @@ pub(crate) mod raw {
         ) -> i32;
 
         /// # Safety
+        /// `src` holds `src_rows` rows of `row_bytes` bytes, `index` `rows` i32 and `dst` `rows`
+        /// rows of `row_bytes`, on the device (index values are bounded by the kernel).
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn gather_rows(
+            src: u64,
+            src_rows: i64,
+            index: u64,
+            rows: i64,
+            row_bytes: i64,
+            dst: u64,
+            stream: u64,
+        ) -> i32;
+        /// # Safety
+        /// `src` holds f32 `[src_rows, cols]`, `pos` i32 `[rows, slots]` and `dst` f32
+        /// `[rows, cols]`, on the device (positions are bounded by the kernel).
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn sum_rows_fp32(
+            src: u64,
+            src_rows: i64,
+            pos: u64,
+            rows: i64,
+            slots: i64,
+            cols: i64,
+            dst: u64,
+            stream: u64,
+        ) -> i32;
+
+        /// # Safety
         /// The descriptor's weight pointers name prepared weights of its shape, and `workspace`
         /// holds `workspace_bytes` bytes, on the context of `stream`.
         unsafe fn moe_layer_initialize(d: &MoeLayerDesc, workspace: u64, workspace_bytes: i64, stream: u64) -> i32;

@@ -85,6 +85,8 @@ pub mod testing;
 
 // The GPU side (the `cuda` feature): the CUDA core through the cxx bridge, over cudarc.
 #[cfg(feature = "cuda")]
+pub mod ep;
+#[cfg(feature = "cuda")]
 mod ffi;
 #[cfg(feature = "cuda")]
 pub mod gemm;

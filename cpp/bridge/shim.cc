@@ -55,6 +55,19 @@ int32_t combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t toke
                                  stream_ptr(stream)));
 }
 
+int32_t gather_rows(uint64_t src, int64_t src_rows, uint64_t index, int64_t rows, int64_t row_bytes, uint64_t dst,
+                    uint64_t stream) {
+  return raw(::nvfp4moe::gather_rows(dptr(src), src_rows, static_cast<const int*>(dptr(index)), rows, row_bytes,
+                                     dptr_mut(dst), stream_ptr(stream)));
+}
+
+int32_t sum_rows_fp32(uint64_t src, int64_t src_rows, uint64_t pos, int64_t rows, int64_t slots, int64_t cols,
+                      uint64_t dst, uint64_t stream) {
+  return raw(::nvfp4moe::sum_rows_fp32(static_cast<const float*>(dptr(src)), src_rows,
+                                       static_cast<const int*>(dptr(pos)), rows, slots, cols,
+                                       static_cast<float*>(dptr_mut(dst)), stream_ptr(stream)));
+}
+
 int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream) {
   return raw(::nvfp4moe::moe_layer_initialize(d, dptr_mut(workspace), workspace_bytes, stream_ptr(stream)));
 }

@@ -5,6 +5,7 @@
 // calling, so a non-success status here means a CUDA error or a shape only the core rejects.
 #pragma once
 
+#include "nvfp4moe/ep.h"
 #include "nvfp4moe/nvfp4moe.h"
 #include "rust/cxx.h"
 
@@ -27,6 +28,10 @@ int32_t softmax_topk(uint64_t logits, int64_t tokens, int64_t experts, int64_t t
                      uint64_t weights, uint64_t stream);
 int32_t combine(uint64_t y, uint64_t row_of_pair, uint64_t weights, int64_t tokens, int64_t top_k, int64_t hidden_size,
                 uint64_t out, uint64_t stream);
+int32_t gather_rows(uint64_t src, int64_t src_rows, uint64_t index, int64_t rows, int64_t row_bytes, uint64_t dst,
+                    uint64_t stream);
+int32_t sum_rows_fp32(uint64_t src, int64_t src_rows, uint64_t pos, int64_t rows, int64_t slots, int64_t cols,
+                      uint64_t dst, uint64_t stream);
 
 int32_t moe_layer_initialize(const MoeLayerDesc& d, uint64_t workspace, int64_t workspace_bytes, uint64_t stream);
 int32_t moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, uint64_t stream);

@@ -400,6 +400,11 @@ impl MoeLayer {
         self.shard.as_ref().map_or(self.weights.experts, |s| s.global_experts)
     }
 
+    /// The options the layer was made with.
+    pub fn options(&self) -> &MoeOptions {
+        &self.opts
+    }
+
     /// For an expert shard ([`MoeLayer::new_shard`]): the global id of each local expert.
     pub fn shard_expert_ids(&self) -> Option<&[usize]> {
         self.shard.as_ref().map(|s| s.expert_ids.as_slice())

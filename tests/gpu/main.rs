@@ -12,7 +12,8 @@
 //!   `scripts/gpu-sanitize.sh`);
 //! - [`faults`]: bad expert ids, forwards after rejected ones, drop orders, concurrent streams and
 //!   the NaN-isolation policy;
-//! - [`shard`]: expert shards (expert parallelism): their FP32 outputs add up to the whole layer's.
+//! - [`shard`]: expert shards (expert parallelism): their FP32 outputs add up to the whole layer's;
+//! - [`expert_parallel`]: the expert-parallel runner (N simulated ranks on one GPU, and NCCL with one rank).
 //!
 //! They need a CUDA GPU (sm_90a build) and are ignored by default; run them with
 //! `cargo test --release --test gpu -- --include-ignored` (or the GPU bundle, see README). Every
@@ -42,6 +43,7 @@ mod common;
 mod convert;
 #[path = "../convert_fixture/mod.rs"]
 mod convert_fixture;
+mod expert_parallel;
 mod faults;
 mod gemm;
 mod layer;

@@ -29,7 +29,7 @@ fn shuffled(rng: &mut Rng, e: usize) -> Vec<usize> {
 
 /// The shards of `n` partitions of `e` experts: contiguous ranges, then a shuffled assignment with
 /// shards of unequal sizes (each at least one expert: a shard of no experts is no layer).
-fn partitions(rng: &mut Rng, e: usize, n: usize) -> [Vec<Vec<usize>>; 2] {
+pub(crate) fn partitions(rng: &mut Rng, e: usize, n: usize) -> [Vec<Vec<usize>>; 2] {
     let contiguous = (0..n).map(|s| (s * e / n..(s + 1) * e / n).collect()).collect();
     let order = shuffled(rng, e);
     // Cut points: n - 1 distinct positions in 1..e, so every shard is non-empty and sizes differ.
@@ -48,7 +48,7 @@ fn partitions(rng: &mut Rng, e: usize, n: usize) -> [Vec<Vec<usize>>; 2] {
 }
 
 /// A layer over `ck`'s experts `ids` as a shard of `ck`'s layer (or the whole layer for `None`).
-fn layer_of(s: &Arc<CudaStream>, ck: &MoeCheckpoint, ids: Option<&[usize]>, opts: MoeOptions) -> MoeLayer {
+pub(crate) fn layer_of(s: &Arc<CudaStream>, ck: &MoeCheckpoint, ids: Option<&[usize]>, opts: MoeOptions) -> MoeLayer {
     match ids {
         None => MoeLayer::new(MoeWeights::from_checkpoint(s, ck).unwrap(), opts).unwrap(),
         Some(ids) => {

@@ -22,8 +22,21 @@ memset that flushes L2, and only the replay is timed (CUDA events). Reports the 
 column); --batch-invariant turns split-K off (what batch invariance costs). Progress goes to
 stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
 
-Example:
-  nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json";
+--ep N times expert parallelism instead (nvfp4_moe::ep): N ranks, rank r holding experts
+r*E/N..(r+1)*E/N (random weights) and T/N of each step's T tokens (random top-k routing, random
+weights), FP32 partial sums. Columns: step (median wall time of a whole step: routing read back,
+plan, dispatch, the shards, combine, all ranks synchronized), the four phases of a profiled step
+(each ends with every rank synchronized), remote (tokens that crossed ranks in the dispatch),
+busiest (the most tokens one rank received), whole (the one-rank layer over the T tokens) and
+shard (rank 0's shard over the same T tokens with the whole routing: its GEMMs' rows are its
+experts' only), both the mean GPU time of 20 forwards enqueued back to back. With --transport
+loopback (the default) the N ranks are streams on GPU 0 sharing it: the step checks the exchange
+and the shards, its time is not a multi-GPU time; --transport nccl runs rank r on GPU r (the
+`nccl` feature, NCCL 2.28 or newer).
+
+Examples:
+  nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json
+  nvfp4-moe bench --preset deepseek-v3 --tokens 1,128,8192 --ep 8";
 
 /// Replays timed per (preset, T).
 pub const BENCH_REPS: usize = 20;
@@ -83,6 +96,40 @@ pub struct BenchArgs {
     /// No split-K: a token's output bits do not depend on T (MoeOptions::batch_invariant)
     #[arg(long)]
     pub batch_invariant: bool,
+    /// Time expert parallelism over N ranks (see below) instead of the one-GPU layer
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub ep: Option<u16>,
+    /// The exchange of --ep: loopback (N ranks on GPU 0) or nccl (rank r on GPU r)
+    #[arg(long, value_enum, value_name = "X", default_value = "loopback", requires = "ep")]
+    pub transport: TransportArg,
+}
+
+/// `--transport`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// N simulated ranks on GPU 0 (device copies)
+    Loopback,
+    /// Rank r on GPU r through NCCL (the `nccl` feature)
+    Nccl,
+}
+
+/// One timed (preset, T) of `bench --ep N`.
+#[derive(Debug)]
+pub struct EpRow {
+    pub preset: &'static str,
+    pub tokens: usize,
+    pub ranks: usize,
+    pub transport: &'static str,
+    /// Median wall time of a step, us.
+    pub step_us: f64,
+    /// Plan, dispatch, layer, combine of a profiled step (median each), us.
+    pub phases_us: [f64; 4],
+    pub remote_rows: usize,
+    pub busiest_rows: usize,
+    /// The one-rank layer's GPU time per forward (back to back), us.
+    pub whole_us: f64,
+    /// Rank 0's shard over all T tokens, GPU time per forward (back to back), us.
+    pub shard_us: f64,
 }
 
 /// Balanced routing of `tokens` tokens: slot j of token t goes to expert `(t * k + j) % E` (the
@@ -178,6 +225,9 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
             return Err(usage("bench", format!("{max_t} tokens x top-k {} is too many for {}", p.top_k, p.name)));
         }
     }
+    if let Some(n) = args.ep {
+        return run_ep(args, global, usize::from(n), max_t);
+    }
     let (gpu, rows) = gpu_run::bench(args, max_t)?;
     let doc = bench_json(&gpu, args.intermediate, &rows);
     if global.json {
@@ -209,6 +259,76 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     Ok(())
 }
 
+/// `bench --ep N`.
+fn run_ep(args: &BenchArgs, global: Global, n: usize, max_t: usize) -> CliResult {
+    if args.intermediate != IntermediateArg::Bf16 {
+        return Err(usage("bench", "--ep takes the BF16 intermediate"));
+    }
+    for p in &args.preset.0 {
+        if n > p.experts {
+            return Err(usage("bench", format!("--ep {n}: {} has only {} experts", p.name, p.experts)));
+        }
+    }
+    let (gpu, rows) = gpu_run::bench_ep(args, n, max_t)?;
+    let items: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            json!({
+                "preset": r.preset, "tokens": r.tokens, "ranks": r.ranks, "transport": r.transport,
+                "step_us": r.step_us, "plan_us": r.phases_us[0], "dispatch_us": r.phases_us[1],
+                "layer_us": r.phases_us[2], "combine_us": r.phases_us[3], "remote_rows": r.remote_rows,
+                "busiest_rows": r.busiest_rows, "whole_us": r.whole_us, "shard_us": r.shard_us,
+            })
+        })
+        .collect();
+    let doc = json!({ "command": "bench", "ep": n, "gpu": gpu, "steps": BENCH_REPS, "rows": items });
+    if global.json {
+        print_json(&doc);
+    } else {
+        out!(
+            "{:<14} {:>5} {:>3} {:>9} {:>9} | {:>8} {:>9} {:>9} {:>9} | {:>6} {:>7} | {:>9} {:>9}",
+            "preset",
+            "T",
+            "N",
+            "transport",
+            "step",
+            "plan",
+            "dispatch",
+            "layer",
+            "combine",
+            "remote",
+            "busiest",
+            "whole",
+            "shard"
+        );
+        for r in &rows {
+            out!(
+                "{:<14} {:>5} {:>3} {:>9} {:>9.1} | {:>8.1} {:>9.1} {:>9.1} {:>9.1} | {:>6} {:>7} | {:>9.1} {:>9.1}",
+                r.preset,
+                r.tokens,
+                r.ranks,
+                r.transport,
+                r.step_us,
+                r.phases_us[0],
+                r.phases_us[1],
+                r.phases_us[2],
+                r.phases_us[3],
+                r.remote_rows,
+                r.busiest_rows,
+                r.whole_us,
+                r.shard_us
+            );
+        }
+        out!("(us; step: median of {BENCH_REPS} steps' wall time; phases: a profiled step's, ranks synchronized after each; whole and shard: GPU time per forward, {BENCH_REPS} back to back)");
+    }
+    if let Some(path) = &args.json_file {
+        let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
+        s.push('\n');
+        nvfp4_moe::io::write_file_atomically(path, s.as_bytes()).map_err(Fail::from)?;
+    }
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 mod gpu_run {
     use std::sync::Arc;
@@ -216,12 +336,13 @@ mod gpu_run {
 
     use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
-    use nvfp4_moe::moe::MoeInput;
+    use nvfp4_moe::ep::{contiguous_shards, EpRunner, Loopback, Transport};
+    use nvfp4_moe::moe::{MoeInput, OutputFormat};
     use nvfp4_moe::testing::{random_device_weights, Rng};
     use nvfp4_moe::{Error, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
     use tracing::info;
 
-    use super::{balanced_ids, bench_work, median, BenchArgs, BenchRow, BENCH_REPS, FLUSH_BYTES};
+    use super::{balanced_ids, bench_work, median, BenchArgs, BenchRow, EpRow, TransportArg, BENCH_REPS, FLUSH_BYTES};
     use crate::check::IntermediateArg;
     use crate::common::{fmt_bytes, fmt_dur, progress, CliResult};
     use crate::gpu::require_gpu;
@@ -351,6 +472,182 @@ mod gpu_run {
         pb.finish_and_clear();
         Ok((gpu, rows))
     }
+
+    /// GPU time per forward of `f` (us): 3 warm-up runs, then [`BENCH_REPS`] back to back between
+    /// two events.
+    fn time_back_to_back(
+        stream: &Arc<CudaStream>,
+        mut f: impl FnMut() -> nvfp4_moe::Result<()>,
+    ) -> nvfp4_moe::Result<f64> {
+        use cudarc::driver::sys::CUevent_flags;
+        for _ in 0..3 {
+            f()?;
+        }
+        let ctx = stream.context();
+        let (start, end) = (
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        start.record(stream)?;
+        for _ in 0..BENCH_REPS {
+            f()?;
+        }
+        end.record(stream)?;
+        end.synchronize()?;
+        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / BENCH_REPS as f64)
+    }
+
+    /// The ranks' transport of `--transport`.
+    fn transport(arg: TransportArg, stream: &Arc<CudaStream>, n: usize) -> CliResult<Box<dyn Transport>> {
+        match arg {
+            TransportArg::Loopback => Ok(Box::new(Loopback::new(stream, n)?)),
+            #[cfg(feature = "nccl")]
+            TransportArg::Nccl => Ok(Box::new(nvfp4_moe::ep::NcclTransport::new(&(0..n).collect::<Vec<_>>())?)),
+            #[cfg(not(feature = "nccl"))]
+            TransportArg::Nccl => Err(crate::common::Fail::Run(
+                "--transport nccl needs a build with the `nccl` feature (cargo build --features nccl)".into(),
+            )),
+        }
+    }
+
+    pub fn bench_ep(args: &BenchArgs, n: usize, max_t: usize) -> CliResult<(String, Vec<EpRow>)> {
+        let (presets, tokens) = (&args.preset.0, &args.tokens.0);
+        let gpu = require_gpu("bench")?;
+        let ctx = cudarc::driver::CudaContext::new(0)?;
+        let stream = ctx.new_stream()?;
+        let mut rng = Rng::from_entropy();
+        let mut rows = Vec::new();
+        let per_rank_max = max_t.div_ceil(n);
+        info!("bench --ep {n} on {gpu}: {} preset(s), tokens {:?}, {BENCH_REPS} steps each", presets.len(), tokens);
+        let pb = progress("bench", (presets.len() * tokens.len()) as u64, "cases");
+        for p in presets {
+            let (e, h, i, k) = (p.experts, p.hidden, p.intermediate, p.top_k);
+            let tile = args.tile.gemm_tile();
+            let opts = |max_tokens: usize| MoeOptions {
+                tile,
+                batch_invariant: args.batch_invariant,
+                output: OutputFormat::Fp32,
+                ..MoeOptions::new(max_tokens, k)
+            };
+            pb.set_message(format!("{}: making weights", p.name));
+            let tr = transport(args.transport, &stream, n)?;
+            let shards = contiguous_shards(e, n);
+            let mut layers = Vec::with_capacity(n);
+            for (r, ids) in shards.iter().enumerate() {
+                let s = tr.stream(r);
+                let w13 = random_device_weights(s, &mut rng, ids.len(), 2 * i, h, true)?;
+                let w2 = random_device_weights(s, &mut rng, ids.len(), h, i, false)?;
+                let w = MoeWeights { w13, w2, experts: ids.len(), hidden: h, intermediate: i };
+                layers.push(MoeLayer::new_shard(w, opts(per_rank_max * n), e, ids)?);
+            }
+            let mut runner = EpRunner::new(tr, layers, per_rank_max)?;
+            // The one-rank layer over the same tokens, on GPU 0.
+            let w13 = random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
+            let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
+            let whole = MoeLayer::new(MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i }, opts(max_t))?;
+            let mut whole_ws = whole.workspace(&stream)?;
+            for &t in tokens {
+                pb.set_message(format!("{} T={t} --ep {n}", p.name));
+                // Random top-k (distinct experts per token), uniform weights; T split over ranks.
+                let mut ids = Vec::with_capacity(t * k);
+                for _ in 0..t {
+                    let mut row: Vec<i32> = Vec::with_capacity(k);
+                    while row.len() < k {
+                        let id = rng.below(e as u64) as i32;
+                        if !row.contains(&id) {
+                            row.push(id);
+                        }
+                    }
+                    ids.extend(row);
+                }
+                let hidden = rng.normal_bf16(t * h, 1.0);
+                let wts = vec![1.0 / k as f32; t * k];
+                let bounds: Vec<usize> = (0..=n).map(|r| r * t / n).collect();
+                let mut inputs_dev = Vec::with_capacity(n);
+                let mut outs = Vec::with_capacity(n);
+                for r in 0..n {
+                    let s = runner.transport().stream(r);
+                    let (a, b) = (bounds[r], bounds[r + 1]);
+                    inputs_dev.push((
+                        s.clone_htod(&nonempty(&hidden[a * h..b * h]))?,
+                        s.clone_htod(&nonempty(&ids[a * k..b * k]))?,
+                        s.clone_htod(&nonempty(&wts[a * k..b * k]))?,
+                        b - a,
+                    ));
+                    outs.push(s.alloc_zeros::<f32>(((b - a) * h).max(1))?);
+                }
+                let inputs: Vec<MoeInput<'_, _, _, _>> = inputs_dev
+                    .iter()
+                    .map(|(x, i, w, tk)| MoeInput { hidden: x, tokens: *tk, topk_ids: i, topk_weights: w, top_k: k })
+                    .collect();
+                for _ in 0..2 {
+                    runner.forward(&inputs, &mut outs)?;
+                }
+                runner.synchronize()?;
+                let mut steps = Vec::with_capacity(BENCH_REPS);
+                let mut info_last = None;
+                for _ in 0..BENCH_REPS {
+                    let t0 = Instant::now();
+                    let info = runner.forward(&inputs, &mut outs)?;
+                    runner.synchronize()?;
+                    steps.push(t0.elapsed().as_secs_f64() * 1e6);
+                    info_last = Some(info);
+                }
+                runner.set_profile(true);
+                let mut phases: [Vec<f64>; 4] = Default::default();
+                for _ in 0..BENCH_REPS {
+                    let info = runner.forward(&inputs, &mut outs)?;
+                    for (v, s) in phases.iter_mut().zip(info.phase_seconds) {
+                        v.push(s * 1e6);
+                    }
+                }
+                runner.set_profile(false);
+                let info = info_last.unwrap_or_default();
+                // The whole layer and rank 0's shard over all T tokens (device copies on GPU 0 /
+                // rank 0's device).
+                let (xd, idd, wd) = (stream.clone_htod(&hidden)?, stream.clone_htod(&ids)?, stream.clone_htod(&wts)?);
+                let mut out = stream.alloc_zeros::<f32>(t * h)?;
+                let input = MoeInput { hidden: &xd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
+                let whole_us = time_back_to_back(&stream, || whole.forward(&stream, &input, &mut out, &mut whole_ws))?;
+                let s0 = runner.transport().stream(0).clone();
+                let (xs, ids0, ws0) = (s0.clone_htod(&hidden)?, s0.clone_htod(&ids)?, s0.clone_htod(&wts)?);
+                let mut out0 = s0.alloc_zeros::<f32>(t * h)?;
+                let shard = runner.layer(0);
+                let mut shard_ws = shard.workspace(&s0)?;
+                let input0 = MoeInput { hidden: &xs, tokens: t, topk_ids: &ids0, topk_weights: &ws0, top_k: k };
+                let shard_us = time_back_to_back(&s0, || shard.forward(&s0, &input0, &mut out0, &mut shard_ws))?;
+                let row = EpRow {
+                    preset: p.name,
+                    tokens: t,
+                    ranks: n,
+                    transport: runner.transport().name(),
+                    step_us: median(&mut steps),
+                    phases_us: phases.map(|mut v| median(&mut v)),
+                    remote_rows: info.remote_rows(),
+                    busiest_rows: info.max_received(),
+                    whole_us,
+                    shard_us,
+                };
+                info!(
+                    "  {} T={t} --ep {n}: step {:.1} us, whole {:.1} us, shard {:.1} us",
+                    p.name, row.step_us, row.whole_us, row.shard_us
+                );
+                rows.push(row);
+                pb.inc(1);
+            }
+        }
+        pb.finish_and_clear();
+        Ok((gpu, rows))
+    }
+
+    /// `v`, or one default element for an empty slice (a rank with no tokens still passes buffers).
+    fn nonempty<T: Clone + Default>(v: &[T]) -> Vec<T> {
+        if v.is_empty() {
+            vec![T::default()]
+        } else {
+            v.to_vec()
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -360,6 +657,10 @@ mod gpu_run {
     use crate::gpu::require_gpu;
 
     pub fn bench(_: &BenchArgs, _: usize) -> CliResult<(String, Vec<BenchRow>)> {
+        Err(require_gpu("bench").unwrap_err())
+    }
+
+    pub fn bench_ep(_: &BenchArgs, _: usize, _: usize) -> CliResult<(String, Vec<super::EpRow>)> {
         Err(require_gpu("bench").unwrap_err())
     }
 }
