@@ -36,7 +36,7 @@ for t in "$here"/tests/*; do
   case "$name" in *"${NVFP4MOE_TESTS:-}"*) ;; *) continue ;; esac
   log="$out/test-$name.log"
   start=$(date +%s)
-  timeout "${NVFP4MOE_TEST_TIMEOUT:-300}" "$t" --include-ignored --test-threads=2 >"$log" 2>&1
+  timeout "${NVFP4MOE_TEST_TIMEOUT:-450}" "$t" --include-ignored --test-threads=2 >"$log" 2>&1
   rc=$?
   secs=$(( $(date +%s) - start ))
   res=$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')

@@ -106,6 +106,8 @@ fn usage_errors_exit_2() {
         (&["help", "nope"], "unknown command `nope`"),
         (&["bench", "--intermediate", "fp8"], "`--intermediate` is bf16 or nvfp4 (got `fp8`)"),
         (&["check", "--intermediate", "fp4"], "`--intermediate` is bf16 or nvfp4 (got `fp4`)"),
+        (&["bench", "--preset", "mixtral-8x7b", "--ep", "9"], "--ep 9: mixtral-8x7b has only 8 experts"),
+        (&["bench", "--ep", "2", "--intermediate", "nvfp4"], "--ep takes the BF16 intermediate"),
     ];
     for (args, msg) in cases {
         let r = cli(args);
@@ -394,6 +396,7 @@ fn gpu_commands_without_a_gpu_fail_cleanly() {
     for args in [
         vec!["check", "--tokens", "2"],
         vec!["bench", "--tokens", "1"],
+        vec!["bench", "--tokens", "1", "--ep", "2"],
         vec!["--json", "run", "--weights", &w, "--prefix", prefix, "--input", &x, "--output", &y],
     ] {
         let run = cli(&args);

@@ -21,8 +21,8 @@ impl NcclTransport {
     /// One rank per device ordinal in `devices` (distinct), each on a new stream.
     ///
     /// # Errors
-    /// [`Error::Invalid`] for no devices, a repeated ordinal or no loadable NCCL library; a CUDA
-    /// or NCCL error.
+    /// [`Error::Invalid`] for no devices, a repeated or invisible ordinal or no loadable NCCL
+    /// library; a CUDA or NCCL error.
     pub fn new(devices: &[usize]) -> Result<Self> {
         if devices.is_empty() {
             return Err(Error::Invalid("an NCCL transport needs at least one device".into()));
@@ -31,6 +31,12 @@ impl NcclTransport {
             if devices[..i].contains(d) {
                 return Err(Error::Invalid(format!("device {d} is listed twice: one rank per GPU")));
             }
+        }
+        let count = CudaContext::device_count()?;
+        if let Some(d) = devices.iter().find(|&&d| d >= count as usize) {
+            return Err(Error::Invalid(format!(
+                "device {d} is not visible ({count} CUDA device(s)): one rank per GPU, GPUs 0..{count}"
+            )));
         }
         // cudarc panics when the library is missing: ask first.
         // SAFETY: only probes for the library with dlopen.

@@ -104,6 +104,18 @@ fn shards_add_up_to_the_whole_layer() {
         let max_t = 160;
         let opts = MoeOptions { output: OutputFormat::Fp32, ..MoeOptions::new(max_t, k) };
         let whole = layer_of(&s, &ck, None, opts);
+        // The steps first (inputs and the whole layer's outputs), then each partition's shards
+        // made once and run over every step (making shards is the test's slow part).
+        struct Step {
+            t: usize,
+            ids: Vec<i32>,
+            w: Vec<f32>,
+            hidden: Vec<bf16>,
+            dev: (CudaSlice<bf16>, CudaSlice<i32>, CudaSlice<f32>, CudaSlice<f32>),
+            want: Vec<f32>,
+            want_router: Vec<f32>,
+        }
+        let mut steps = Vec::new();
         for t in [1usize, 16, 160] {
             let ids = skewed_ids(&mut rng, t, k, e, true);
             let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
@@ -118,14 +130,18 @@ fn shards_add_up_to_the_whole_layer() {
             let want = forward_f32(&s, &whole, &hd, t, k, &idd, &wd, None);
             assert!(want.iter().all(|v| v.is_finite()), "{name} T={t}: whole layer output not all written: {rp}");
             let want_router = forward_f32(&s, &whole, &hd, t, k, &idd, &wd, Some(&ld));
-            for n in [2usize, 4, 8].into_iter().filter(|&n| n <= e) {
-                for (p, shards) in partitions(&mut rng, e, n).iter().enumerate() {
+            steps.push(Step { t, ids, w, hidden, dev: (hd, idd, wd, ld), want, want_router });
+        }
+        for n in [2usize, 4, 8].into_iter().filter(|&n| n <= e) {
+            for (p, shards) in partitions(&mut rng, e, n).iter().enumerate() {
+                let layers: Vec<MoeLayer> = shards.iter().map(|ids| layer_of(&s, &ck, Some(ids), opts)).collect();
+                for Step { t, ids, w, hidden, dev: (hd, idd, wd, ld), want, want_router } in &steps {
+                    let t = *t;
                     let ctx = format!("{name} T={t}, {n} shards ({}): {rp}", ["contiguous", "scattered"][p]);
                     let (mut sum, mut sum_router) = (vec![0f64; t * h], vec![0f64; t * h]);
-                    for (si, shard) in shards.iter().enumerate() {
-                        let layer = layer_of(&s, &ck, Some(shard), opts);
+                    for (si, (shard, layer)) in shards.iter().zip(&layers).enumerate() {
                         assert_eq!(layer.shard_expert_ids(), Some(shard.as_slice()));
-                        let got = forward_f32(&s, &layer, &hd, t, k, &idd, &wd, None);
+                        let got = forward_f32(&s, layer, hd, t, k, idd, wd, None);
                         assert!(got.iter().all(|v| v.is_finite()), "shard {si} output not all written: {ctx}");
                         // A token with none of its slots here gets exact zeros.
                         for tok in 0..t {
@@ -140,7 +156,7 @@ fn shards_add_up_to_the_whole_layer() {
                             // thread's f64 work grows with T x H x I: T <= 16, as the C ABI test).
                             let sub = expert_subset(&ck, shard);
                             let oracle =
-                                reference::routing::moe_layer_shard(&hidden, t, &ids, &w, k, &sub, shard, e).unwrap();
+                                reference::routing::moe_layer_shard(hidden, t, ids, w, k, &sub, shard, e).unwrap();
                             let mut err = RelErr::default();
                             for (g, x) in got.iter().zip(&oracle) {
                                 err.add(f64::from(*g), *x);
@@ -153,12 +169,12 @@ fn shards_add_up_to_the_whole_layer() {
                         for (a, g) in sum.iter_mut().zip(&got) {
                             *a += f64::from(*g);
                         }
-                        let got = forward_f32(&s, &layer, &hd, t, k, &idd, &wd, Some(&ld));
+                        let got = forward_f32(&s, layer, hd, t, k, idd, wd, Some(ld));
                         for (a, g) in sum_router.iter_mut().zip(&got) {
                             *a += f64::from(*g);
                         }
                     }
-                    for (what, sum, want) in [("top-k", &sum, &want), ("router", &sum_router, &want_router)] {
+                    for (what, sum, want) in [("top-k", &sum, want), ("router", &sum_router, want_router)] {
                         let mut err = RelErr::default();
                         for (g, x) in sum.iter().zip(want.iter()) {
                             err.add(*g, f64::from(*x));

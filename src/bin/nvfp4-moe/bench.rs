@@ -34,7 +34,7 @@ loopback (the default) the N ranks are streams on GPU 0 sharing it: the step che
 and the shards, its time is not a multi-GPU time; --transport nccl runs rank r on GPU r (the
 `nccl` feature, NCCL 2.28 or newer).
 
-Examples:
+Example:
   nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json
   nvfp4-moe bench --preset deepseek-v3 --tokens 1,128,8192 --ep 8";
 

@@ -220,6 +220,16 @@ mod tests {
             panic!()
         };
         assert_eq!((b.tile, b.batch_invariant), (run::TileArg::N64, true));
+        // --ep N (1..=64) and --transport, which needs --ep.
+        let Command::Bench(b) = parse(&["bench", "--ep", "8", "--transport", "nccl"]).unwrap().command else {
+            panic!()
+        };
+        assert_eq!((b.ep, b.transport), (Some(8), bench::TransportArg::Nccl));
+        let Command::Bench(b) = parse(&["bench", "--ep", "2"]).unwrap().command else { panic!() };
+        assert_eq!((b.ep, b.transport), (Some(2), bench::TransportArg::Loopback));
+        assert_eq!(parse(&["bench", "--ep", "0"]).unwrap_err().kind(), ErrorKind::ValueValidation);
+        assert_eq!(parse(&["bench", "--ep", "65"]).unwrap_err().kind(), ErrorKind::ValueValidation);
+        assert_eq!(parse(&["bench", "--transport", "nccl"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
 
         // --json anywhere, for every command.
         for cmd in ["quantize", "dequantize", "convert", "check", "run", "bench", "info"] {
