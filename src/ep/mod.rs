@@ -45,7 +45,9 @@ pub use plan::{all_to_all_offsets, contiguous_shards, ExchangePlan, ExpertOwners
 use crate::error::{Error, Result};
 use crate::ffi::raw;
 use crate::launch::{check_len, Launch};
+use crate::layout::ScaleLayout;
 use crate::moe::{MoeInput, MoeLayer, MoeWorkspace, OutputFormat};
+use crate::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into, Nvfp4Desc};
 
 /// One buffer set of an all-to-all: per rank, a send buffer (rows destination-major) and a receive
 /// buffer (rows source-major), rows of `row_bytes` bytes.
@@ -57,6 +59,32 @@ pub struct Lane<'a> {
     pub send: Vec<&'a CudaSlice<u8>>,
     /// `recv[r]`: the rows rank `r` receives, source 0's first.
     pub recv: Vec<&'a mut CudaSlice<u8>>,
+}
+
+/// What a dispatched token's hidden state travels as.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Payload {
+    /// BF16, as the layer takes it (2 bytes per element; exact).
+    Bf16,
+    /// NVFP4 with this per-tensor decode scale (e.g. a checkpoint's `gate_up_proj.input_scale`):
+    /// each rank quantizes its tokens once (E2M1 codes and E4M3 scales of 16 elements, NVFP4.md's
+    /// recipe), sends 0.5625 bytes per element, and the receiver dequantizes to BF16 for its
+    /// layer. It adds NVFP4's quantization error to the layer's input (the step equals the whole
+    /// layer over the dequantized hidden states); H must be a multiple of 64.
+    Nvfp4 {
+        /// The decode scale g (finite, > 0).
+        decode_scale: f32,
+    },
+}
+
+impl Payload {
+    /// Bytes one token's hidden state of `hidden` elements takes on the wire.
+    pub fn row_bytes(self, hidden: usize) -> usize {
+        match self {
+            Payload::Bf16 => hidden * 2,
+            Payload::Nvfp4 { .. } => hidden / 2 + hidden / 16,
+        }
+    }
 }
 
 /// How ranks exchange rows. Implementations enqueue on the ranks' streams
@@ -169,6 +197,20 @@ struct Rank {
     partial: CudaSlice<u8>,
     /// The partial rows of its own tokens, back from every rank (destination-major, as sent).
     back: CudaSlice<u8>,
+    /// With [`Payload::Nvfp4`]: its tokens quantized (codes, scales), those rows gathered for
+    /// sending and the rows received.
+    fp4: Option<Fp4Buffers>,
+}
+
+/// The NVFP4 payload's buffers of one rank (bytes; linear scale layout, H / 16 per row).
+#[derive(Debug)]
+struct Fp4Buffers {
+    codes: CudaSlice<u8>,
+    scales: CudaSlice<u8>,
+    send_codes: CudaSlice<u8>,
+    send_scales: CudaSlice<u8>,
+    recv_codes: CudaSlice<u8>,
+    recv_scales: CudaSlice<u8>,
 }
 
 /// What one step moved, for reports and the cost model.
@@ -182,6 +224,8 @@ pub struct EpStepInfo {
     /// synchronized after each phase, which costs the overlap of a normal step); zeros otherwise
     /// but for the plan.
     pub phase_seconds: [f64; 4],
+    /// Bytes of one dispatched row: its hidden state as the payload sends it, ids and weights.
+    pub row_bytes: usize,
 }
 
 impl EpStepInfo {
@@ -213,6 +257,7 @@ pub struct EpRunner<T: Transport> {
     max_tokens_per_rank: usize,
     max_top_k: usize,
     profile: bool,
+    payload: Payload,
 }
 
 impl<T: Transport> EpRunner<T> {
@@ -293,16 +338,70 @@ impl<T: Transport> EpRunner<T> {
                 recv_w: alloc(recv_rows * meta_bytes)?,
                 partial: alloc(recv_rows * out_bytes)?,
                 back: alloc(send_rows * out_bytes)?,
+                fp4: None,
                 layer,
             });
         }
-        Ok(EpRunner { transport, ranks, owners, hidden, max_tokens_per_rank, max_top_k, profile: false })
+        Ok(EpRunner {
+            transport,
+            ranks,
+            owners,
+            hidden,
+            max_tokens_per_rank,
+            max_top_k,
+            profile: false,
+            payload: Payload::Bf16,
+        })
     }
 
     /// With `true`, every step synchronizes all ranks after each phase and reports the phases'
     /// wall times ([`EpStepInfo::phase_seconds`]), for benches.
     pub fn set_profile(&mut self, on: bool) {
         self.profile = on;
+    }
+
+    /// Sends hidden states as `payload` from the next step on (the default is [`Payload::Bf16`]);
+    /// allocates the NVFP4 payload's buffers on each rank the first time it is asked for.
+    ///
+    /// # Errors
+    /// [`Error::InvalidDecodeScale`] for a bad decode scale, [`Error::InvalidShape`] for an NVFP4
+    /// payload with H not a multiple of 64 (its scale rows must be whole 4-byte words); a CUDA
+    /// error (out of memory).
+    pub fn set_payload(&mut self, payload: Payload) -> Result<()> {
+        if let Payload::Nvfp4 { decode_scale } = payload {
+            crate::host::validate_decode_scale(decode_scale)?;
+            let h = self.hidden;
+            if !h.is_multiple_of(64) {
+                return Err(Error::InvalidShape(format!(
+                    "an NVFP4 payload needs a hidden size that is a multiple of 64, not {h}"
+                )));
+            }
+            let n = self.ranks.len();
+            let per_rank = self.max_tokens_per_rank;
+            let (send_rows, recv_rows) = (per_rank * n.min(self.max_top_k), per_rank * n);
+            for (r, rank) in self.ranks.iter_mut().enumerate() {
+                if rank.fp4.is_some() {
+                    continue;
+                }
+                let s = self.transport.stream(r);
+                let alloc = |bytes: usize| s.alloc_zeros::<u8>(bytes.max(16));
+                rank.fp4 = Some(Fp4Buffers {
+                    codes: alloc(per_rank * h / 2)?,
+                    scales: alloc(per_rank * h / 16)?,
+                    send_codes: alloc(send_rows * h / 2)?,
+                    send_scales: alloc(send_rows * h / 16)?,
+                    recv_codes: alloc(recv_rows * h / 2)?,
+                    recv_scales: alloc(recv_rows * h / 16)?,
+                });
+            }
+        }
+        self.payload = payload;
+        Ok(())
+    }
+
+    /// What hidden states travel as.
+    pub fn payload(&self) -> Payload {
+        self.payload
     }
 
     /// With profiling on: waits for every rank and returns the seconds since `*since`, restarting it.
@@ -405,24 +504,56 @@ impl<T: Transport> EpRunner<T> {
         let mut since = Instant::now();
         self.lap(&mut since)?;
 
-        // 2. Dispatch: gather each rank's rows destination-major, exchange.
+        // 2. Dispatch: gather each rank's rows destination-major (quantized first for an NVFP4
+        // payload), exchange.
         let meta = top_k * 4;
+        let payload = self.payload;
         for (r, (rank, input)) in self.ranks.iter_mut().zip(inputs).enumerate() {
             let s = self.transport.stream(r);
             let rows = plan.sent(r);
             let (t, index) = (input.tokens, &send_index[r]);
-            gather(s, input.hidden, t, index, rows, h * 2, &mut rank.send_x)?;
+            match (payload, rank.fp4.as_mut()) {
+                (Payload::Nvfp4 { decode_scale }, Some(q)) => {
+                    let desc = Nvfp4Desc { rows: t, cols: h, layout: ScaleLayout::Linear, decode_scale };
+                    quantize_nvfp4_into(s, input.hidden, desc, &mut q.codes, &mut q.scales)?;
+                    gather(s, &q.codes, t, index, rows, h / 2, &mut q.send_codes)?;
+                    gather(s, &q.scales, t, index, rows, h / 16, &mut q.send_scales)?;
+                }
+                _ => gather(s, input.hidden, t, index, rows, h * 2, &mut rank.send_x)?,
+            }
             gather(s, input.topk_ids, t, index, rows, meta, &mut rank.send_ids)?;
             gather(s, input.topk_weights, t, index, rows, meta, &mut rank.send_w)?;
         }
         {
-            let (mut x, mut i, mut w) = (Lane::new(h * 2), Lane::new(meta), Lane::new(meta));
+            let (mut i, mut w) = (Lane::new(meta), Lane::new(meta));
+            let (mut x, mut codes, mut scales) = (Lane::new(h * 2), Lane::new(h / 2), Lane::new(h / 16));
             for rank in self.ranks.iter_mut() {
-                x.push(&rank.send_x, &mut rank.recv_x);
                 i.push(&rank.send_ids, &mut rank.recv_ids);
                 w.push(&rank.send_w, &mut rank.recv_w);
+                match (payload, rank.fp4.as_mut()) {
+                    (Payload::Nvfp4 { .. }, Some(q)) => {
+                        codes.push(&q.send_codes, &mut q.recv_codes);
+                        scales.push(&q.send_scales, &mut q.recv_scales);
+                    }
+                    _ => x.push(&rank.send_x, &mut rank.recv_x),
+                }
             }
-            self.transport.all_to_all(&mut [x, i, w], plan.counts())?;
+            let mut lanes = match payload {
+                Payload::Bf16 => vec![x, i, w],
+                Payload::Nvfp4 { .. } => vec![codes, scales, i, w],
+            };
+            self.transport.all_to_all(&mut lanes, plan.counts())?;
+        }
+        if let Payload::Nvfp4 { decode_scale } = payload {
+            for (r, rank) in self.ranks.iter_mut().enumerate() {
+                let s = self.transport.stream(r);
+                let rows = plan.received(r);
+                let q = rank.fp4.as_ref().ok_or_else(|| capacity("NVFP4 payload"))?;
+                // SAFETY: recv_x holds N x max_tokens_per_rank rows of H bf16, rows <= that.
+                let mut x = unsafe { rank.recv_x.transmute_mut::<bf16>(rows * h).ok_or_else(|| capacity("recv_x"))? };
+                let desc = Nvfp4Desc { rows, cols: h, layout: ScaleLayout::Linear, decode_scale };
+                dequantize_nvfp4_into(s, &q.recv_codes, &q.recv_scales, desc, &mut x)?;
+            }
         }
         phase[1] = self.lap(&mut since)?;
 
@@ -477,7 +608,8 @@ impl<T: Transport> EpRunner<T> {
             };
         }
         phase[3] = self.lap(&mut since)?;
-        Ok(EpStepInfo { counts: plan.counts().to_vec(), phase_seconds: phase })
+        let row_bytes = payload.row_bytes(h) + 2 * meta;
+        Ok(EpStepInfo { counts: plan.counts().to_vec(), phase_seconds: phase, row_bytes })
     }
 
     /// Waits for every rank's stream.

@@ -4,7 +4,8 @@
 //! layer's bits, only the final sum's order differs), for 2, 4 and 8 ranks, contiguous and
 //! scattered placements, uneven token shares (ranks with no tokens) and skewed routing (ranks
 //! that receive nothing); one rank (loopback, and NCCL with the `nccl` feature) gives the local
-//! layer's bytes; bad runners and inputs are typed errors.
+//! layer's bytes; an NVFP4 payload equals the whole layer over the dequantized tokens; bad runners
+//! and inputs are typed errors.
 
 use super::*;
 use crate::layer::moe_layer::random_checkpoint;
@@ -229,5 +230,58 @@ fn bad_runners_and_steps_are_errors() {
             assert!(m.contains("rank 0: 9 tokens exceed max_tokens_per_rank 8"), "{m}: {rp}")
         }
         other => panic!("too many tokens: {:?}: {rp}", other.map(|_| ())),
+    }
+}
+
+/// With an NVFP4 payload each token's hidden state travels quantized (0.5625 bytes per element)
+/// and is dequantized by the receiver: the step equals the whole layer over the dequantized hidden
+/// states (quantized on the GPU by the crate's quantizer, whose rows do not depend on each other)
+/// within the BF16 payload's 1e-5, and the payload's bytes per row are reported; a bad decode
+/// scale is refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_nvfp4_payload_is_the_layer_over_its_dequantized_tokens() {
+    use nvfp4_moe::ep::Payload;
+    let s = stream();
+    let mut rng = test_rng();
+    let rp = replay();
+    let (e, h, i, k, n) = (16usize, 1024usize, 512usize, 4usize, 4usize);
+    let ck = random_checkpoint(&mut rng, e, h, i);
+    let max_t = 128;
+    let opts = MoeOptions { output: OutputFormat::Fp32, batch_invariant: true, ..MoeOptions::new(max_t, k) };
+    let whole = layer_of(&s, &ck, None, opts);
+    let mut ws = whole.workspace(&s).unwrap();
+    let placement = partitions(&mut rng, e, n)[1].clone();
+    let mut runner = loopback_runner(&s, &ck, &placement, opts, max_t);
+    assert!(matches!(runner.set_payload(Payload::Nvfp4 { decode_scale: f32::NAN }), Err(Error::InvalidDecodeScale(_))));
+    assert_eq!(runner.payload(), Payload::Bf16);
+    let g = 4.0 / (6.0 * 448.0);
+    runner.set_payload(Payload::Nvfp4 { decode_scale: g }).unwrap();
+    for t in [1usize, 37, 128] {
+        let ctx = format!("T={t}: {rp}");
+        let ids = skewed_ids(&mut rng, t, k, e, true);
+        let w: Vec<f32> = (0..t * k).map(|_| rng.uniform(0.1, 1.0)).collect();
+        let hidden = rng.normal_bf16(t * h, 1.0);
+        // The whole layer over dequantize(quantize(hidden)).
+        let desc = Nvfp4Desc { rows: t, cols: h, layout: ScaleLayout::Linear, decode_scale: g };
+        let hd = s.clone_htod(&hidden).unwrap();
+        let (mut codes, mut scales) = (poisoned_u8(&s, t * h / 2), poisoned_u8(&s, t * h / 16));
+        quantize_nvfp4_into(&s, &hd, desc, &mut codes, &mut scales).unwrap();
+        let mut xq = poisoned_bf16(&s, t * h);
+        dequantize_nvfp4_into(&s, &codes, &scales, desc, &mut xq).unwrap();
+        let (idd, wd) = (s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+        let mut out = s.clone_htod(&vec![f32::NAN; t * h]).unwrap();
+        let input = MoeInput { hidden: &xq, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
+        whole.forward(&s, &input, &mut out, &mut ws).unwrap();
+        let want = s.clone_dtoh(&out).unwrap();
+        let bounds = token_bounds(&mut rng, t, n);
+        let got = step(&mut runner, &bounds, &hidden, &ids, &w, h, k).unwrap();
+        assert!(got.iter().all(|v| v.is_finite()), "not every output written: {ctx}");
+        let mut err = RelErr::default();
+        for (a, b) in got.iter().zip(&want) {
+            err.add(f64::from(*a), f64::from(*b));
+        }
+        assert!(err.rel() <= 1e-5, "NVFP4 payload vs the layer over dequantized tokens: {:.3e}: {ctx}", err.rel());
+        err.report(&format!("NVFP4 payload, {ctx}"));
     }
 }

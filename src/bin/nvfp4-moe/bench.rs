@@ -27,7 +27,9 @@ r*E/N..(r+1)*E/N (random weights) and T/N of each step's T tokens (random top-k 
 weights), FP32 partial sums. Columns: step (median wall time of a whole step: routing read back,
 plan, dispatch, the shards, combine, all ranks synchronized), the four phases of a profiled step
 (each ends with every rank synchronized), remote (tokens that crossed ranks in the dispatch),
-busiest (the most tokens one rank received), whole (the one-rank layer over the T tokens) and
+busiest (the most tokens one rank received), B/row (bytes of one dispatched row: its hidden
+state as --payload sends it, ids and weights; nvfp4 quantizes with the step's amax / 2688 as the
+decode scale and adds NVFP4's error), whole (the one-rank layer over the T tokens) and
 shard (rank 0's shard over the same T tokens with the whole routing: its GEMMs' rows are its
 experts' only), both the mean GPU time of 20 forwards enqueued back to back. With --transport
 loopback (the default) the N ranks are streams on GPU 0 sharing it: the step checks the exchange
@@ -102,6 +104,18 @@ pub struct BenchArgs {
     /// The exchange of --ep: loopback (N ranks on GPU 0) or nccl (rank r on GPU r)
     #[arg(long, value_enum, value_name = "X", default_value = "loopback", requires = "ep")]
     pub transport: TransportArg,
+    /// What --ep's tokens travel as: bf16, or nvfp4 (decode scale from the step's amax)
+    #[arg(long, value_enum, value_name = "P", default_value = "bf16", requires = "ep")]
+    pub payload: PayloadArg,
+}
+
+/// `--payload`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum PayloadArg {
+    /// BF16 hidden states (exact)
+    Bf16,
+    /// NVFP4 hidden states, 0.5625 bytes per element (adds NVFP4's error)
+    Nvfp4,
 }
 
 /// `--transport`.
@@ -120,6 +134,8 @@ pub struct EpRow {
     pub tokens: usize,
     pub ranks: usize,
     pub transport: &'static str,
+    /// Bytes of one dispatched row (hidden state as sent, ids, weights).
+    pub row_bytes: usize,
     /// Median wall time of a step, us.
     pub step_us: f64,
     /// Plan, dispatch, layer, combine of a profiled step (median each), us.
@@ -274,7 +290,7 @@ fn run_ep(args: &BenchArgs, global: Global, n: usize, max_t: usize) -> CliResult
         .iter()
         .map(|r| {
             json!({
-                "preset": r.preset, "tokens": r.tokens, "ranks": r.ranks, "transport": r.transport,
+                "preset": r.preset, "tokens": r.tokens, "ranks": r.ranks, "transport": r.transport, "row_bytes": r.row_bytes,
                 "step_us": r.step_us, "plan_us": r.phases_us[0], "dispatch_us": r.phases_us[1],
                 "layer_us": r.phases_us[2], "combine_us": r.phases_us[3], "remote_rows": r.remote_rows,
                 "busiest_rows": r.busiest_rows, "whole_us": r.whole_us, "shard_us": r.shard_us,
@@ -303,11 +319,12 @@ fn run_ep(args: &BenchArgs, global: Global, n: usize, max_t: usize) -> CliResult
         );
         for r in &rows {
             out!(
-                "{:<14} {:>5} {:>3} {:>9} {:>9.1} | {:>8.1} {:>9.1} {:>9.1} {:>9.1} | {:>6} {:>7} | {:>9.1} {:>9.1}",
+                "{:<14} {:>5} {:>3} {:>9} {:>6} {:>9.1} | {:>8.1} {:>9.1} {:>9.1} {:>9.1} | {:>6} {:>7} | {:>9.1} {:>9.1}",
                 r.preset,
                 r.tokens,
                 r.ranks,
                 r.transport,
+                r.row_bytes,
                 r.step_us,
                 r.phases_us[0],
                 r.phases_us[1],
@@ -336,13 +353,15 @@ mod gpu_run {
 
     use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
-    use nvfp4_moe::ep::{contiguous_shards, EpRunner, Loopback, Transport};
+    use nvfp4_moe::ep::{contiguous_shards, EpRunner, Loopback, Payload, Transport};
     use nvfp4_moe::moe::{MoeInput, OutputFormat};
     use nvfp4_moe::testing::{random_device_weights, Rng};
     use nvfp4_moe::{Error, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
     use tracing::info;
 
-    use super::{balanced_ids, bench_work, median, BenchArgs, BenchRow, EpRow, TransportArg, BENCH_REPS, FLUSH_BYTES};
+    use super::{
+        balanced_ids, bench_work, median, BenchArgs, BenchRow, EpRow, PayloadArg, TransportArg, BENCH_REPS, FLUSH_BYTES,
+    };
     use crate::check::IntermediateArg;
     use crate::common::{fmt_bytes, fmt_dur, progress, CliResult};
     use crate::gpu::require_gpu;
@@ -576,6 +595,12 @@ mod gpu_run {
                     ));
                     outs.push(s.alloc_zeros::<f32>(((b - a) * h).max(1))?);
                 }
+                if args.payload == PayloadArg::Nvfp4 {
+                    // The decode scale of the step's tokens (ModelOpt's input_scale recipe).
+                    let amax = hidden.iter().map(|v| v.to_f32().abs()).filter(|v| v.is_finite()).fold(0f32, f32::max);
+                    runner
+                        .set_payload(Payload::Nvfp4 { decode_scale: (amax / (6.0 * 448.0)).max(f32::MIN_POSITIVE) })?;
+                }
                 let inputs: Vec<MoeInput<'_, _, _, _>> = inputs_dev
                     .iter()
                     .map(|(x, i, w, tk)| MoeInput { hidden: x, tokens: *tk, topk_ids: i, topk_weights: w, top_k: k })
@@ -621,6 +646,7 @@ mod gpu_run {
                     tokens: t,
                     ranks: n,
                     transport: runner.transport().name(),
+                    row_bytes: info.row_bytes,
                     step_us: median(&mut steps),
                     phases_us: phases.map(|mut v| median(&mut v)),
                     remote_rows: info.remote_rows(),
