@@ -6,6 +6,7 @@
 // per-block recipe as quantize_nvfp4 (codec::quantize_block16), so the bytes are identical. The scale buffer is
 // zeroed first (cudaMemsetAsync), which writes every padding byte.
 #include "nvfp4moe/nvfp4moe.h"
+#include "grouped_quantize.hpp"
 #include "nvfp4_codec.cuh"
 #include "status.hpp"
 
@@ -136,6 +137,31 @@ __global__ void __launch_bounds__(kThreads) dequantize_grouped_kernel(
   }
 }
 
+// The pre-dispatched layout's dequantizer: one warp per row of the (experts x stride) layout,
+// rows past their expert's count skipped (grouped_quantize.hpp).
+__global__ void __launch_bounds__(kThreads) dequantize_dispatched_kernel(
+    const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, int experts, int stride,
+    const int* __restrict__ counts, int cols, const float* __restrict__ decode_scales, int num_decode_scales,
+    __nv_bfloat16* __restrict__ out) {
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kThreads / 32);
+  const int kb = cols / 16;
+  const int k_tiles = (kb + 3) / 4;
+  const int rows = experts * stride;  // < 2^31 (checked on the host)
+  for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
+    const int e = row / stride, r = row % stride;
+    if (r >= min(max(counts[e], 0), stride)) continue;
+    // Expert e's region of the grouped scale layout, as the kSwigluNvfp4 epilogue addresses it.
+    const int64_t scale_row = (int64_t(e) * stride + int64_t(e) * 127) / 128 * 128 + r;
+    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
+    for (int k = lane; k < kb; k += 32) {
+      codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k),
+                                __ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)), g,
+                                reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k);
+    }
+  }
+}
+
 // out[r, 8b + i] = silu(gate) * up with gate = in[r, 16b + i], up = in[r, 16b + 8 + i].
 // One thread per 8 output features: one 16-byte load of gates, one of ups, one 16-byte store.
 __global__ void __launch_bounds__(kThreads) swiglu_bf16_kernel(const __nv_bfloat16* __restrict__ in, int64_t groups,
@@ -215,6 +241,32 @@ Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, void* stream) no
       a.expert_offsets, int(a.experts), a.decode_scales, int(a.num_decode_scales),
       static_cast<__nv_bfloat16*>(a.out));
   return check_launch("dequantize_nvfp4_grouped");
+}
+
+Status dequantize_nvfp4_dispatched(const void* codes, const void* scales, int64_t experts, int64_t stride,
+                                   const int* counts, int64_t cols, const float* decode_scales,
+                                   int64_t num_decode_scales, void* out, void* stream) noexcept {
+  constexpr const char* what = "dequantize_nvfp4_dispatched";
+  if (experts <= 0 || stride < 0 || cols <= 0 || cols % 16 || cols > 0x7FFFFFFF ||
+      (stride > 0 && experts > 0x7FFFFFFF / stride) || (num_decode_scales != 1 && num_decode_scales != experts)) {
+    return fail(Status::kInvalidShape, "%s: need experts > 0, experts x stride < 2^31, cols a positive multiple of 16, "
+                "1 or E decode scales (experts=%lld stride=%lld cols=%lld scales=%lld)", what, (long long)experts,
+                (long long)stride, (long long)cols, (long long)num_decode_scales);
+  }
+  if (stride == 0) return Status::kSuccess;
+  if (!codes || !scales || !counts || !decode_scales || !out) return fail(Status::kNullPointer, "%s: null pointer", what);
+  if (!aligned(codes, 8) || !aligned(out, 16)) {
+    return fail(Status::kMisaligned, "%s: codes must be 8-byte and out 16-byte aligned", what);
+  }
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t want = (experts * stride + kThreads / 32 - 1) / (kThreads / 32);
+  const unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  dequantize_dispatched_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const uint8_t*>(codes), static_cast<const uint8_t*>(scales), int(experts), int(stride), counts,
+      int(cols), decode_scales, int(num_decode_scales), static_cast<__nv_bfloat16*>(out));
+  return check_launch(what);
 }
 
 Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter, void* out, void* stream) noexcept {

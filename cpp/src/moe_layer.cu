@@ -4,6 +4,7 @@
 // plus one tiny kernel that sets a workspace up.
 #include "nvfp4moe/nvfp4moe.h"
 #include "grouped_gemm_warp.hpp"
+#include "grouped_quantize.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -337,9 +338,6 @@ Status moe_layer_forward(const MoeLayerDesc& d, const MoeForwardArgs& a, void* s
 Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedArgs& a, void* stream) noexcept {
   constexpr const char* what = "moe_layer_forward_dispatched";
   if (Status s = moe_layer_can_implement(d); s != Status::kSuccess) return s;
-  if (d.intermediate_format != IntermediateFormat::kBf16) {
-    return fail(Status::kUnsupportedLayout, "%s: pre-dispatched tokens take the BF16 intermediate only", what);
-  }
   if (d.tile == GemmTile::kWarpM16N8) {
     return fail(Status::kInvalidShape, "%s: the kWarpM16N8 tile (at most 8 rows) does not take pre-dispatched tokens: "
                 "choose another tile", what);
@@ -373,6 +371,18 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
   l1.expert_counts = a.counts;
   l1.expert_stride = m;
   GroupedGemmArgs l2 = l1;
+  // The NVFP4 intermediate: the first GEMM packs it in the same layout (its epilogue addresses
+  // expert e's scale region from e x M as from an offset), then it is dequantized in place of the
+  // BF16 one; the workspace's codes and scales regions hold max_tokens x max_top_k >= E x M rows.
+  const bool nvfp4 = d.intermediate_format == IntermediateFormat::kNvfp4;
+  const float* act_scale = at<float>(a.workspace, l.act_scale);
+  if (nvfp4) {
+    l1.epilogue = GemmEpilogue::kSwigluNvfp4;
+    l1.out = at<void>(a.workspace, l.codes);
+    l1.out_scales = at<void>(a.workspace, l.scales);
+    l1.act_decode_scales = act_scale;
+    l1.num_act_decode_scales = 1;
+  }
   l2.prepared = d.w2_prepared;
   l2.decode_scale = d.w2_decode_scales;
   l2.n = d.hidden;
@@ -397,6 +407,13 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
   if (Status s = grouped_gemm_nvfp4_can_implement(l2); s != Status::kSuccess) return s;
   const auto st = static_cast<cudaStream_t>(stream);
   if (Status s = grouped_gemm_nvfp4(l1, st); s != Status::kSuccess) return s;
+  if (nvfp4) {
+    if (Status s = dequantize_nvfp4_dispatched(l1.out, l1.out_scales, d.experts, m, a.counts, d.intermediate,
+                                               act_scale, 1, act, st);
+        s != Status::kSuccess) {
+      return s;
+    }
+  }
   return grouped_gemm_nvfp4(l2, st);
 }
 

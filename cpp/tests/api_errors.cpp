@@ -248,7 +248,12 @@ int main() {
   MoeLayerDesc fp4 = d;
   fp4.intermediate_format = IntermediateFormat::kNvfp4;
   fp4.intermediate_decode_scale = 0.5f;
-  EXPECT_STATUS(moe_layer_forward_dispatched(fp4, da, nullptr), kUnsupportedLayout, "BF16 intermediate");
+  // The NVFP4 intermediate takes the layout too: the same argument checks apply (with its larger
+  // workspace).
+  MoeDispatchedArgs da4 = da;
+  da4.workspace_bytes = int64_t(moe_layer_workspace_bytes(fp4));
+  EXPECT_STATUS(moe_layer_forward_dispatched(fp4, da, nullptr), kInvalidShape, "workspace");
+  EXPECT_STATUS(moe_layer_forward_dispatched(fp4, da4, nullptr), kNullPointer, "counts");
   MoeLayerDesc warp_tile = d;
   warp_tile.tile = GemmTile::kWarpM16N8;
   EXPECT_STATUS(moe_layer_forward_dispatched(warp_tile, da, nullptr), kInvalidShape, "kWarpM16N8");

@@ -634,12 +634,14 @@ impl MoeLayer {
     /// `out[e, r] = expert_e(hidden[e, r])` for `r < counts[e]`, over tokens already grouped by
     /// expert (see [`DispatchedInput`]), into `out` bf16 `[E, M, H]` in the same layout (rows past
     /// an expert's count are not written): both GEMMs straight over the layout, no routing,
-    /// permutation or combine (the dispatcher's combine weighs and sums the rows). For an expert
-    /// shard E and the layout are the shard's own experts. No host synchronization; valid inside
-    /// CUDA-graph capture.
+    /// permutation or combine (the dispatcher's combine weighs and sums the rows). Both
+    /// intermediates take the layout (the NVFP4 one is packed by the first GEMM in it and
+    /// dequantized row by row, as the internal-permutation forward does). For an expert shard E and
+    /// the layout are the shard's own experts. No host synchronization; valid inside CUDA-graph
+    /// capture.
     ///
     /// # Errors
-    /// The NVFP4 intermediate or the `WarpM16N8` tile (neither takes this layout yet), E x M above
+    /// The `WarpM16N8` tile (at most 8 rows: not this layout's padded E x M), E x M above
     /// the layer's `max_tokens x max_top_k`, a workspace of another layer, a buffer too small,
     /// `hidden` or `out` not 16-byte aligned (all before anything is enqueued), or a failed launch.
     pub fn forward_dispatched<H, C, O>(
@@ -655,10 +657,8 @@ impl MoeLayer {
         O: DevicePtrMut<bf16>,
     {
         let DispatchedInput { hidden, counts, max_tokens_per_expert: m, expected_rows } = *input;
-        if self.opts.intermediate != Intermediate::Bf16 || self.opts.tile == GemmTile::WarpM16N8 {
-            return Err(Error::Invalid(
-                "pre-dispatched tokens take the BF16 intermediate and a tile other than WarpM16N8".into(),
-            ));
+        if self.opts.tile == GemmTile::WarpM16N8 {
+            return Err(Error::Invalid("pre-dispatched tokens take a tile other than WarpM16N8".into()));
         }
         self.check_workspace(ws)?;
         let (e, h) = (self.weights.experts, self.weights.hidden);

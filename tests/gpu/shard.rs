@@ -321,8 +321,9 @@ fn bad_shards_and_outputs_are_errors() {
 /// the whole-layer forward's row for a token of `hidden[e, r]` routed to expert `e` alone with
 /// weight 1 (bit for bit, both batch invariant), and within the f64 oracle's bound; rows past an
 /// expert's count stay poisoned (counts of 0, of M, and above M, clamped); a small
-/// `expected_rows` (a decode step) gives the same bits; the NVFP4 intermediate and an E x M above
-/// the workspace's rows are errors.
+/// `expected_rows` (a decode step) gives the same bits; with the NVFP4 intermediate the rows are the
+/// permuted forward's with it, bit for bit; an E x M above the workspace's rows and the warp tile
+/// are errors.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn dispatched_forward_gives_each_experts_rows() {
@@ -391,16 +392,51 @@ fn dispatched_forward_gives_each_experts_rows() {
         Err(Error::InvalidShape(msg)) => assert!(msg.contains("max_tokens_per_expert 25"), "{msg}: {rp}"),
         other => panic!("E x M above the workspace's rows: {other:?}: {rp}"),
     }
+    // The NVFP4 intermediate in the same layout: each expert's rows are the permuted forward's
+    // with the same intermediate, bit for bit (the packing and dequantization are per row); rows
+    // past a count stay poisoned.
+    let (td, idd, wd) = (s.clone_htod(&tokens).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+    let g = layer.calibrate_nvfp4_scale(&s, &td, t, &idd, 1, &mut ws).unwrap();
     let fp4 = layer_of(
         &s,
         &ck,
         None,
-        MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: 0.01 }, ..opts },
+        MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: g }, ..opts },
     );
     let mut ws4 = fp4.workspace(&s).unwrap();
-    let input = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m, expected_rows: 0 };
-    match fp4.forward_dispatched(&s, &input, &mut out, &mut ws4) {
-        Err(Error::Invalid(msg)) => assert!(msg.contains("BF16 intermediate"), "{msg}: {rp}"),
-        other => panic!("the NVFP4 intermediate: {other:?}: {rp}"),
+    let want4 = {
+        let mut out = poisoned_bf16(&s, t * h);
+        let input = MoeInput { hidden: &td, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
+        fp4.forward(&s, &input, &mut out, &mut ws4).unwrap();
+        s.clone_dtoh(&out).unwrap()
+    };
+    let mut out4 = poisoned_bf16(&s, e * m * h);
+    let input = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m, expected_rows: t };
+    fp4.forward_dispatched(&s, &input, &mut out4, &mut ws4).unwrap();
+    let got4 = s.clone_dtoh(&out4).unwrap();
+    let (mut tok, mut err) = (0usize, RelErr::default());
+    for (ex, &c) in counts.iter().enumerate() {
+        for r in 0..m {
+            let row = &got4[(ex * m + r) * h..(ex * m + r + 1) * h];
+            if r >= rows_of(c) {
+                assert!(row.iter().all(|v| v.to_bits() == POISON_BF16), "NVFP4: expert {ex} row {r} written: {rp}");
+                continue;
+            }
+            let same = row.iter().zip(&want4[tok * h..(tok + 1) * h]).filter(|(a, b)| a.to_bits() == b.to_bits());
+            assert_eq!(same.count(), h, "NVFP4: expert {ex} row {r} differs from the permuted forward: {rp}");
+            for (g, o) in row.iter().zip(&oracle[tok * h..(tok + 1) * h]) {
+                err.add(f64::from(g.to_f32()), *o);
+            }
+            tok += 1;
+        }
+    }
+    // NVFP4's own error on top of the layer's: the layer tests' NVFP4 bound (0.15 overall).
+    assert!(err.rel() <= 0.15, "NVFP4 intermediate vs f64: rel {:.3e}: {rp}", err.rel());
+    err.report(&format!("dispatched forward, NVFP4 intermediate: {rp}"));
+    let mut ws_bad = fp4.workspace(&s).unwrap();
+    let warp = layer_of(&s, &ck, None, MoeOptions { tile: nvfp4_moe::GemmTile::WarpM16N8, ..opts });
+    match warp.forward_dispatched(&s, &input, &mut out4, &mut ws_bad) {
+        Err(Error::Invalid(msg)) => assert!(msg.contains("WarpM16N8"), "{msg}: {rp}"),
+        other => panic!("the warp tile: {other:?}: {rp}"),
     }
 }

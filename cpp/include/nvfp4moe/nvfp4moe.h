@@ -211,9 +211,9 @@ NVFP4MOE_API Status moe_layer_initialize(const MoeLayerDesc& desc, void* workspa
 NVFP4MOE_API Status moe_layer_forward(const MoeLayerDesc& desc, const MoeForwardArgs& args, void* stream) noexcept;
 
 // One forward over pre-dispatched tokens (see MoeDispatchedArgs): both GEMMs straight over the
-// expert-major layout, the intermediate in the workspace. The BF16 intermediate only (an NVFP4 one
-// is kUnsupportedLayout), and not the kWarpM16N8 tile. All arguments are checked before anything is
-// enqueued; no host synchronization; valid inside CUDA-graph capture.
+// expert-major layout, the intermediate in the workspace (BF16, or NVFP4 packed by the first GEMM
+// in the same layout and dequantized row by row); not the kWarpM16N8 tile. All arguments are
+// checked before anything is enqueued; no host synchronization; valid inside CUDA-graph capture.
 NVFP4MOE_API Status moe_layer_forward_dispatched(const MoeLayerDesc& desc, const MoeDispatchedArgs& args,
                                                  void* stream) noexcept;
 

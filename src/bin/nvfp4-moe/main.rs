@@ -230,9 +230,7 @@ mod tests {
         assert_eq!(parse(&["bench", "--ep", "0"]).unwrap_err().kind(), ErrorKind::ValueValidation);
         assert_eq!(parse(&["bench", "--ep", "65"]).unwrap_err().kind(), ErrorKind::ValueValidation);
         assert_eq!(parse(&["bench", "--transport", "nccl"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
-        let Command::Bench(b) = parse(&["bench", "--ep", "4", "--payload", "nvfp4"]).unwrap().command else {
-            panic!()
-        };
+        let Command::Bench(b) = parse(&["bench", "--ep", "4", "--payload", "nvfp4"]).unwrap().command else { panic!() };
         assert_eq!(b.payload, bench::PayloadArg::Nvfp4);
         assert_eq!(parse(&["bench", "--payload", "nvfp4"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
 
