@@ -26,6 +26,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let transport: Box<dyn Transport> = match args.get(4).map(String::as_str) {
         #[cfg(feature = "nccl")]
         Some("nccl") => Box::new(nvfp4_moe::ep::NcclTransport::new(&(0..n).collect::<Vec<_>>())?),
+        #[cfg(not(feature = "nccl"))]
+        Some("nccl") => return Err("the nccl transport needs a build with `--features nccl`".into()),
         Some(other) if other != "loopback" => return Err(format!("unknown transport {other}").into()),
         _ => Box::new(Loopback::new(&s, n)?),
     };

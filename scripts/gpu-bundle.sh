@@ -63,6 +63,7 @@ else
   fi
 fi
 cp scripts/gpu-run.sh "$bundle/run.sh"
+cp scripts/nccl-env.sh "$bundle/"
 cp scripts/gpu-all.sh "$bundle/all.sh"
 cp benches/torch_grouped_gemm.py benches/torch_moe_baseline.py "$bundle/"
 strip "$bundle"/nvfp4-moe "$bundle"/tests/* "$bundle"/benches/* "$bundle"/examples/* 2>/dev/null || true

@@ -23,13 +23,8 @@ export NVFP4MOE_BENCH_JSON="$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader || true
 summary=()
 fails=0
-# NCCL for the expert-parallel tests (the bundle is built with the `nccl` feature, which loads
-# libnccl.so.2 at run time): the pip-installed one when the system has none on its path.
-nccl_libs=$(python3 -c '
-import glob, os, site
-print(":".join(sorted({os.path.dirname(f) for sp in site.getsitepackages()
-    for f in glob.glob(os.path.join(sp, "nvidia", "**", "libnccl.so.*"), recursive=True)})))' 2>/dev/null)
-[ -n "$nccl_libs" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$nccl_libs"
+# NCCL for the expert-parallel tests (the bundle is built with the `nccl` feature).
+[ -f "$here/nccl-env.sh" ] && . "$here/nccl-env.sh"
 for t in "$here"/tests/*; do
   name=$(basename "$t")
   # NVFP4MOE_TESTS=substring runs only the matching test binaries.

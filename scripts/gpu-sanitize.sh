@@ -25,7 +25,7 @@
 #                         the pre-dispatched row source; bound NVFP4MOE_MEMCHECK_SHARD_TIMEOUT,
 #                         default 400 s)
 #  10. memcheck-ep        memcheck over the expert-parallel runner's tests (expert_parallel::: row gathers, the
-#                         loopback exchange, the ordered sums; 112 s on an H100, 2026-12-06), then
+#                         loopback exchange, the ordered sums; 65 s on an H100, 2026-12-06), then
 #                         the NCCL test (one rank) with CUDA API errors not reported: NCCL's
 #                         ncclCommInitAll probes kernels of other architectures with
 #                         cudaFuncGetAttributes and handles the "no kernel image" it gets (4 such
@@ -70,12 +70,8 @@ t_shard=${NVFP4MOE_MEMCHECK_SHARD_TIMEOUT:-400}
 t_ep=${NVFP4MOE_MEMCHECK_EP_TIMEOUT:-400}
 all_steps=(memcheck-small memcheck-medium racecheck racecheck-parts synccheck sweep-large memcheck-cli memcheck-test-cli
   memcheck-layer memcheck-shard memcheck-ep memcheck-ep-nccl)
-# NCCL for expert_parallel:: (the bundle's `nccl` feature loads libnccl.so.2): the pip-installed one too.
-nccl_libs=$(python3 -c '
-import glob, os, site
-print(":".join(sorted({os.path.dirname(f) for sp in site.getsitepackages()
-    for f in glob.glob(os.path.join(sp, "nvidia", "**", "libnccl.so.*"), recursive=True)})))' 2>/dev/null)
-[ -n "$nccl_libs" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$nccl_libs"
+# NCCL for expert_parallel:: (the bundle's `nccl` feature).
+. "$(dirname "$0")/nccl-env.sh"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=("${all_steps[@]}")
 for w in "${steps[@]}"; do

@@ -6,7 +6,8 @@
 #include "status.hpp"
 
 #include <cuda_runtime.h>
-#include <cutlass/cutlass.h>
+
+#include <cstdint>
 
 namespace nvfp4moe {
 namespace {
@@ -14,6 +15,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxSlots = 1024;
 constexpr int64_t kIndexLimit = 0x7FFFFFFF;
+constexpr int64_t kMaxGridY = 65535;
+static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps, one CTA");
+static_assert(sizeof(uint4) == 16 && sizeof(float4) == 16, "16-byte words");
 
 // dst (rows, words) <- src (src_rows, words) at index[row]; Word = uint4 or uint32_t.
 template <class Word>
@@ -64,10 +68,11 @@ dim3 grid_of(int64_t rows, int64_t words) { return dim3(unsigned(rows), unsigned
 Status gather_rows(const void* src, int64_t src_rows, const int* index, int64_t rows, int64_t row_bytes, void* dst,
                    void* stream) noexcept {
   if (src_rows < 0 || rows < 0 || row_bytes <= 0 || row_bytes % 4 || src_rows > kIndexLimit || rows > kIndexLimit ||
-      row_bytes / 4 > int64_t(kThreads) * 65535) {
+      row_bytes / 4 > kThreads * kMaxGridY) {
     return fail(Status::kInvalidShape,
-                "gather_rows: need 0 <= rows, src_rows < 2^31 and row_bytes a positive multiple of 4 (%lld, %lld, %lld)",
-                (long long)rows, (long long)src_rows, (long long)row_bytes);
+                "gather_rows: need 0 <= rows, src_rows < 2^31 and row_bytes a positive multiple of 4 up to %lld (%lld, "
+                "%lld, %lld)",
+                (long long)(4 * kThreads * kMaxGridY), (long long)rows, (long long)src_rows, (long long)row_bytes);
   }
   if (rows == 0) return Status::kSuccess;
   if (!src || !index || !dst) return fail(Status::kNullPointer, "gather_rows: null pointer");
@@ -91,11 +96,11 @@ Status sum_rows_fp32(const float* src, int64_t src_rows, const int* pos, int64_t
                      float* dst, void* stream) noexcept {
   if (src_rows < 0 || rows < 0 || slots <= 0 || slots > kMaxSlots || cols <= 0 || cols % 4 ||
       src_rows > kIndexLimit || rows > kIndexLimit || rows * slots > kIndexLimit ||
-      cols / 4 > int64_t(kThreads) * 65535) {
+      cols / 4 > kThreads * kMaxGridY) {
     return fail(Status::kInvalidShape,
                 "sum_rows_fp32: need 0 <= rows, src_rows, rows x slots < 2^31, 1 <= slots <= %lld, cols a positive "
-                "multiple of 4 (%lld, %lld, %lld, %lld)",
-                (long long)kMaxSlots, (long long)rows, (long long)src_rows, (long long)slots, (long long)cols);
+                "multiple of 4 up to %lld (%lld, %lld, %lld, %lld)",
+                (long long)kMaxSlots, (long long)(4 * kThreads * kMaxGridY), (long long)rows, (long long)src_rows, (long long)slots, (long long)cols);
   }
   if (rows == 0) return Status::kSuccess;
   if (!pos || !dst || (src_rows > 0 && !src)) return fail(Status::kNullPointer, "sum_rows_fp32: null pointer");

@@ -44,7 +44,7 @@ pub use plan::{all_to_all_offsets, contiguous_shards, ExchangePlan, ExpertOwners
 
 use crate::error::{Error, Result};
 use crate::ffi::raw;
-use crate::launch::{check_len, Launch};
+use crate::launch::{check_align, check_len, Launch};
 use crate::layout::ScaleLayout;
 use crate::moe::{MoeInput, MoeLayer, MoeWorkspace, OutputFormat};
 use crate::quantize::{dequantize_nvfp4_into, quantize_nvfp4_into, Nvfp4Desc};
@@ -89,6 +89,11 @@ impl Payload {
 
 /// How ranks exchange rows. Implementations enqueue on the ranks' streams
 /// ([`Transport::stream`]) and never synchronize the host.
+///
+/// Ordering: every buffer of rank `r` is written and read on rank `r`'s stream, except the
+/// exchange's reads of other ranks' send buffers, which [`Loopback`] orders with cudarc's
+/// per-buffer events (it requires event tracking) and NCCL orders itself. A buffer's next step
+/// reuses it only after the step's plan has synchronized every rank's stream.
 pub trait Transport: std::fmt::Debug {
     /// Ranks N.
     fn ranks(&self) -> usize;
@@ -98,10 +103,12 @@ pub trait Transport: std::fmt::Debug {
     fn name(&self) -> &'static str;
     /// For every lane and every pair (`s`, `d`), `counts[s][d]` rows from `s`'s send buffer
     /// (offsets [`all_to_all_offsets`]) into `d`'s receive buffer, the lanes in one exchange
-    /// where the transport can group them. The caller checked every buffer's length.
+    /// where the transport can group them. Implementations check the lanes first
+    /// ([`check_lanes`]).
     ///
     /// # Errors
-    /// A CUDA or NCCL error.
+    /// [`Error::InvalidShape`] for counts or lanes not of N ranks or buffers too small for their
+    /// rows (nothing enqueued); a CUDA or NCCL error.
     fn all_to_all(&self, lanes: &mut [Lane<'_>], counts: &[Vec<usize>]) -> Result<()>;
 }
 
@@ -123,6 +130,33 @@ impl<X: Transport + ?Sized> Transport for Box<X> {
     }
 }
 
+/// Checks an all-to-all's arguments for `n` ranks: `counts` is N x N, every lane has N send and N
+/// receive buffers, each send buffer holds its rows for every destination and each receive buffer
+/// its rows from every source (pure; what every [`Transport`] runs before enqueuing).
+///
+/// # Errors
+/// [`Error::InvalidShape`] naming the lane and rank, or [`Error::BufferTooSmall`].
+pub fn check_lanes(lanes: &[Lane<'_>], counts: &[Vec<usize>], n: usize) -> Result<()> {
+    if counts.len() != n || counts.iter().any(|c| c.len() != n) {
+        return Err(Error::InvalidShape(format!("an all-to-all of {n} ranks needs {n} x {n} counts")));
+    }
+    for (l, lane) in lanes.iter().enumerate() {
+        if lane.send.len() != n || lane.recv.len() != n {
+            return Err(Error::InvalidShape(format!(
+                "lane {l} has {} send and {} receive buffers for {n} ranks",
+                lane.send.len(),
+                lane.recv.len()
+            )));
+        }
+        for r in 0..n {
+            let bytes = |rows: usize| rows.saturating_mul(lane.row_bytes);
+            check_len("all-to-all send buffer", lane.send[r].len(), bytes(counts[r].iter().sum()))?;
+            check_len("all-to-all receive buffer", lane.recv[r].len(), bytes(counts.iter().map(|c| c[r]).sum()))?;
+        }
+    }
+    Ok(())
+}
+
 /// N simulated ranks on one GPU: rank `r` works on its own stream (made from `stream`'s context),
 /// the exchange is device-to-device copies on the receiving rank's stream (cudarc's stream
 /// ordering makes each copy wait for the sender's rows).
@@ -135,12 +169,21 @@ impl Loopback {
     /// `ranks` streams on `stream`'s device.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for 0 ranks; a CUDA error.
+    /// [`Error::InvalidShape`] for 0 ranks, [`Error::Invalid`] for a context without cudarc's event
+    /// tracking (the copies are ordered after the senders' gathers by the buffers' events); a CUDA
+    /// error.
     pub fn new(stream: &Arc<CudaStream>, ranks: usize) -> Result<Self> {
         if ranks == 0 {
             return Err(Error::InvalidShape("a loopback transport needs at least one rank".into()));
         }
         let ctx = stream.context();
+        if !ctx.is_event_tracking() {
+            return Err(Error::Invalid(
+                "a loopback transport orders its ranks' streams with cudarc's events: this context has event \
+                 tracking disabled"
+                    .into(),
+            ));
+        }
         let streams = (0..ranks).map(|_| ctx.new_stream()).collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(Loopback { streams })
     }
@@ -160,6 +203,7 @@ impl Transport for Loopback {
     }
 
     fn all_to_all(&self, lanes: &mut [Lane<'_>], counts: &[Vec<usize>]) -> Result<()> {
+        check_lanes(lanes, counts, self.streams.len())?;
         for lane in lanes.iter_mut() {
             let (send_off, recv_off) = all_to_all_offsets(counts, lane.row_bytes);
             for (d, recv) in lane.recv.iter_mut().enumerate() {
@@ -273,6 +317,10 @@ impl<T: Transport> EpRunner<T> {
     /// (out of memory).
     pub fn new(transport: T, shards: Vec<MoeLayer>, max_tokens_per_rank: usize) -> Result<Self> {
         let n = transport.ranks();
+        // (The combine's sums take at most 1024 slots, one per rank.)
+        if n == 0 || n > 1024 {
+            return Err(Error::InvalidShape(format!("{n} ranks: an expert-parallel runner takes 1 to 1024")));
+        }
         if shards.len() != n {
             return Err(Error::InvalidShape(format!("{} shards for {n} ranks", shards.len())));
         }
@@ -427,6 +475,9 @@ impl<T: Transport> EpRunner<T> {
     }
 
     /// Rank `r`'s shard.
+    ///
+    /// # Panics
+    /// For `rank` not below the rank count.
     pub fn layer(&self, rank: usize) -> &MoeLayer {
         &self.ranks[rank].layer
     }
@@ -437,10 +488,14 @@ impl<T: Transport> EpRunner<T> {
     /// every expert). Synchronizes each rank's stream once (the plan reads the routing back);
     /// the rest is enqueued on the ranks' streams.
     ///
+    /// Every buffer of rank `r` must be on rank `r`'s device (not checked: a buffer of another
+    /// device faults the kernels that read it).
+    ///
     /// # Errors
     /// Before anything is enqueued: a rank count, token count or top-k out of range, a buffer too
-    /// small ([`Error::BufferTooSmall`]), an expert id outside `[0, E)` ([`Error::Invalid`], named
-    /// by rank, token and slot); then a failed launch or exchange.
+    /// small ([`Error::BufferTooSmall`]) or misaligned ([`Error::Misaligned`]: `hidden` 4 bytes,
+    /// 16 with an NVFP4 payload; ids and weights 4; `out` 16), an expert id outside `[0, E)`
+    /// ([`Error::Invalid`], named by rank, token and slot); then a failed launch or exchange.
     pub fn forward<H, I, W>(
         &mut self,
         inputs: &[MoeInput<'_, H, I, W>],
@@ -478,6 +533,16 @@ impl<T: Transport> EpRunner<T> {
             check_len("topk_ids", input.topk_ids.len(), input.tokens * top_k)?;
             check_len("topk_weights", input.topk_weights.len(), input.tokens * top_k)?;
             check_len("out", out.len(), input.tokens * h)?;
+            if input.tokens > 0 {
+                // The gathers copy 4-byte words; the NVFP4 quantizer reads 16-byte vectors; the
+                // sums write float4.
+                let hidden_align = if matches!(self.payload, Payload::Nvfp4 { .. }) { 16 } else { 4 };
+                let s = self.transport.stream(r);
+                check_align("hidden", input.hidden.device_ptr(s).0, hidden_align)?;
+                check_align("topk_ids", input.topk_ids.device_ptr(s).0, 4)?;
+                check_align("topk_weights", input.topk_weights.device_ptr(s).0, 4)?;
+                check_align("out", out.device_ptr(s).0, 16)?;
+            }
         }
 
         // 1. The plan (host): each rank's routing read back.
@@ -668,4 +733,37 @@ fn gather<S: DevicePtr<E>, E>(
     // rows i32 (the plan's send list), `dst` rows rows (checked above); the kernel bounds the
     // index values by src_rows.
     unsafe { l.run(|st| raw::gather_rows(x.addr, src_rows as i64, i.addr, rows as i64, row_bytes as i64, d.addr, st)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a step reports: rows that crossed ranks (not a rank's rows to itself), the busiest
+    /// receiver, and the wire bytes of a row per payload.
+    #[test]
+    fn step_info_counts_remote_rows_and_the_busiest_rank() {
+        let info = EpStepInfo {
+            counts: vec![vec![3, 1, 0], vec![2, 5, 4], vec![0, 0, 7]],
+            phase_seconds: [0.0; 4],
+            row_bytes: 0,
+        };
+        assert_eq!(info.remote_rows(), 1 + 2 + 4);
+        assert_eq!(info.max_received(), 11);
+        assert_eq!(EpStepInfo::default().max_received(), 0);
+        assert_eq!(Payload::Bf16.row_bytes(7168), 14336);
+        assert_eq!(Payload::Nvfp4 { decode_scale: 1.0 }.row_bytes(7168), 3584 + 448);
+    }
+
+    /// The NCCL transport refuses bad device lists before touching CUDA or NCCL.
+    #[cfg(feature = "nccl")]
+    #[test]
+    fn nccl_transport_refuses_bad_device_lists() {
+        for (devices, says) in [(&[][..], "at least one device"), (&[0, 1, 0][..], "device 0 is listed twice")] {
+            match NcclTransport::new(devices) {
+                Err(Error::Invalid(m)) => assert!(m.contains(says), "{m:?} should say {says:?}"),
+                other => panic!("{devices:?}: {:?}", other.map(|_| ())),
+            }
+        }
+    }
 }

@@ -10,7 +10,9 @@ use super::{all_to_all_offsets, Lane, Transport};
 use crate::error::{Error, Result};
 
 /// N GPUs of one host, rank `r` on the `r`-th device given, each with its own stream and NCCL
-/// communicator. NCCL (`libnccl.so.2`) is loaded when the first transport is made.
+/// communicator. NCCL is loaded when the first transport is made (cudarc looks for `libnccl.so`
+/// on the loader's path). Dropping the transport waits for its streams (the communicators abort
+/// on drop).
 #[derive(Debug)]
 pub struct NcclTransport {
     comms: Vec<Comm>,
@@ -41,7 +43,9 @@ impl NcclTransport {
         // cudarc panics when the library is missing: ask first.
         // SAFETY: only probes for the library with dlopen.
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
-            return Err(Error::Invalid("NCCL (libnccl.so.2) was not found: install NCCL 2.28 or newer".into()));
+            return Err(Error::Invalid(
+                "NCCL was not found (libnccl.so on the loader's path): install NCCL 2.28 or newer".into(),
+            ));
         }
         let streams = devices
             .iter()
@@ -49,6 +53,17 @@ impl NcclTransport {
             .collect::<std::result::Result<Vec<_>, _>>()?;
         let comms = Comm::from_devices(streams.clone()).map_err(nccl_error)?;
         Ok(NcclTransport { comms, streams })
+    }
+}
+
+impl Drop for NcclTransport {
+    /// Waits for every rank's stream before the communicators go: cudarc's `Comm` aborts its
+    /// communicator when dropped, which would cut exchanges still in flight (a step returns with
+    /// its work enqueued). Errors are ignored here (a drop cannot report them).
+    fn drop(&mut self) {
+        for s in &self.streams {
+            let _ = s.synchronize();
+        }
     }
 }
 
@@ -71,6 +86,7 @@ impl Transport for NcclTransport {
 
     fn all_to_all(&self, lanes: &mut [Lane<'_>], counts: &[Vec<usize>]) -> Result<()> {
         let n = self.comms.len();
+        super::check_lanes(lanes, counts, n)?;
         // One group for every lane and rank: a single process drives every rank, so each rank's
         // sends and receives must be in the same group or the first blocking one deadlocks.
         nccl_result::group_start().map_err(nccl_error)?;

@@ -11,7 +11,7 @@ use super::*;
 use crate::layer::moe_layer::random_checkpoint;
 use crate::shard::{layer_of, partitions};
 use crate::sweep::skewed_ids;
-use nvfp4_moe::ep::{EpRunner, Loopback, Transport};
+use nvfp4_moe::ep::{EpRunner, EpStepInfo, Loopback, Transport};
 use nvfp4_moe::host::MoeCheckpoint;
 use nvfp4_moe::moe::{MoeInput, OutputFormat};
 use nvfp4_moe::{MoeLayer, MoeOptions};
@@ -29,7 +29,7 @@ fn upload<T: cudarc::driver::DeviceRepr + Clone>(s: &Arc<CudaStream>, v: &[T], f
 }
 
 /// Splits T tokens over `n` ranks at `bounds` and runs one step; returns the ranks' outputs
-/// concatenated (f32 [T, H]), each rank's output NaN-poisoned first.
+/// concatenated (f32 [T, H]), each rank's output NaN-poisoned first, and the step's report.
 #[allow(clippy::too_many_arguments)]
 fn step<X: Transport>(
     runner: &mut EpRunner<X>,
@@ -39,7 +39,7 @@ fn step<X: Transport>(
     w: &[f32],
     h: usize,
     k: usize,
-) -> nvfp4_moe::Result<Vec<f32>> {
+) -> nvfp4_moe::Result<(Vec<f32>, EpStepInfo)> {
     let n = bounds.len() - 1;
     let mut dev: Vec<RankInput> = Vec::new();
     let mut outs = Vec::new();
@@ -58,14 +58,14 @@ fn step<X: Transport>(
         .iter()
         .map(|(x, i, wt, t)| MoeInput { hidden: x, tokens: *t, topk_ids: i, topk_weights: wt, top_k: k })
         .collect();
-    runner.forward(&inputs, &mut outs)?;
+    let info = runner.forward(&inputs, &mut outs)?;
     runner.synchronize()?;
     let mut all = Vec::new();
     for (r, o) in outs.iter().enumerate() {
         let got = runner.transport().stream(r).clone_dtoh(o).unwrap();
         all.extend_from_slice(&got[..(bounds[r + 1] - bounds[r]) * h]);
     }
-    Ok(all)
+    Ok((all, info))
 }
 
 /// Random cut points of `t` tokens over `n` ranks (sorted, some ranks empty).
@@ -124,8 +124,15 @@ fn loopback_ranks_add_up_to_the_whole_layer() {
                         s.clone_dtoh(&out).unwrap()
                     };
                     let bounds = token_bounds(&mut rng, t, n);
-                    let got = step(&mut runner, &bounds, &hidden, &ids, &w, h, k).unwrap();
+                    let (got, info) = step(&mut runner, &bounds, &hidden, &ids, &w, h, k).unwrap();
                     assert!(got.iter().all(|v| v.is_finite()), "not every output written: {ctx}");
+                    // At T = 1 some rank has no tokens and some receives none (N >= 2, top-k < N
+                    // experts' ranks at most): the edge cases happen, not by chance.
+                    let received = |d: usize| info.counts.iter().map(|c| c[d]).sum::<usize>();
+                    if t == 1 {
+                        assert!(bounds.windows(2).any(|b| b[0] == b[1]), "no empty rank at T=1: {ctx}");
+                        assert!((0..n).any(|d| received(d) == 0) || k >= n, "every rank received a row at T=1: {ctx}");
+                    }
                     let mut err = RelErr::default();
                     for (g, x) in got.iter().zip(&want) {
                         err.add(f64::from(*g), f64::from(*x));
@@ -173,19 +180,20 @@ fn one_rank_gives_the_local_layers_bytes() {
         let want = s.clone_dtoh(&out).unwrap();
         assert!(want.iter().all(|v| v.is_finite()), "local output not all written: {ctx}");
         let same = |got: &[f32]| got.iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
-        let got = step(&mut loopback, &[0, t], &hidden, &ids, &w, h, k).unwrap();
+        let (got, _) = step(&mut loopback, &[0, t], &hidden, &ids, &w, h, k).unwrap();
         assert_eq!(same(&got), t * h, "loopback, one rank: {ctx}");
         #[cfg(feature = "nccl")]
         {
-            let got = step(&mut nccl, &[0, t], &hidden, &ids, &w, h, k).unwrap();
+            let (got, _) = step(&mut nccl, &[0, t], &hidden, &ids, &w, h, k).unwrap();
             assert_eq!(same(&got), t * h, "NCCL, one rank: {ctx}");
         }
     }
 }
 
-/// Runners of shards that do not partition the experts, of BF16 output or of another layer are
-/// refused; a step with a bad expert id, mismatched top-k or too many tokens is an error before
-/// anything runs, and the next step is unaffected.
+/// Runners of shards that do not partition the experts, of BF16 output, of another layer or of
+/// whole layers on several ranks are refused; a step with a bad expert id, ranks of different
+/// top-k or too many tokens is an error before anything runs, and the next step gives the whole
+/// layer's output; a step of no tokens does nothing.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bad_runners_and_steps_are_errors() {
@@ -209,7 +217,22 @@ fn bad_runners_and_steps_are_errors() {
     says(make(&[&[0, 1, 2, 3], &[3, 4, 5, 6, 7]], opts, 8), "expert 3 is on rank 0 and rank 1");
     says(make(&[&[0, 1, 2, 3], &[4, 5, 6, 7]], MoeOptions { output: OutputFormat::Bf16, ..opts }, 8), "Fp32");
     says(make(&[&[0, 1, 2, 3], &[4, 5, 6, 7]], opts, 9), "a rank may receive 2 x 9");
+    // A whole layer on each of two ranks; a shard of a layer of another hidden size.
+    {
+        let lb = Loopback::new(&s, 2).unwrap();
+        let layers = (0..2).map(|r| layer_of(lb.stream(r), &ck, None, opts)).collect();
+        says(EpRunner::new(lb, layers, 8), "layer 0 is a whole layer");
+        let other = random_checkpoint(&mut rng, e, 512, i);
+        let lb = Loopback::new(&s, 2).unwrap();
+        let layers = vec![
+            layer_of(lb.stream(0), &ck, Some(&[0, 1, 2, 3]), opts),
+            layer_of(lb.stream(1), &other, Some(&[4, 5, 6, 7]), opts),
+        ];
+        says(EpRunner::new(lb, layers, 8), "shard 1 is of another layer");
+    }
     let mut runner = make(&[&[0, 1, 2, 3], &[4, 5, 6, 7]], opts, 8).unwrap();
+    let whole = layer_of(&s, &ck, None, MoeOptions { max_tokens: 16, ..opts });
+    let mut ws = whole.workspace(&s).unwrap();
     let t = 6;
     let hidden = rng.normal_bf16(t * h, 1.0);
     let w = vec![0.5f32; t * k];
@@ -220,16 +243,44 @@ fn bad_runners_and_steps_are_errors() {
         Err(Error::Invalid(m)) => assert!(m.contains("rank 1: topk_ids[1, 1] = 8 is outside [0, 8)"), "{m}: {rp}"),
         other => panic!("a bad id: {:?}: {rp}", other.map(|_| ())),
     }
-    match step(&mut runner, &[0, 0, t], &hidden, &good, &w, h, k) {
-        Ok(_) => {}
-        Err(e) => panic!("the step after a refused one: {e}: {rp}"),
+    // The next step is the whole layer's, as if the refused one had not been asked for.
+    let (got, _) = step(&mut runner, &[0, 0, t], &hidden, &good, &w, h, k).unwrap();
+    let want = {
+        let (hd, idd, wd) = (s.clone_htod(&hidden).unwrap(), s.clone_htod(&good).unwrap(), s.clone_htod(&w).unwrap());
+        let mut out = s.clone_htod(&vec![f32::NAN; t * h]).unwrap();
+        let input = MoeInput { hidden: &hd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
+        whole.forward(&s, &input, &mut out, &mut ws).unwrap();
+        s.clone_dtoh(&out).unwrap()
+    };
+    let mut err = RelErr::default();
+    for (a, b) in got.iter().zip(&want) {
+        err.add(f64::from(*a), f64::from(*b));
     }
+    assert!(err.rel() <= 1e-5, "the step after a refused one: rel {:.3e}: {rp}", err.rel());
+    // A step of no tokens on any rank: nothing to do, no error.
+    let (got, info) = step(&mut runner, &[0, 0, 0], &hidden, &good, &w, h, k).unwrap();
+    assert!(got.is_empty() && info.remote_rows() == 0 && info.max_received() == 0, "{rp}");
     let big = rng.normal_bf16(9 * h, 1.0);
     match step(&mut runner, &[0, 9, 9], &big, &vec![0; 9 * k], &vec![0.5; 9 * k], h, k) {
         Err(Error::InvalidShape(m)) => {
             assert!(m.contains("rank 0: 9 tokens exceed max_tokens_per_rank 8"), "{m}: {rp}")
         }
         other => panic!("too many tokens: {:?}: {rp}", other.map(|_| ())),
+    }
+    // Ranks with different top-k.
+    let (d0, d1) = (runner.transport().stream(0).clone(), runner.transport().stream(1).clone());
+    let x0 = d0.clone_htod(&hidden[..h]).unwrap();
+    let (i0, w0) = (d0.clone_htod(&good[..k]).unwrap(), d0.clone_htod(&w[..k]).unwrap());
+    let x1 = d1.clone_htod(&hidden[..h]).unwrap();
+    let (i1, w1) = (d1.clone_htod(&good[..1]).unwrap(), d1.clone_htod(&w[..1]).unwrap());
+    let inputs = [
+        MoeInput { hidden: &x0, tokens: 1, topk_ids: &i0, topk_weights: &w0, top_k: k },
+        MoeInput { hidden: &x1, tokens: 1, topk_ids: &i1, topk_weights: &w1, top_k: 1 },
+    ];
+    let mut outs = vec![d0.alloc_zeros::<f32>(h).unwrap(), d1.alloc_zeros::<f32>(h).unwrap()];
+    match runner.forward(&inputs, &mut outs) {
+        Err(Error::InvalidShape(m)) => assert!(m.contains("rank 1: top_k 1"), "{m}: {rp}"),
+        other => panic!("mismatched top-k: {:?}: {rp}", other.map(|_| ())),
     }
 }
 
@@ -275,7 +326,8 @@ fn an_nvfp4_payload_is_the_layer_over_its_dequantized_tokens() {
         whole.forward(&s, &input, &mut out, &mut ws).unwrap();
         let want = s.clone_dtoh(&out).unwrap();
         let bounds = token_bounds(&mut rng, t, n);
-        let got = step(&mut runner, &bounds, &hidden, &ids, &w, h, k).unwrap();
+        let (got, info) = step(&mut runner, &bounds, &hidden, &ids, &w, h, k).unwrap();
+        assert_eq!(info.row_bytes, h / 2 + h / 16 + 2 * 4 * k, "{ctx}");
         assert!(got.iter().all(|v| v.is_finite()), "not every output written: {ctx}");
         let mut err = RelErr::default();
         for (a, b) in got.iter().zip(&want) {

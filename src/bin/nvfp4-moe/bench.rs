@@ -23,8 +23,8 @@ column); --batch-invariant turns split-K off (what batch invariance costs). Prog
 stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
 
 --ep N times expert parallelism instead (nvfp4_moe::ep): N ranks, rank r holding experts
-r*E/N..(r+1)*E/N (random weights) and T/N of each step's T tokens (random top-k routing, random
-weights), FP32 partial sums. Columns: step (median wall time of a whole step: routing read back,
+r*E/N..(r+1)*E/N (random weights) and T/N of each step's T tokens (random top-k routing, weights
+1/k), FP32 partial sums. Columns: step (median wall time of a whole step: routing read back,
 plan, dispatch, the shards, combine, all ranks synchronized), the four phases of a profiled step
 (each ends with every rank synchronized), remote (tokens that crossed ranks in the dispatch),
 busiest (the most tokens one rank received), B/row (bytes of one dispatched row: its hidden
@@ -297,16 +297,20 @@ fn run_ep(args: &BenchArgs, global: Global, n: usize, max_t: usize) -> CliResult
             })
         })
         .collect();
-    let doc = json!({ "command": "bench", "ep": n, "gpu": gpu, "steps": BENCH_REPS, "rows": items });
+    let doc = json!({
+        "command": "bench", "ep": n, "gpu": gpu, "steps": BENCH_REPS, "rows": items,
+        "payload": format!("{:?}", args.payload).to_lowercase(), "batch_invariant": args.batch_invariant,
+    });
     if global.json {
         print_json(&doc);
     } else {
         out!(
-            "{:<14} {:>5} {:>3} {:>9} {:>9} | {:>8} {:>9} {:>9} {:>9} | {:>6} {:>7} | {:>9} {:>9}",
+            "{:<14} {:>5} {:>3} {:>9} {:>6} {:>9} | {:>8} {:>9} {:>9} {:>9} | {:>6} {:>7} | {:>9} {:>9}",
             "preset",
             "T",
             "N",
             "transport",
+            "B/row",
             "step",
             "plan",
             "dispatch",
