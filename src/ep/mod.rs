@@ -35,7 +35,7 @@ mod plan;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use half::bf16;
 
 #[cfg(feature = "nccl")]
@@ -244,6 +244,16 @@ struct Rank {
     /// With [`Payload::Nvfp4`]: its tokens quantized (codes, scales), those rows gathered for
     /// sending and the rows received.
     fp4: Option<Fp4Buffers>,
+    /// Pinned host copies: its routing read back (`max_tokens_per_rank x max_top_k` ids) and its
+    /// plan (the send index, then the return positions, `send_rows + max_tokens_per_rank x N`),
+    /// so that the read-backs of all ranks are in flight together and the uploads are
+    /// asynchronous.
+    host_ids: PinnedHostSlice<i32>,
+    host_plan: PinnedHostSlice<i32>,
+    /// The plan on the device (the layout of `host_plan`).
+    plan: CudaSlice<i32>,
+    /// Where the return positions start in `plan` (the send index's capacity).
+    plan_split: usize,
 }
 
 /// The NVFP4 payload's buffers of one rank (bytes; linear scale layout, H / 16 per row).
@@ -387,6 +397,11 @@ impl<T: Transport> EpRunner<T> {
                 partial: alloc(recv_rows * out_bytes)?,
                 back: alloc(send_rows * out_bytes)?,
                 fp4: None,
+                // SAFETY: pinned buffers of i32 (plain data), written before they are read.
+                host_ids: unsafe { s.context().alloc_pinned::<i32>((per_rank * max_top_k).max(1))? },
+                host_plan: unsafe { s.context().alloc_pinned::<i32>(send_rows + per_rank * n)? },
+                plan: s.alloc_zeros::<i32>(send_rows + per_rank * n)?,
+                plan_split: send_rows,
                 layer,
             });
         }
@@ -545,25 +560,45 @@ impl<T: Transport> EpRunner<T> {
             }
         }
 
-        // 1. The plan (host): each rank's routing read back.
+        // 1. The plan (host): every rank's routing read back (the copies of all ranks in flight
+        // together, into pinned memory), the plan built, its indices uploaded asynchronously.
         let started = Instant::now();
-        let mut ids = Vec::with_capacity(n);
-        for (r, input) in inputs.iter().enumerate() {
+        for (r, (rank, input)) in self.ranks.iter_mut().zip(inputs).enumerate() {
             let s = self.transport.stream(r);
             let pairs = input.tokens * top_k;
-            let mut host = vec![0i32; input.topk_ids.len()];
-            s.memcpy_dtoh(input.topk_ids, &mut host)?;
-            s.synchronize()?;
-            host.truncate(pairs);
-            ids.push(host);
+            if pairs == 0 {
+                continue;
+            }
+            s.context().bind_to_thread()?;
+            // (The pinned buffer's own event is never recorded: nothing else writes it.)
+            let host = &mut rank.host_ids.as_mut_slice()?[..pairs];
+            let (src, _read) = input.topk_ids.device_ptr(s);
+            // SAFETY: `topk_ids` holds at least `pairs` ids (checked above), `host` exactly
+            // `pairs`; the copy is waited for below before `host` is read or written again.
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src, s.cu_stream())? };
+        }
+        let mut ids = Vec::with_capacity(n);
+        for (r, (rank, input)) in self.ranks.iter_mut().zip(inputs).enumerate() {
+            self.transport.stream(r).synchronize()?;
+            ids.push(rank.host_ids.as_slice()?[..input.tokens * top_k].to_vec());
         }
         let plan = ExchangePlan::new(&self.owners, &ids, top_k)?;
-        let mut send_index = Vec::with_capacity(n);
-        let mut return_pos = Vec::with_capacity(n);
-        for r in 0..n {
+        for (r, rank) in self.ranks.iter_mut().enumerate() {
             let s = self.transport.stream(r);
-            send_index.push(s.clone_htod(&nonempty(plan.send_index(r)))?);
-            return_pos.push(s.clone_htod(&nonempty(plan.return_pos(r)))?);
+            let (index, pos) = (plan.send_index(r), plan.return_pos(r));
+            let split = rank.plan_split;
+            if index.len() > split || split + pos.len() > rank.host_plan.len() {
+                return Err(capacity("plan"));
+            }
+            let host = rank.host_plan.as_mut_slice()?;
+            host[..index.len()].copy_from_slice(index);
+            host[split..split + pos.len()].copy_from_slice(pos);
+            let used = split + pos.len();
+            s.context().bind_to_thread()?;
+            let (dst, _written) = rank.plan.device_ptr_mut(s);
+            // SAFETY: `plan` holds the host buffer's length; the pinned host bytes are not
+            // written again before this stream's next read-back synchronization (next step).
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, &host[..used], s.cu_stream())? };
         }
         let mut phase = [started.elapsed().as_secs_f64(), 0.0, 0.0, 0.0];
         let mut since = Instant::now();
@@ -576,18 +611,18 @@ impl<T: Transport> EpRunner<T> {
         for (r, (rank, input)) in self.ranks.iter_mut().zip(inputs).enumerate() {
             let s = self.transport.stream(r);
             let rows = plan.sent(r);
-            let (t, index) = (input.tokens, &send_index[r]);
+            let (t, index) = (input.tokens, rank.plan.slice(..rank.plan_split));
             match (payload, rank.fp4.as_mut()) {
                 (Payload::Nvfp4 { decode_scale }, Some(q)) => {
                     let desc = Nvfp4Desc { rows: t, cols: h, layout: ScaleLayout::Linear, decode_scale };
                     quantize_nvfp4_into(s, input.hidden, desc, &mut q.codes, &mut q.scales)?;
-                    gather(s, &q.codes, t, index, rows, h / 2, &mut q.send_codes)?;
-                    gather(s, &q.scales, t, index, rows, h / 16, &mut q.send_scales)?;
+                    gather(s, &q.codes, t, &index, rows, h / 2, &mut q.send_codes)?;
+                    gather(s, &q.scales, t, &index, rows, h / 16, &mut q.send_scales)?;
                 }
-                _ => gather(s, input.hidden, t, index, rows, h * 2, &mut rank.send_x)?,
+                _ => gather(s, input.hidden, t, &index, rows, h * 2, &mut rank.send_x)?,
             }
-            gather(s, input.topk_ids, t, index, rows, meta, &mut rank.send_ids)?;
-            gather(s, input.topk_weights, t, index, rows, meta, &mut rank.send_w)?;
+            gather(s, input.topk_ids, t, &index, rows, meta, &mut rank.send_ids)?;
+            gather(s, input.topk_weights, t, &index, rows, meta, &mut rank.send_w)?;
         }
         {
             let (mut i, mut w) = (Lane::new(meta), Lane::new(meta));
@@ -654,7 +689,8 @@ impl<T: Transport> EpRunner<T> {
             let s = self.transport.stream(r);
             let tokens = inputs[r].tokens;
             let l = Launch::new(s)?;
-            let (b, p, o) = (l.input(&rank.back), l.input(&return_pos[r]), l.output(out));
+            let pos = rank.plan.slice(rank.plan_split..);
+            let (b, p, o) = (l.input(&rank.back), l.input(&pos), l.output(out));
             // SAFETY: `back` holds plan.sent(r) rows of H f32 (positions are below that and the
             // kernel bounds them), `pos` tokens x N i32, `out` tokens x H f32 (checked above).
             unsafe {
@@ -704,21 +740,12 @@ fn capacity(what: &str) -> Error {
     Error::Core(format!("expert-parallel buffer {what} is smaller than the step (a runner bug)"))
 }
 
-/// `v`, or one -1 for an empty list (cudarc allocates no zero-length buffers the kernels can name).
-fn nonempty(v: &[i32]) -> Vec<i32> {
-    if v.is_empty() {
-        vec![-1]
-    } else {
-        v.to_vec()
-    }
-}
-
 /// `dst` rows `0..rows` of `row_bytes` = `src` rows (of `src_rows`) at `index` (device i32).
-fn gather<S: DevicePtr<E>, E>(
+fn gather<S: DevicePtr<E>, E, I: DevicePtr<i32>>(
     s: &CudaStream,
     src: &S,
     src_rows: usize,
-    index: &CudaSlice<i32>,
+    index: &I,
     rows: usize,
     row_bytes: usize,
     dst: &mut CudaSlice<u8>,
