@@ -8,6 +8,7 @@
 //! Features: `cuda` (default) brings the GPU side: cudarc, the cxx bridge and the CUDA core build
 //! (nvcc, CUTLASS and CMake; see the README). `cuda-13000` (default) picks cudarc's CUDA version
 //! and implies `cuda`. `candle` adds `nvfp4_moe::candle::MoeOp`, the layer as a `candle_core::CustomOp3`.
+//! `nccl` adds the expert-parallel runner's NCCL transport (`nvfp4_moe::ep::NcclTransport`).
 //! Without `cuda` the crate is the format ([`mod@format`], [`layout`]), the host weight types
 //! ([`host`]), files ([`io`]), model conversion on the CPU ([`convert`]), the CPU oracle
 //! ([`mod@reference`]) and the [`presets`], and builds with no CUDA toolkit.
@@ -17,6 +18,7 @@
 //! | layer | module | what it owns |
 //! |---|---|---|
 //! | whole models | [`convert`] | a Hugging Face model to an NVFP4 checkpoint, streaming: `io/` for the files, recipe v2 on the CPU (the `reference` quantizer on all cores) or the GPU (`quantize/`) |
+//! | several GPUs | `ep` | expert parallelism: a layer's expert shards over N ranks, the token exchange (`Transport`: loopback on one GPU, NCCL) |
 //! | the layer | [`moe`] | [`moe::weights`] (BF16 or a checkpoint -> prepared weights), [`moe::layer`] (a forward) |
 //! | GPU operations | `gemm`, `routing`, `quantize` | weight preparation and the grouped GEMM; routing, permutation, combine; the quantizers |
 //! | launch | `launch` (private) | stream, device buffers with their guards, host checks, core status -> [`Error`] |
