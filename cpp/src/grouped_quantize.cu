@@ -111,6 +111,20 @@ __global__ void __launch_bounds__(kThreads) quantize_grouped_kernel(
   }
 }
 
+// Decodes row `row` of codes [rows, cols / 2] whose scales are row `scale_row` of the grouped
+// 128x4 layout into out [rows, cols] BF16; lane `lane` of the row's warp takes blocks lane,
+// lane + 32, ... (one 16-element block each).
+CUTLASS_DEVICE void dequantize_row(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, int row,
+                                   int64_t scale_row, int cols, float g, int lane, __nv_bfloat16* __restrict__ out) {
+  const int kb = cols / 16;
+  const int k_tiles = (kb + 3) / 4;
+  for (int k = lane; k < kb; k += 32) {
+    codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k),
+                              __ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)), g,
+                              reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k);
+  }
+}
+
 // One warp per row, as quantize_grouped_kernel; each lane decodes 16-element blocks.
 __global__ void __launch_bounds__(kThreads) dequantize_grouped_kernel(
     const uint8_t* __restrict__ codes, const uint8_t* __restrict__ scales, int rows, int cols,
@@ -118,22 +132,14 @@ __global__ void __launch_bounds__(kThreads) dequantize_grouped_kernel(
     __nv_bfloat16* __restrict__ out) {
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (kThreads / 32);
-  const int kb = cols / 16;
-  const int k_tiles = (kb + 3) / 4;
   const int total = min(max(offsets[experts], 0), rows);
   for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < total; row += warps) {
     const GroupedRow gr = grouped_row(row, lane, offsets, experts, rows);
     if (gr.scale_row < 0) {
       continue;  // malformed offsets: never read or write outside the buffers
     }
-    const int e = gr.expert;
-    const int64_t scale_row = gr.scale_row;
-    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
-    for (int k = lane; k < kb; k += 32) {
-      codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k),
-                                __ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)), g,
-                                reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k);
-    }
+    dequantize_row(codes, scales, row, gr.scale_row, cols, decode_scales[num_decode_scales == 1 ? 0 : gr.expert],
+                   lane, out);
   }
 }
 
@@ -145,20 +151,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_dispatched_kernel(
     __nv_bfloat16* __restrict__ out) {
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (kThreads / 32);
-  const int kb = cols / 16;
-  const int k_tiles = (kb + 3) / 4;
   const int rows = experts * stride;  // < 2^31 (checked on the host)
   for (int row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += warps) {
     const int e = row / stride, r = row % stride;
     if (r >= min(max(counts[e], 0), stride)) continue;
     // Expert e's region of the grouped scale layout, as the kSwigluNvfp4 epilogue addresses it.
     const int64_t scale_row = (int64_t(e) * stride + int64_t(e) * 127) / 128 * 128 + r;
-    const float g = decode_scales[num_decode_scales == 1 ? 0 : e];
-    for (int k = lane; k < kb; k += 32) {
-      codec::dequantize_block16(__ldg(reinterpret_cast<const uint2*>(codes + int64_t(row) * (cols / 2)) + k),
-                                __ldg(scales + codec::swizzled_offset(scale_row, k, k_tiles)), g,
-                                reinterpret_cast<uint4*>(out + int64_t(row) * cols) + 2 * k);
-    }
+    dequantize_row(codes, scales, row, scale_row, cols, decode_scales[num_decode_scales == 1 ? 0 : e], lane, out);
   }
 }
 
