@@ -125,6 +125,10 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown epilogue %d", int(a.epilogue));
   }
   if (Status s = check_weights("grouped_gemm_nvfp4", a.experts, a.n, a.k); s != Status::kSuccess) return s;
+  if (a.schedule_rows < 0 || a.schedule_rows > a.total_rows) {
+    return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: schedule_rows %lld must be in [0, total_rows (%lld)]",
+                (long long)a.schedule_rows, (long long)a.total_rows);
+  }
   if (a.schedule_experts != 0 && (a.schedule_experts < a.experts || a.schedule_experts > kExpertLimit)) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: schedule_experts %lld must be 0 or in [experts (%lld), %lld]",
                 (long long)a.schedule_experts, (long long)a.experts, (long long)kExpertLimit);

@@ -79,11 +79,15 @@ namespace {
 int64_t schedule_experts(const GroupedGemmArgs& a) noexcept {
   return a.schedule_experts > 0 ? a.schedule_experts : a.experts;
 }
+// The rows the tile and split choice assume (GroupedGemmArgs::schedule_rows).
+int64_t schedule_rows(const GroupedGemmArgs& a) noexcept {
+  return a.schedule_rows > 0 ? std::min(a.schedule_rows, a.total_rows) : a.total_rows;
+}
 }  // namespace
 
 GemmTile launch_gemm_tile(const GroupedGemmArgs& a, int sms) noexcept {
   if (a.tile != GemmTile::kAuto) return a.tile;
-  const GemmTile tile = choose_gemm_tile(a.total_rows, schedule_experts(a));
+  const GemmTile tile = choose_gemm_tile(schedule_rows(a), schedule_experts(a));
   if (tile != GemmTile::kM128N8 || a.max_splits == 1 || !warp_kernel_on() ||
       !gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {
     return tile;
@@ -97,7 +101,7 @@ GemmTile launch_gemm_tile(const GroupedGemmArgs& a, int sms) noexcept {
     }
   }
   // The N8 tiles (an upper bound: every expert with rows has one row tile) against its CTA slots.
-  const int64_t n8_tiles = (a.n + 127) / 128 * std::min(a.total_rows, schedule_experts(a));
+  const int64_t n8_tiles = (a.n + 127) / 128 * std::min(schedule_rows(a), schedule_experts(a));
   const int64_t slots = 2 * int64_t(sms);
   const bool n8_fills_one_round = n8_tiles * 10 >= slots * 9 && n8_tiles <= slots;
   const bool n8_many_rounds = n8_tiles > 2 * slots;  // (mixtral-8x7b T = 2 and 4: N8 3-4% faster)
@@ -153,7 +157,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 
   const GemmTile tile = launch_gemm_tile(a, sms);
   if (tile == GemmTile::kWarpM16N8) {
-    p.splits = gemm::warp::choose_splits(a.total_rows, schedule_experts(a), a.n, a.k, sms, a.max_splits);
+    p.splits = gemm::warp::choose_splits(schedule_rows(a), schedule_experts(a), a.n, a.k, sms, a.max_splits);
     return gemm::warp::launch(p, a.x, a.epilogue, sms, stream);
   }
   auto encode = tensor_map_encoder();
@@ -194,8 +198,8 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
     const bool n8 = tile == GemmTile::kM128N8;
     if ((!n8 && tile != GemmTile::kM128N16) || a.max_splits == 1) return 1;
     const int64_t m_tiles = (a.n + 127) / 128, k_tiles = a.k / 64;
-    const int64_t row_tiles =
-        std::min(a.total_rows, a.total_rows / block_n + std::min(schedule_experts(a), a.total_rows));
+    const int64_t rows = schedule_rows(a);
+    const int64_t row_tiles = std::min(rows, rows / block_n + std::min(schedule_experts(a), rows));
     const int64_t tiles = m_tiles * row_tiles;
     if (tiles * 2 > int64_t(sms) * 2) return 1;  // two CTAs per SM: no idle slot to give
     for (int s : {4, 3, 2}) {

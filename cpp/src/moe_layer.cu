@@ -390,14 +390,15 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
   l2.x = act;
   l2.out = a.out;
   l2.epilogue = GemmEpilogue::kPlain;
-  // The tile from the rows the step routes (the counts are on the device; the split-K choice still
-  // sees E x M rows, so a padded M gets fewer splits than the permuted forward: PERF_NOTES, session
-  // 17), never the warp kernel (it takes at most 8 rows in all, which E x M padded rows exceed).
-  auto tile_for = [&](GroupedGemmArgs g) {
+  // The tile and K splits from the rows the step routes (the counts are on the device; the padded
+  // E x M rows would over-size the tiles and leave no split at decode), as the permuted forward of
+  // the same step chooses them; never the warp kernel (it takes at most 8 rows in all, which
+  // E x M padded rows exceed).
+  const int64_t routed = a.expected_rows > 0 && a.expected_rows < rows ? a.expected_rows : 0;
+  l1.schedule_rows = routed;
+  l2.schedule_rows = routed;
+  auto tile_for = [&](const GroupedGemmArgs& g) {
     if (d.tile != GemmTile::kAuto) return d.tile;
-    g.total_rows = a.expected_rows > 0 && a.expected_rows < rows ? a.expected_rows : rows;
-    g.expert_counts = nullptr;
-    g.expert_stride = 0;
     const GemmTile t = launch_gemm_tile(g, 0);
     return t == GemmTile::kWarpM16N8 ? GemmTile::kM128N8 : t;
   };

@@ -550,6 +550,7 @@ impl<'w, E: Epilogue> GroupedGemm<'w, E> {
             // (The expert-major layout is the layer's pre-dispatched forward's, in the core.)
             expert_counts: 0,
             expert_stride: 0,
+            schedule_rows: 0,
         };
         // SAFETY: the callers checked every buffer's length and alignment; the weights were
         // prepared for (E, n, k).

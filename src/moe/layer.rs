@@ -166,9 +166,10 @@ pub struct DispatchedInput<'a, H, C> {
     /// M, the rows per expert of the layout (E x M at most the layer's `max_tokens x max_top_k`).
     pub max_tokens_per_expert: usize,
     /// About how many rows the counts add up to (the step's tokens x top-k), for the GEMMs' tile
-    /// choice only (the counts are on the device); 0: E x M, which over-sizes the tiles when M is a
-    /// dispatcher's padded capacity. For an expert shard, the whole layer's rows (its tile choice
-    /// assumes the whole layer's experts, as its other forwards do).
+    /// and K-split choice only (the counts are on the device): with the step's exact rows both are
+    /// the permuted forward's, so are the bits; 0: E x M, which over-sizes the tiles and leaves no
+    /// split at decode when M is a dispatcher's padded capacity. For an expert shard, the whole
+    /// layer's rows (its choice assumes the whole layer's experts, as its other forwards do).
     pub expected_rows: usize,
 }
 

@@ -322,8 +322,9 @@ fn bad_shards_and_outputs_are_errors() {
 /// weight 1 (bit for bit, both batch invariant), and within the f64 oracle's bound; rows past an
 /// expert's count stay poisoned (counts of 0, of M, and above M, clamped); a small
 /// `expected_rows` (a decode step) gives the same bits; with the NVFP4 intermediate the rows are the
-/// permuted forward's with it, bit for bit; an E x M above the workspace's rows and the warp tile
-/// are errors.
+/// permuted forward's with it, bit for bit; at decode without batch invariance the expected rows
+/// give the permuted forward's tile and K splits (the same bits); an E x M above the workspace's
+/// rows and the warp tile are errors.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn dispatched_forward_gives_each_experts_rows() {
@@ -384,6 +385,50 @@ fn dispatched_forward_gives_each_experts_rows() {
         }
         assert!(err.rel() <= 1e-2, "vs f64: rel {:.3e}: {ctx}", err.rel());
         err.report(&format!("dispatched forward, {ctx}"));
+    }
+    // Decode without batch invariance: 12 rows over 4 experts of a padded M = 24 (E x M = 384).
+    // The permuted forward of those 12 rows takes the 128x16 tile and splits K; the dispatched one,
+    // told the step's 12 rows (expected_rows), chooses the same tile and splits from them, so the
+    // rows are the same bits (with E x M it would take larger tiles and no split).
+    {
+        let split = layer_of(&s, &ck, None, MoeOptions::new(e * m, 1));
+        let mut ws_split = split.workspace(&s).unwrap();
+        let dec_counts: Vec<i32> = (0..e).map(|ex| if ex % 4 == 1 { 3 } else { 0 }).collect();
+        let cd2 = s.clone_htod(&dec_counts).unwrap();
+        let (mut dec_tokens, mut dec_ids) = (Vec::new(), Vec::new());
+        for (ex, &c) in dec_counts.iter().enumerate() {
+            for r in 0..c as usize {
+                dec_tokens.extend_from_slice(&x[(ex * m + r) * h..(ex * m + r + 1) * h]);
+                dec_ids.push(ex as i32);
+            }
+        }
+        let t2 = dec_ids.len();
+        assert_eq!(split.gemm_tiles(t2, 1).unwrap().0, nvfp4_moe::GemmTile::M128N16, "{rp}");
+        let want2 = {
+            let mut out = poisoned_bf16(&s, t2 * h);
+            let (td, idd) = (s.clone_htod(&dec_tokens).unwrap(), s.clone_htod(&dec_ids).unwrap());
+            let wd = s.clone_htod(&vec![1f32; t2]).unwrap();
+            let input = MoeInput { hidden: &td, tokens: t2, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
+            split.forward(&s, &input, &mut out, &mut ws_split).unwrap();
+            s.clone_dtoh(&out).unwrap()
+        };
+        let mut out = poisoned_bf16(&s, e * m * h);
+        let input = DispatchedInput { hidden: &xd, counts: &cd2, max_tokens_per_expert: m, expected_rows: t2 };
+        split.forward_dispatched(&s, &input, &mut out, &mut ws_split).unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        let mut tok = 0;
+        for (ex, &c) in dec_counts.iter().enumerate() {
+            for r in 0..c as usize {
+                let row = &got[(ex * m + r) * h..(ex * m + r + 1) * h];
+                let same = row.iter().zip(&want2[tok * h..(tok + 1) * h]).filter(|(a, b)| a.to_bits() == b.to_bits());
+                assert_eq!(
+                    same.count(),
+                    h,
+                    "decode, split K: expert {ex} row {r} differs from the permuted forward: {rp}"
+                );
+                tok += 1;
+            }
+        }
     }
     // Refusals before anything runs.
     let big = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m + 1, expected_rows: 0 };

@@ -239,6 +239,10 @@ NVFP4MOE_STRUCT(GroupedGemmArgs) {
   // expert_counts[e]) (each count clamped to [0, expert_stride]), E x expert_stride <= total_rows.
   const int* expert_counts NVFP4MOE_INIT();                 // device i32 [E] (with expert_stride)
   int64_t expert_stride NVFP4MOE_INIT();                    // 0: rows from expert_offsets
+  // The rows the tile and split-K choice assume (0: total_rows; at most total_rows). The
+  // pre-dispatched layout passes the step's routed rows: its padded total_rows would over-size the
+  // tiles and leave no K split at decode, where the permuted forward of the same step splits.
+  int64_t schedule_rows NVFP4MOE_INIT();
 };
 
 // The format between a MoE layer's two GEMMs.

@@ -22,6 +22,11 @@ memset that flushes L2, and only the replay is timed (CUDA events). Reports the 
 column); --batch-invariant turns split-K off (what batch invariance costs). Progress goes to
 stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
 
+--dispatched also times, for each T, the pre-dispatched forward (MoeLayer::forward_dispatched)
+over the same routing's rows grouped by expert: [E, M, H] with M the largest expert's rows, the
+step's T x k as expected_rows; its rows carry `dispatched` in the tile column (the permuted
+forward's row above it is the one to compare).
+
 --ep N times expert parallelism instead (nvfp4_moe::ep): N ranks, rank r holding experts
 r*E/N..(r+1)*E/N (random weights) and T/N of each step's T tokens (random top-k routing, weights
 1/k), FP32 partial sums. Columns: step (median wall time of a whole step: routing read back,
@@ -98,6 +103,9 @@ pub struct BenchArgs {
     /// No split-K: a token's output bits do not depend on T (MoeOptions::batch_invariant)
     #[arg(long)]
     pub batch_invariant: bool,
+    /// Also time the pre-dispatched forward of each T (see below)
+    #[arg(long, conflicts_with = "ep")]
+    pub dispatched: bool,
     /// Time expert parallelism over N ranks (see below) instead of the one-GPU layer
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub ep: Option<u16>,
@@ -358,7 +366,7 @@ mod gpu_run {
     use cudarc::driver::{CudaSlice, CudaStream};
     use half::bf16;
     use nvfp4_moe::ep::{contiguous_shards, EpRunner, Loopback, Payload, Transport};
-    use nvfp4_moe::moe::{MoeInput, OutputFormat};
+    use nvfp4_moe::moe::{DispatchedInput, MoeInput, OutputFormat};
     use nvfp4_moe::testing::{random_device_weights, Rng};
     use nvfp4_moe::{Error, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
     use tracing::info;
@@ -413,6 +421,55 @@ mod gpu_run {
             times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
         }
         f.layer.check(stream, f.ws, top_k)?;
+        Ok(median(&mut times))
+    }
+
+    /// Captures one pre-dispatched forward of the balanced routing's first `tokens` tokens (rows
+    /// grouped by expert, M the largest count) into a CUDA graph; the median replay time (us) over
+    /// [`BENCH_REPS`] replays, each after an L2 flush.
+    fn time_dispatched(f: &mut Timed<'_>, tokens: usize, top_k: usize, experts: usize) -> nvfp4_moe::Result<f64> {
+        use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let stream = f.stream;
+        let h = f.layer.weights().hidden;
+        let ids = balanced_ids(tokens, top_k, experts);
+        let mut counts = vec![0i32; experts];
+        for &id in &ids {
+            counts[id as usize] += 1;
+        }
+        let m = counts.iter().copied().max().unwrap_or(0).max(1) as usize;
+        let hidden = stream.clone_htod(&Rng::from_entropy().normal_bf16(experts * m * h, 1.0))?;
+        let counts_d = stream.clone_htod(&counts)?;
+        let mut out = stream.alloc_zeros::<bf16>(experts * m * h)?;
+        let input = DispatchedInput {
+            hidden: &hidden,
+            counts: &counts_d,
+            max_tokens_per_expert: m,
+            expected_rows: tokens * top_k,
+        };
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let captured = f.layer.forward_dispatched(stream, &input, &mut out, f.ws);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured?;
+        let graph = graph?.ok_or_else(|| Error::Invalid("capturing the forward gave an empty CUDA graph".into()))?;
+        graph.upload()?;
+        for _ in 0..3 {
+            graph.launch()?;
+        }
+        let ctx = stream.context();
+        let (start, end) = (
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+        );
+        let mut times = Vec::with_capacity(BENCH_REPS);
+        for _ in 0..BENCH_REPS {
+            stream.memset_zeros(f.flush)?;
+            start.record(stream)?;
+            graph.launch()?;
+            end.record(stream)?;
+            end.synchronize()?;
+            times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
+        }
+        stream.synchronize()?;
         Ok(median(&mut times))
     }
 
@@ -489,6 +546,12 @@ mod gpu_run {
                     row.floor_ratio()
                 );
                 rows.push(row);
+                if args.dispatched {
+                    let us = time_dispatched(&mut timed, t, k, e)?;
+                    info!("  {} T={t}: pre-dispatched {us:.1} us", p.name);
+                    let (bytes, flops) = bench_work(p, t);
+                    rows.push(BenchRow { preset: p.name, tokens: t, tile: "dispatched".into(), us, bytes, flops });
+                }
                 pb.inc(1);
             }
         }

@@ -233,6 +233,9 @@ mod tests {
         let Command::Bench(b) = parse(&["bench", "--ep", "4", "--payload", "nvfp4"]).unwrap().command else { panic!() };
         assert_eq!(b.payload, bench::PayloadArg::Nvfp4);
         assert_eq!(parse(&["bench", "--payload", "nvfp4"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
+        let Command::Bench(b) = parse(&["bench", "--dispatched"]).unwrap().command else { panic!() };
+        assert!(b.dispatched);
+        assert_eq!(parse(&["bench", "--dispatched", "--ep", "2"]).unwrap_err().kind(), ErrorKind::ArgumentConflict);
 
         // --json anywhere, for every command.
         for cmd in ["quantize", "dequantize", "convert", "check", "run", "bench", "info"] {
