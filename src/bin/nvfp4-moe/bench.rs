@@ -393,7 +393,7 @@ mod gpu_run {
     /// Captures one forward of `tokens` tokens into a CUDA graph and returns the median replay
     /// time (us) over [`BENCH_REPS`] replays, each after an L2 flush.
     fn time_forward(f: &mut Timed<'_>, tokens: usize, top_k: usize) -> nvfp4_moe::Result<f64> {
-        use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let stream = f.stream;
         let input = MoeInput { hidden: f.hidden, tokens, topk_ids: f.ids, topk_weights: f.weights, top_k };
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
@@ -401,11 +401,26 @@ mod gpu_run {
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         captured?;
         let graph = graph?.ok_or_else(|| Error::Invalid("capturing the forward gave an empty CUDA graph".into()))?;
+        let (layer, ws) = (f.layer, &mut *f.ws);
+        let us = replay_median(stream, f.flush, &graph, || layer.check(stream, ws, top_k))?;
+        f.layer.check(stream, f.ws, top_k)?;
+        Ok(us)
+    }
+
+    /// Uploads `graph`, replays it 3 times, runs `after_warmup`, then returns the median time (us)
+    /// of [`BENCH_REPS`] replays, each after an L2 flush (`flush` zeroed).
+    fn replay_median(
+        stream: &Arc<CudaStream>,
+        flush: &mut CudaSlice<u8>,
+        graph: &cudarc::driver::CudaGraph,
+        mut after_warmup: impl FnMut() -> nvfp4_moe::Result<()>,
+    ) -> nvfp4_moe::Result<f64> {
+        use cudarc::driver::sys::CUevent_flags;
         graph.upload()?;
         for _ in 0..3 {
             graph.launch()?;
         }
-        f.layer.check(stream, f.ws, top_k)?;
+        after_warmup()?;
         let ctx = stream.context();
         let (start, end) = (
             ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
@@ -413,14 +428,13 @@ mod gpu_run {
         );
         let mut times = Vec::with_capacity(BENCH_REPS);
         for _ in 0..BENCH_REPS {
-            stream.memset_zeros(f.flush)?;
+            stream.memset_zeros(flush)?;
             start.record(stream)?;
             graph.launch()?;
             end.record(stream)?;
             end.synchronize()?;
             times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
         }
-        f.layer.check(stream, f.ws, top_k)?;
         Ok(median(&mut times))
     }
 
@@ -428,7 +442,7 @@ mod gpu_run {
     /// grouped by expert, M the largest count) into a CUDA graph; the median replay time (us) over
     /// [`BENCH_REPS`] replays, each after an L2 flush.
     fn time_dispatched(f: &mut Timed<'_>, tokens: usize, top_k: usize, experts: usize) -> nvfp4_moe::Result<f64> {
-        use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let stream = f.stream;
         let h = f.layer.weights().hidden;
         let ids = balanced_ids(tokens, top_k, experts);
@@ -451,26 +465,9 @@ mod gpu_run {
         let graph = stream.end_capture(CUgraphInstantiate_flags(0));
         captured?;
         let graph = graph?.ok_or_else(|| Error::Invalid("capturing the forward gave an empty CUDA graph".into()))?;
-        graph.upload()?;
-        for _ in 0..3 {
-            graph.launch()?;
-        }
-        let ctx = stream.context();
-        let (start, end) = (
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
-        );
-        let mut times = Vec::with_capacity(BENCH_REPS);
-        for _ in 0..BENCH_REPS {
-            stream.memset_zeros(f.flush)?;
-            start.record(stream)?;
-            graph.launch()?;
-            end.record(stream)?;
-            end.synchronize()?;
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
-        }
+        let us = replay_median(stream, f.flush, &graph, || Ok(()))?;
         stream.synchronize()?;
-        Ok(median(&mut times))
+        Ok(us)
     }
 
     pub fn bench(args: &BenchArgs, max_t: usize) -> CliResult<(String, Vec<BenchRow>)> {
