@@ -108,6 +108,7 @@ fn usage_errors_exit_2() {
         (&["check", "--intermediate", "fp4"], "`--intermediate` is bf16 or nvfp4 (got `fp4`)"),
         (&["bench", "--preset", "mixtral-8x7b", "--ep", "9"], "--ep 9: mixtral-8x7b has only 8 experts"),
         (&["bench", "--ep", "2", "--intermediate", "nvfp4"], "--ep takes the BF16 intermediate"),
+        (&["bench", "--dispatched", "--tile", "warp"], "--dispatched takes a tile other than warp"),
     ];
     for (args, msg) in cases {
         let r = cli(args);

@@ -392,7 +392,7 @@ Status moe_layer_forward_dispatched(const MoeLayerDesc& d, const MoeDispatchedAr
   l2.epilogue = GemmEpilogue::kPlain;
   // The tile and K splits from the rows the step routes (the counts are on the device; the padded
   // E x M rows would over-size the tiles and leave no split at decode), as the permuted forward of
-  // the same step chooses them; never the warp kernel (it takes at most 8 rows in all, which
+  // the same step chooses them, but never the warp kernel (it takes at most 8 rows in all, which
   // E x M padded rows exceed).
   const int64_t routed = a.expected_rows > 0 && a.expected_rows < rows ? a.expected_rows : 0;
   l1.schedule_rows = routed;

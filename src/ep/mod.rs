@@ -398,7 +398,8 @@ impl<T: Transport> EpRunner<T> {
                 back: alloc(send_rows * out_bytes)?,
                 fp4: None,
                 // SAFETY: pinned buffers of i32 (plain data), written before they are read.
-                host_ids: unsafe { s.context().alloc_pinned::<i32>((per_rank * max_top_k).max(1))? },
+                // (Not write-combined, as alloc_pinned's memory is: the CPU reads these ids.)
+                host_ids: unsafe { s.context().alloc_pinned_with_flags::<i32>((per_rank * max_top_k).max(1), 0)? },
                 host_plan: unsafe { s.context().alloc_pinned::<i32>(send_rows + per_rank * n)? },
                 plan: s.alloc_zeros::<i32>(send_rows + per_rank * n)?,
                 plan_split: send_rows,
@@ -722,6 +723,15 @@ impl<T: Transport> EpRunner<T> {
             self.transport.stream(r).synchronize()?;
         }
         Ok(())
+    }
+}
+
+impl<T: Transport> Drop for EpRunner<T> {
+    /// Waits for every rank's stream: a step returns with its plan's uploads from pinned host
+    /// memory possibly in flight, which must finish before that memory is freed. Errors are
+    /// ignored (a drop cannot report them).
+    fn drop(&mut self) {
+        let _ = self.synchronize();
     }
 }
 

@@ -252,6 +252,9 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     if let Some(n) = args.ep {
         return run_ep(args, global, usize::from(n), max_t);
     }
+    if args.dispatched && args.tile == crate::run::TileArg::Warp {
+        return Err(usage("bench", "--dispatched takes a tile other than warp (the warp kernel takes at most 8 rows)"));
+    }
     let (gpu, rows) = gpu_run::bench(args, max_t)?;
     let doc = bench_json(&gpu, args.intermediate, &rows);
     if global.json {
@@ -492,7 +495,10 @@ mod gpu_run {
             let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
             let weights = MoeWeights { w13, w2, experts: e, hidden: h, intermediate: i };
             let tile = args.tile.gemm_tile();
-            let opts = MoeOptions { tile, batch_invariant: args.batch_invariant, ..MoeOptions::new(max_t, k) };
+            // --dispatched: the layout's E x M rows (M = ceil(T k / E)) reach T k + E, which the
+            // workspace must hold.
+            let max_tokens = if args.dispatched { max_t + e.div_ceil(k) } else { max_t };
+            let opts = MoeOptions { tile, batch_invariant: args.batch_invariant, ..MoeOptions::new(max_tokens, k) };
             let mut layer = MoeLayer::new(weights, opts)?;
             let mut ws = layer.workspace(&stream)?;
             let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
