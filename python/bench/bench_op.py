@@ -4,8 +4,11 @@ per eager call (CPU time to enqueue, GPU kept busy: median of rounds of 20 calls
 includes allocating its output, as a PyTorch caller's does), and CUDA-graph
 replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 MiB write before
 each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
-The host cost is also split: the operator's overload called directly with its arguments made
-beforehand (no module: `host overload`), and `torch.empty` of the output alone (`host empty`).
+The host cost is also split, every path timed in interleaved rounds: the module's call (`host op`:
+the eager fast path, `forward_fast` over the module's Layer handle), the same with the caller's
+`out` (`host op out`: no allocation, as the C ABI's caller), the 14-argument overload called directly
+with its arguments made beforehand (`host overload`), `forward_fast` called directly (`host fast`),
+and `torch.empty` of the output alone (`host empty`).
 
     PYTHONPATH=<site with nvfp4_moe>:python/tests python3 python/bench/bench_op.py \
         [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024] [--json rows.json]
@@ -39,17 +42,21 @@ def projection(e: int, n: int, k: int) -> Projection:
     return Projection(codes, scales.view(torch.float8_e4m3fn), torch.full((e,), 2.0**-8, device="cuda"))
 
 
-def host_cost(call, rounds: int = 20) -> float:
-    per_round = []
+def host_costs(calls: dict, rounds: int = 20) -> dict:
+    """Each call's host cost (us), the calls' rounds interleaved (round r of every call before round
+    r + 1 of any), so that the host's drift is shared: per round the median of 20 timed calls after 4
+    untimed ones, then the median over rounds."""
+    per_round: dict = {k: [] for k in calls}
     for _ in range(rounds):
-        ts = []
-        for _ in range(24):
-            t0 = time.perf_counter()
-            call()
-            ts.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-        per_round.append(statistics.median(ts[4:]))
-    return statistics.median(per_round)
+        for key, call in calls.items():
+            ts = []
+            for _ in range(24):
+                t0 = time.perf_counter()
+                call()
+                ts.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            per_round[key].append(statistics.median(ts[4:]))
+    return {k: statistics.median(v) for k, v in per_round.items()}
 
 
 def graph_of(fn) -> torch.cuda.CUDAGraph:
@@ -86,14 +93,20 @@ def main() -> None:
             c_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
             f = c.args(x, ids, w, c_out)
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
-            host_op = host_cost(lambda: op(x, topk_ids=ids, topk_weights=w))
             b = op._operator_buffers()
             args = (x, *b[:4], ids, w, None, k, True, b[4], b[5], op._config, op._g)
-            overload = torch.ops.nvfp4_moe.forward.default
-            host_overload = host_cost(lambda: overload(*args))
-            host_empty = host_cost(lambda: torch.empty(t, h, dtype=torch.bfloat16, device="cuda"))
+            overload, fast = torch.ops.nvfp4_moe.forward.default, torch.ops.nvfp4_moe.forward_fast.default
+            handle = op._eager_handle()
+            op_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # fixed outside a capture
-            host_c = host_cost(lambda: c.forward_args(f, stream))
+            host = host_costs({
+                "op": lambda: op(x, topk_ids=ids, topk_weights=w),
+                "op_out": lambda: op(x, topk_ids=ids, topk_weights=w, out=op_out),
+                "overload": lambda: overload(*args),
+                "fast": lambda: fast(x, ids, w, handle),
+                "empty": lambda: torch.empty(t, h, dtype=torch.bfloat16, device="cuda"),
+                "c": lambda: c.forward_args(f, stream),
+            })
             g_op, g_c = graph_of(lambda: op(x, topk_ids=ids, topk_weights=w)), graph_of(lambda: c.forward_args(f))
             times = {"op": [], "c": []}
             for _ in range(a.iters):
@@ -106,17 +119,18 @@ def main() -> None:
                     torch.cuda.synchronize()
                     times[key].append(t0.elapsed_time(t1) * 1e3)
             r_op, r_c = statistics.median(times["op"]), statistics.median(times["c"])
-            rows.append((name, t, host_op, host_c, r_op, r_c, same, host_overload, host_empty))
+            rows.append((name, t, host["op"], host["c"], r_op, r_c, same, host["overload"], host["empty"], host["fast"],
+                         host["op_out"]))
         c.close()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, nvfp4_moe {nvfp4_moe.__version__}")
     print(f"{'preset':16} {'T':>5} {'host op us':>11} {'host C us':>10} {'graph op us':>12} {'graph C us':>11} "
-          f"{'op/C':>6} same-bytes {'host overload':>14} {'host empty':>11}")
-    for name, t, ho, hc, ro, rc, same, hov, he in rows:
+          f"{'op/C':>6} same-bytes {'host overload':>14} {'host empty':>11} {'host fast':>10} {'host op out':>12}")
+    for name, t, ho, hc, ro, rc, same, hov, he, hf, hoo in rows:
         print(f"{name:16} {t:5d} {ho:11.2f} {hc:10.2f} {ro:12.2f} {rc:11.2f} {ro / rc:6.3f} {same!s:10} {hov:14.2f} "
-              f"{he:11.2f}")
+              f"{he:11.2f} {hf:10.2f} {hoo:12.2f}")
     if a.json:
         keys = ("preset", "T", "host_op_us", "host_c_us", "graph_op_us", "graph_c_us", "same_bytes",
-                "host_overload_us", "host_empty_us")
+                "host_overload_us", "host_empty_us", "host_fast_us", "host_op_out_us")
         with open(a.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": [dict(zip(keys, r)) for r in rows]}, f, indent=1)
 

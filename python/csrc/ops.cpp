@@ -8,6 +8,7 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <nvfp4moe/nvfp4moe.h>
@@ -127,6 +128,90 @@ void init_workspace(const Tensor& workspace, at::IntArrayRef config, double nvfp
                "nvfp4_moe.init_workspace");
 }
 
+// The layer's buffers, as the forward reads them: the prepared weights (u8), their decode scale
+// pairs (f32, or their bits as i32: the module keeps them as i32 so that Module.to(dtype) leaves
+// them alone), the workspace (u8) and an expert shard's map (i32 [global_experts]). Checked on
+// every forward (a buffer may have been given new storage in place since it was last seen).
+struct LayerBuffers {
+  Tensor w13, w13_scales, w2, w2_scales, workspace;
+  std::optional<Tensor> expert_map;
+};
+
+void check_buffers(const LayerBuffers& b, const nvfp4moe::MoeLayerDesc& d, const at::Device& device) {
+  for (const auto& [t, name, dtype] :
+       {std::tuple<const Tensor&, const char*, at::ScalarType>{b.w13, "w13", at::kByte}, {b.w2, "w2", at::kByte},
+        {b.workspace, "workspace", at::kByte}}) {
+    check_cuda_contiguous(t, name, dtype, device);
+  }
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{b.w13_scales, "w13_scales"},
+                                {b.w2_scales, "w2_scales"}}) {
+    check_cuda_contiguous(t, name, t.scalar_type() == at::kInt ? at::kInt : at::kFloat, device);
+  }
+  // An expert shard's map: int32 [global_experts] on the layer's device; none for a whole layer.
+  TORCH_CHECK_VALUE(b.expert_map.has_value() == (d.global_experts != 0),
+                    "expert_map is given exactly for an expert shard (config's global_experts non-zero)");
+  if (b.expert_map) {
+    check_cuda_contiguous(*b.expert_map, "expert_map", at::kInt, device);
+    TORCH_CHECK_VALUE(b.expert_map->dim() == 1 && b.expert_map->size(0) == d.global_experts, "expert_map must be [",
+                      d.global_experts, "], got ", b.expert_map->sizes());
+  }
+  TORCH_CHECK_VALUE(
+      b.w13.numel() == static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(d.experts, 2 * d.intermediate, d.hidden)) &&
+          b.w2.numel() == static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(d.experts, d.hidden, d.intermediate)) &&
+          b.w13_scales.numel() == 2 * d.experts && b.w2_scales.numel() == 2 * d.experts,
+      "the prepared weights do not match the layer's shape");
+}
+
+// hidden bf16 [T, H] on the layer's device.
+void check_hidden(const Tensor& hidden, const nvfp4moe::MoeLayerDesc& d, const at::Device& device) {
+  check_cuda_contiguous(hidden, "hidden", at::kBFloat16, device);
+  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) == d.hidden, "hidden must be [T, ", d.hidden, "], got ",
+                    hidden.sizes());
+}
+
+// topk_ids i32 and topk_weights f32, both [T, top_k].
+void check_topk(const Tensor& ids, const Tensor& weights, int64_t tokens, int64_t top_k, const at::Device& device) {
+  check_cuda_contiguous(ids, "topk_ids", at::kInt, device);
+  check_cuda_contiguous(weights, "topk_weights", at::kFloat, device);
+  TORCH_CHECK_VALUE(ids.dim() == 2 && ids.size(0) == tokens && ids.size(1) == top_k && weights.sizes() == ids.sizes(),
+                    "topk_ids and topk_weights must be [T, top_k] = [", tokens, ", ", top_k, "]");
+}
+
+// out [T, H] of the layer's output dtype: a new tensor, or the caller's (checked).
+Tensor output_for(const Tensor& hidden, const nvfp4moe::MoeLayerDesc& d, const std::optional<Tensor>& given,
+                  const at::Device& device) {
+  const at::ScalarType dtype = d.output_format == nvfp4moe::OutputFormat::kFp32 ? at::kFloat : at::kBFloat16;
+  if (!given) return at::empty({hidden.size(0), d.hidden}, hidden.options().dtype(dtype));
+  check_cuda_contiguous(*given, "out", dtype, device);
+  TORCH_CHECK_VALUE(given->dim() == 2 && given->size(0) == hidden.size(0) && given->size(1) == d.hidden,
+                    "out must be [T, H] = [", hidden.size(0), ", ", d.hidden, "], got ", given->sizes());
+  return *given;
+}
+
+// The core's forward over checked arguments, on PyTorch's current stream of the layer's device.
+void launch_forward(nvfp4moe::MoeLayerDesc d, const LayerBuffers& b, const Tensor& hidden, const Tensor* topk_ids,
+                    const Tensor* topk_weights, const Tensor* router_logits, int64_t top_k, bool renormalize,
+                    const Tensor& out, const at::Device& device) {
+  if (b.expert_map) d.expert_map = b.expert_map->data_ptr<int>();
+  d.w13_prepared = b.w13.data_ptr();
+  d.w13_decode_scales = static_cast<const float*>(b.w13_scales.data_ptr());
+  d.w2_prepared = b.w2.data_ptr();
+  d.w2_decode_scales = static_cast<const float*>(b.w2_scales.data_ptr());
+  nvfp4moe::MoeForwardArgs a;
+  a.hidden = hidden.data_ptr();
+  a.tokens = hidden.size(0);
+  a.top_k = top_k;
+  a.topk_ids = topk_ids ? topk_ids->data_ptr<int>() : nullptr;
+  a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
+  a.router_logits = router_logits ? router_logits->data_ptr<float>() : nullptr;
+  a.renormalize = renormalize;
+  a.out = out.data_ptr();
+  a.workspace = b.workspace.data_ptr();
+  a.workspace_bytes = b.workspace.numel();
+  check_status(nvfp4moe::moe_layer_forward(d, a, c10::cuda::getCurrentCUDAStream(device.index()).stream()),
+               "nvfp4_moe.forward");
+}
+
 // forward: the layer on PyTorch's current stream; returns out [T, H], bf16 or f32 (config's output_format).
 Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales, const Tensor& w2,
                const Tensor& w2_scales, const std::optional<Tensor>& topk_ids, const std::optional<Tensor>& topk_weights,
@@ -134,70 +219,73 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
                const std::optional<Tensor>& expert_map, at::IntArrayRef config, double nvfp4_decode_scale) {
   TORCH_CHECK_VALUE(w13.is_cuda(), "the layer's weights must be CUDA tensors");
   const at::Device device = w13.device();
-  const nvfp4moe::MoeLayerDesc d0 = layer_desc(config, nvfp4_decode_scale);
-  check_cuda_contiguous(hidden, "hidden", at::kBFloat16, device);
-  TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.size(1) == d0.hidden, "hidden must be [T, ", d0.hidden, "], got ",
-                    hidden.sizes());
-  for (const auto& [t, name, dtype] :
-       {std::tuple<const Tensor&, const char*, at::ScalarType>{w13, "w13", at::kByte}, {w2, "w2", at::kByte},
-        {w13_scales, "w13_scales", at::kFloat}, {w2_scales, "w2_scales", at::kFloat},
-        {workspace, "workspace", at::kByte}}) {
-    check_cuda_contiguous(t, name, dtype, device);
-  }
+  const nvfp4moe::MoeLayerDesc d = layer_desc(config, nvfp4_decode_scale);
+  check_hidden(hidden, d, device);
+  const LayerBuffers b{w13, w13_scales, w2, w2_scales, workspace, expert_map};
+  check_buffers(b, d, device);
   const int64_t tokens = hidden.size(0);
   TORCH_CHECK_VALUE(topk_ids.has_value() != router_logits.has_value() && !(router_logits && topk_weights),
                     "give either topk_ids and topk_weights or router_logits");
   if (topk_ids) {
     TORCH_CHECK_VALUE(topk_weights.has_value(), "topk_ids needs topk_weights");
-    check_cuda_contiguous(*topk_ids, "topk_ids", at::kInt, device);
-    check_cuda_contiguous(*topk_weights, "topk_weights", at::kFloat, device);
-    TORCH_CHECK_VALUE(topk_ids->dim() == 2 && topk_ids->size(0) == tokens && topk_ids->size(1) == top_k &&
-                          topk_weights->sizes() == topk_ids->sizes(),
-                      "topk_ids and topk_weights must be [T, top_k] = [", tokens, ", ", top_k, "]");
+    check_topk(*topk_ids, *topk_weights, tokens, top_k, device);
   } else {
+    const int64_t e = d.global_experts ? d.global_experts : d.experts;
     check_cuda_contiguous(*router_logits, "router_logits", at::kFloat, device);
-    TORCH_CHECK_VALUE(router_logits->dim() == 2 && router_logits->size(0) == tokens &&
-                          router_logits->size(1) == (d0.global_experts ? d0.global_experts : d0.experts),
-                      "router_logits must be [T, E] = [", tokens, ", ",
-                      (d0.global_experts ? d0.global_experts : d0.experts), "], got ", router_logits->sizes());
+    TORCH_CHECK_VALUE(router_logits->dim() == 2 && router_logits->size(0) == tokens && router_logits->size(1) == e,
+                      "router_logits must be [T, E] = [", tokens, ", ", e, "], got ", router_logits->sizes());
   }
-  // An expert shard's map: int32 [global_experts] on the layer's device; none for a whole layer.
-  TORCH_CHECK_VALUE(expert_map.has_value() == (d0.global_experts != 0),
-                    "expert_map is given exactly for an expert shard (config's global_experts non-zero)");
-  if (expert_map) {
-    check_cuda_contiguous(*expert_map, "expert_map", at::kInt, device);
-    TORCH_CHECK_VALUE(expert_map->dim() == 1 && expert_map->size(0) == d0.global_experts, "expert_map must be [",
-                      d0.global_experts, "], got ", expert_map->sizes());
-  }
-  TORCH_CHECK_VALUE(w13.numel() == static_cast<int64_t>(nvfp4moe::prepared_weight_bytes(
-                                       d0.experts, 2 * d0.intermediate, d0.hidden)) &&
-                        w2.numel() == static_cast<int64_t>(
-                                          nvfp4moe::prepared_weight_bytes(d0.experts, d0.hidden, d0.intermediate)) &&
-                        w13_scales.numel() == 2 * d0.experts && w2_scales.numel() == 2 * d0.experts,
-                    "the prepared weights do not match the layer's shape");
   const c10::cuda::CUDAGuard guard(device);
-  const bool fp32_out = d0.output_format == nvfp4moe::OutputFormat::kFp32;
-  Tensor out = at::empty({tokens, d0.hidden}, hidden.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
-  nvfp4moe::MoeLayerDesc d = d0;
-  if (expert_map) d.expert_map = expert_map->data_ptr<int>();
-  d.w13_prepared = w13.data_ptr();
-  d.w13_decode_scales = w13_scales.data_ptr<float>();
-  d.w2_prepared = w2.data_ptr();
-  d.w2_decode_scales = w2_scales.data_ptr<float>();
-  nvfp4moe::MoeForwardArgs a;
-  a.hidden = hidden.data_ptr();
-  a.tokens = tokens;
-  a.top_k = top_k;
-  a.topk_ids = topk_ids ? topk_ids->data_ptr<int>() : nullptr;
-  a.topk_weights = topk_weights ? topk_weights->data_ptr<float>() : nullptr;
-  a.router_logits = router_logits ? router_logits->data_ptr<float>() : nullptr;
-  a.renormalize = renormalize;
-  a.out = out.data_ptr();
-  a.workspace = workspace.data_ptr();
-  a.workspace_bytes = workspace.numel();
-  check_status(nvfp4moe::moe_layer_forward(d, a, c10::cuda::getCurrentCUDAStream(device.index()).stream()),
-               "nvfp4_moe.forward");
+  const Tensor out = output_for(hidden, d, std::nullopt, device);
+  launch_forward(d, b, hidden, topk_ids ? &*topk_ids : nullptr, topk_weights ? &*topk_weights : nullptr,
+                 router_logits ? &*router_logits : nullptr, top_k, renormalize, out, device);
   return out;
+}
+
+// torch.classes.nvfp4_moe.Layer: an eager forward's state made once (the layer's buffers, held by
+// reference so they stay alive, and its descriptor, checked by the core), so that a call passes
+// four arguments through the dispatcher instead of fourteen (issue 20's host cost). The buffers
+// are checked again on every call, as the 14-argument forward checks them.
+struct Layer : torch::CustomClassHolder {
+  LayerBuffers buffers;
+  nvfp4moe::MoeLayerDesc desc;
+  at::Device device;
+
+  Layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor workspace, std::optional<Tensor> expert_map,
+        std::vector<int64_t> config, double nvfp4_decode_scale)
+      : buffers{std::move(w13), std::move(w13_scales), std::move(w2), std::move(w2_scales), std::move(workspace),
+                std::move(expert_map)},
+        desc(layer_desc(config, nvfp4_decode_scale)),
+        device(buffers.w13.device()) {
+    TORCH_CHECK_VALUE(device.is_cuda(), "the layer's weights must be CUDA tensors");
+    check_buffers(buffers, desc, device);
+    check_status(nvfp4moe::moe_layer_can_implement(desc), "nvfp4_moe.Layer");
+  }
+};
+
+Tensor forward_topk(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights,
+                    const std::optional<Tensor>& out, const Layer& l) {
+  check_hidden(hidden, l.desc, l.device);
+  check_topk(topk_ids, topk_weights, hidden.size(0), topk_ids.dim() == 2 ? topk_ids.size(1) : 0, l.device);
+  check_buffers(l.buffers, l.desc, l.device);
+  const c10::cuda::CUDAGuard guard(l.device);
+  Tensor o = output_for(hidden, l.desc, out, l.device);
+  launch_forward(l.desc, l.buffers, hidden, &topk_ids, &topk_weights, nullptr, topk_ids.size(1), false, o, l.device);
+  return o;
+}
+
+// forward_fast(hidden, topk_ids, topk_weights, layer) -> out: the forward with top-k ids (top_k =
+// their columns) of a Layer, eager only (the module's fast path; torch.compile and opcheck take
+// forward).
+Tensor forward_fast(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights,
+                    const c10::intrusive_ptr<Layer>& layer) {
+  return forward_topk(hidden, topk_ids, topk_weights, std::nullopt, *layer);
+}
+
+// forward_fast_out: the same into the caller's out [T, H] (no allocation).
+void forward_fast_out(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& out,
+                      const c10::intrusive_ptr<Layer>& layer) {
+  forward_topk(hidden, topk_ids, topk_weights, out, *layer);
 }
 
 // read_error: synchronizes the current stream and returns the workspace's error word (-1: no bad
@@ -216,6 +304,8 @@ int64_t read_error(const Tensor& workspace, at::IntArrayRef config, double nvfp4
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_moe, m) {
+  m.class_<Layer>("Layer").def(
+      torch::init<Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>, std::vector<int64_t>, double>());
   m.def("prepare(Tensor codes, Tensor scales, Tensor decode_scales, Tensor? up_decode_scales) -> (Tensor, Tensor)");
   m.def("workspace_bytes(int[] config, float nvfp4_decode_scale) -> int", &workspace_bytes);
   m.def("init_workspace(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> ()");
@@ -224,6 +314,12 @@ TORCH_LIBRARY(nvfp4_moe, m) {
       "Tensor? topk_weights, Tensor? router_logits, int top_k, bool renormalize, Tensor(a!) workspace, "
       "Tensor? expert_map, int[] config, float nvfp4_decode_scale) -> Tensor");
   m.def("read_error(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> int");
+  m.def(
+      "forward_fast(Tensor hidden, Tensor topk_ids, Tensor topk_weights, __torch__.torch.classes.nvfp4_moe.Layer layer) "
+      "-> Tensor");
+  m.def(
+      "forward_fast_out(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out, "
+      "__torch__.torch.classes.nvfp4_moe.Layer layer) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
@@ -231,4 +327,6 @@ TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
   m.impl("init_workspace", &init_workspace);
   m.impl("forward", &forward);
   m.impl("read_error", &read_error);
+  m.impl("forward_fast", &forward_fast);
+  m.impl("forward_fast_out", &forward_fast_out);
 }

@@ -20,8 +20,13 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the operators)
 
-# The overload itself: calling the packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
+# The overloads themselves: calling a packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
 _FORWARD = torch.ops.nvfp4_moe.forward.default
+# The eager path with top-k ids: four arguments, the layer's state in a torch.classes.nvfp4_moe.Layer.
+_FORWARD_FAST = torch.ops.nvfp4_moe.forward_fast.default
+_FORWARD_FAST_OUT = torch.ops.nvfp4_moe.forward_fast_out.default
+# The module's cached operator state (dropped whenever a buffer may have been replaced).
+_CACHES = ("_op_buffers", "_handle")
 # The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32),
 # and an expert shard's map (absent for a whole layer).
 _OPERATOR_BUFFERS = ("w13", "w13_scales", "w2", "w2_scales", "workspace")
@@ -222,21 +227,38 @@ class MoeLayer(torch.nn.Module):
             kwargs = {**kwargs, "expert_ids": ids, "global_experts": num_experts}
         return MoeLayer(gate, up, down, max_tokens, top_k, **kwargs)  # type: ignore[arg-type]
 
+    def _drop_caches(self) -> None:
+        for c in _CACHES:
+            self.__dict__.pop(c, None)
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        # (Module.to / .cuda / ... replace the buffers: drop the operator's cached view of them, which
-        # would otherwise hold the old tensors until the next forward.)
-        self.__dict__.pop("_op_buffers", None)
+        # (Module.to / .cuda / ... replace the buffers: drop the operator's cached state, which would
+        # otherwise hold the old tensors, and read them, until the next forward.)
+        self._drop_caches()
         return super()._apply(fn, recurse)
 
     def __setattr__(self, name: str, value: object) -> None:
         if name in _OPERATOR_BUFFERS or name == _EXPERT_MAP:
-            self.__dict__.pop("_op_buffers", None)  # (the same: a replaced buffer is not kept alive)
+            self._drop_caches()  # (the same: a replaced buffer is neither kept alive nor read)
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        if name in _OPERATOR_BUFFERS or name == _EXPERT_MAP:
+            self._drop_caches()
+        super().__delattr__(name)
+
+    def register_buffer(self, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        # (Module.register_buffer writes _buffers without __setattr__.)
+        if name in _OPERATOR_BUFFERS or name == _EXPERT_MAP:
+            self._drop_caches()
+        super().register_buffer(name, tensor, persistent)
+
     def __getstate__(self) -> dict:
-        # (torch.save refuses two views of one storage with different dtypes: the cache is not state.)
+        # (torch.save refuses two views of one storage with different dtypes, and a Layer handle is
+        # no state: the caches are not saved.)
         state = dict(super().__getstate__())
-        state.pop("_op_buffers", None)
+        for c in _CACHES:
+            state.pop(c, None)
         return state
 
     def _operator_buffers(
@@ -262,6 +284,20 @@ class MoeLayer(torch.nn.Module):
             self.__dict__["_op_buffers"] = cached
         return cached[2]
 
+    def _eager_handle(self) -> torch.ScriptObject:
+        """The torch.classes.nvfp4_moe.Layer of the current buffers (made once, dropped with the
+        caches): it holds them, so a forward passes four arguments to the operator."""
+        h = self.__dict__.get("_handle")
+        if h is None:
+            self._operator_buffers()  # (names a removed buffer)
+            # The buffers themselves, scales as their int32 bits, not views: a buffer given new
+            # storage in place (.data =, set_) is then what the next forward reads.
+            w13, s13, w2, s2, ws = (self._buffers[n] for n in _OPERATOR_BUFFERS)
+            em = self._buffers.get(_EXPERT_MAP)
+            h = torch.classes.nvfp4_moe.Layer(w13, s13, w2, s2, ws, em, self._config, self._g)
+            self.__dict__["_handle"] = h
+        return h
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -269,7 +305,33 @@ class MoeLayer(torch.nn.Module):
         topk_weights: Optional[torch.Tensor] = None,
         router_logits: Optional[torch.Tensor] = None,
         renormalize: bool = True,
+        *,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """``out``: the caller's output [T, H] of the layer's output dtype, written and returned (no
+        allocation; under torch.compile and with router logits it costs a copy)."""
+        # Eager with top-k ids on plain tensors: the four-argument operator (issue 20's host cost).
+        # (is_compiling first: a traced forward never looks at the handle.)
+        if (
+            not torch.compiler.is_compiling()
+            and router_logits is None
+            and topk_ids is not None
+            and topk_weights is not None
+            and type(hidden) is torch.Tensor
+        ):
+            h = self.__dict__.get("_handle")
+            if h is None:
+                h = self._eager_handle()
+            if out is None:
+                return _FORWARD_FAST(hidden, topk_ids, topk_weights, h)
+            _FORWARD_FAST_OUT(hidden, topk_ids, topk_weights, out, h)
+            return out
+        if out is not None:  # (checked before anything runs)
+            dtype = torch.float32 if self._config[9] else torch.bfloat16
+            shape = (hidden.shape[0], self.hidden)
+            if out.dtype != dtype or tuple(out.shape) != shape or out.device != self.w13.device or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {dtype} {list(shape)} on {self.w13.device}, got "
+                                 f"{out.dtype} {list(out.shape)} on {out.device}")
         top_k = topk_ids.shape[1] if topk_ids is not None else self.top_k
         if torch.compiler.is_compiling():
             # (Traced once: the plain lookups, which the graph then holds as inputs.)
@@ -277,10 +339,14 @@ class MoeLayer(torch.nn.Module):
             ws, em = self.workspace, self._buffers.get(_EXPERT_MAP)
         else:
             w13, s13, w2, s2, ws, em = self._operator_buffers()
-        return _FORWARD(
+        y = _FORWARD(
             hidden, w13, s13, w2, s2, topk_ids, topk_weights, router_logits, top_k, renormalize, ws, em, self._config,
             self._g,
         )
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
 
     @torch.compiler.disable
     def check(self, top_k: Optional[int] = None) -> None:

@@ -175,9 +175,50 @@ def test_replaced_buffers_are_what_the_forward_reads():
     zero = a(x, topk_ids=ids, topk_weights=w)
     assert torch.equal(zero, uncached(a, x, ids, w)) and not torch.equal(zero, before)
     a._apply(lambda t: t.clone())  # what Module.to does when it moves or converts
-    assert "_op_buffers" not in a.__dict__
+    assert "_op_buffers" not in a.__dict__ and "_handle" not in a.__dict__
     a.w2_scales.copy_(scales)  # into the new tensor: a cache kept across _apply would still read zeros
     assert torch.equal(a(x, topk_ids=ids, topk_weights=w), before)
+
+
+def test_eager_fast_path_and_out():
+    # The eager forward with top-k ids takes the four-argument operator over a Layer handle: the same
+    # bytes as the 14-argument one, into a new tensor or the caller's `out`; the router path and
+    # bad `out`s too.
+    layer, _, x, ids, w = layer_and_inputs(tokens=24)
+    want = uncached(layer, x, ids, w)
+    assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)
+    assert "_handle" in layer.__dict__
+    h = layer.__dict__["_handle"]
+    assert torch.equal(torch.ops.nvfp4_moe.forward_fast(x, ids, w, h), want)
+    out = torch.full_like(want, float("nan"))
+    assert layer(x, topk_ids=ids, topk_weights=w, out=out) is out
+    assert torch.equal(out, want)
+    out.fill_(float("nan"))
+    torch.ops.nvfp4_moe.forward_fast_out(x, ids, w, out, h)
+    assert torch.equal(out, want)
+    logits = torch.randn(x.shape[0], layer.experts, device="cuda")
+    out.fill_(float("nan"))
+    assert layer(x, router_logits=logits, out=out) is out
+    assert torch.equal(out, layer(x, router_logits=logits))
+    for bad in (out.float(), out[:, :-1], out[:-1], out.t().contiguous().t(), out.cpu()):
+        with pytest.raises((ValueError, TypeError)):
+            layer(x, topk_ids=ids, topk_weights=w, out=bad)
+        with pytest.raises(ValueError):
+            layer(x, router_logits=logits, out=bad)
+    with pytest.raises(ValueError):
+        torch.ops.nvfp4_moe.forward_fast(x.clone().requires_grad_(), ids, w, h)
+    with pytest.raises(ValueError):
+        torch.ops.nvfp4_moe.forward_fast(x, ids[:, :2].contiguous(), w, h)  # ids and weights disagree
+    with pytest.raises(ValueError):
+        torch.classes.nvfp4_moe.Layer(layer.w13.cpu(), layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace,
+                                      None, layer._config, layer._g)
+    with pytest.raises(ValueError):  # another layer's config
+        torch.classes.nvfp4_moe.Layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
+                                      [layer._config[0] * 2, *layer._config[1:]], layer._g)
+    assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)  # still works
+    del layer.workspace  # a removed buffer is named, not read through the handle
+    with pytest.raises(RuntimeError, match="workspace"):
+        layer(x, topk_ids=ids, topk_weights=w)
 
 
 def test_save_and_load_after_a_forward():
