@@ -98,6 +98,10 @@ def main() -> None:
             overload, fast = torch.ops.nvfp4_moe.forward.default, torch.ops.nvfp4_moe.forward_fast.default
             handle = op._eager_handle()
             op_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
+            # (the 14-argument overload, the fast one and the module with out= give the same bytes too)
+            want = overload(*args)
+            same = same and torch.equal(fast(x, ids, w, handle), want)
+            same = same and torch.equal(op(x, topk_ids=ids, topk_weights=w, out=op_out), want)
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # fixed outside a capture
             host = host_costs({
                 "op": lambda: op(x, topk_ids=ids, topk_weights=w),

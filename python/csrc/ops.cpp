@@ -5,6 +5,7 @@
 // (TypeError for dtypes, ValueError for shapes, devices and values, RuntimeError for CUDA), raised
 // before anything is enqueued.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -129,12 +130,14 @@ void init_workspace(const Tensor& workspace, at::IntArrayRef config, double nvfp
 }
 
 // The layer's buffers, as the forward reads them: the prepared weights (u8), their decode scale
-// pairs (f32, or their bits as i32: the module keeps them as i32 so that Module.to(dtype) leaves
-// them alone), the workspace (u8) and an expert shard's map (i32 [global_experts]). Checked on
-// every forward (a buffer may have been given new storage in place since it was last seen).
+// pairs (f32; a Layer holds the module's buffers, which keep them as their i32 bits so that
+// Module.to(dtype) leaves them alone), the workspace (u8) and an expert shard's map (i32
+// [global_experts]). Checked on every forward (a buffer may have been given new storage in place
+// since it was last seen).
 struct LayerBuffers {
   Tensor w13, w13_scales, w2, w2_scales, workspace;
   std::optional<Tensor> expert_map;
+  bool scales_as_bits = false;  // the scales are i32 (a Layer's), else f32
 };
 
 void check_buffers(const LayerBuffers& b, const nvfp4moe::MoeLayerDesc& d, const at::Device& device) {
@@ -145,7 +148,7 @@ void check_buffers(const LayerBuffers& b, const nvfp4moe::MoeLayerDesc& d, const
   }
   for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{b.w13_scales, "w13_scales"},
                                 {b.w2_scales, "w2_scales"}}) {
-    check_cuda_contiguous(t, name, t.scalar_type() == at::kInt ? at::kInt : at::kFloat, device);
+    check_cuda_contiguous(t, name, b.scales_as_bits ? at::kInt : at::kFloat, device);
   }
   // An expert shard's map: int32 [global_experts] on the layer's device; none for a whole layer.
   TORCH_CHECK_VALUE(b.expert_map.has_value() == (d.global_experts != 0),
@@ -177,14 +180,19 @@ void check_topk(const Tensor& ids, const Tensor& weights, int64_t tokens, int64_
                     "topk_ids and topk_weights must be [T, top_k] = [", tokens, ", ", top_k, "]");
 }
 
-// out [T, H] of the layer's output dtype: a new tensor, or the caller's (checked).
-Tensor output_for(const Tensor& hidden, const nvfp4moe::MoeLayerDesc& d, const std::optional<Tensor>& given,
-                  const at::Device& device) {
-  const at::ScalarType dtype = d.output_format == nvfp4moe::OutputFormat::kFp32 ? at::kFloat : at::kBFloat16;
-  if (!given) return at::empty({hidden.size(0), d.hidden}, hidden.options().dtype(dtype));
-  check_cuda_contiguous(*given, "out", dtype, device);
+at::ScalarType output_dtype(const nvfp4moe::MoeLayerDesc& d) {
+  return d.output_format == nvfp4moe::OutputFormat::kFp32 ? at::kFloat : at::kBFloat16;
+}
+
+// out [T, H] of the layer's output dtype: a new tensor, or the caller's (checked; it must not
+// overlap the inputs the forward reads while it writes out).
+Tensor output_for(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights,
+                  const nvfp4moe::MoeLayerDesc& d, const std::optional<Tensor>& given, const at::Device& device) {
+  if (!given) return at::empty({hidden.size(0), d.hidden}, hidden.options().dtype(output_dtype(d)));
+  check_cuda_contiguous(*given, "out", output_dtype(d), device);
   TORCH_CHECK_VALUE(given->dim() == 2 && given->size(0) == hidden.size(0) && given->size(1) == d.hidden,
                     "out must be [T, H] = [", hidden.size(0), ", ", d.hidden, "], got ", given->sizes());
+  for (const Tensor* t : {&hidden, &topk_ids, &topk_weights}) at::assert_no_overlap(*given, *t);
   return *given;
 }
 
@@ -236,16 +244,16 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
                       "router_logits must be [T, E] = [", tokens, ", ", e, "], got ", router_logits->sizes());
   }
   const c10::cuda::CUDAGuard guard(device);
-  const Tensor out = output_for(hidden, d, std::nullopt, device);
+  const Tensor out = at::empty({tokens, d.hidden}, hidden.options().dtype(output_dtype(d)));
   launch_forward(d, b, hidden, topk_ids ? &*topk_ids : nullptr, topk_weights ? &*topk_weights : nullptr,
                  router_logits ? &*router_logits : nullptr, top_k, renormalize, out, device);
   return out;
 }
 
 // torch.classes.nvfp4_moe.Layer: an eager forward's state made once (the layer's buffers, held by
-// reference so they stay alive, and its descriptor, checked by the core), so that a call passes
-// four arguments through the dispatcher instead of fourteen (issue 20's host cost). The buffers
-// are checked again on every call, as the 14-argument forward checks them.
+// reference so they stay alive, scales as their i32 bits, and its descriptor, checked by the core),
+// so that a call passes four arguments through the dispatcher instead of fourteen (issue 20's host
+// cost). The buffers are checked again on every call, as the 14-argument forward checks them.
 struct Layer : torch::CustomClassHolder {
   LayerBuffers buffers;
   nvfp4moe::MoeLayerDesc desc;
@@ -253,8 +261,8 @@ struct Layer : torch::CustomClassHolder {
 
   Layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor workspace, std::optional<Tensor> expert_map,
         std::vector<int64_t> config, double nvfp4_decode_scale)
-      : buffers{std::move(w13), std::move(w13_scales), std::move(w2), std::move(w2_scales), std::move(workspace),
-                std::move(expert_map)},
+      : buffers{std::move(w13),       std::move(w13_scales), std::move(w2), std::move(w2_scales),
+                std::move(workspace), std::move(expert_map), /*scales_as_bits=*/true},
         desc(layer_desc(config, nvfp4_decode_scale)),
         device(buffers.w13.device()) {
     TORCH_CHECK_VALUE(device.is_cuda(), "the layer's weights must be CUDA tensors");
@@ -269,7 +277,7 @@ Tensor forward_topk(const Tensor& hidden, const Tensor& topk_ids, const Tensor& 
   check_topk(topk_ids, topk_weights, hidden.size(0), topk_ids.dim() == 2 ? topk_ids.size(1) : 0, l.device);
   check_buffers(l.buffers, l.desc, l.device);
   const c10::cuda::CUDAGuard guard(l.device);
-  Tensor o = output_for(hidden, l.desc, out, l.device);
+  Tensor o = output_for(hidden, topk_ids, topk_weights, l.desc, out, l.device);
   launch_forward(l.desc, l.buffers, hidden, &topk_ids, &topk_weights, nullptr, topk_ids.size(1), false, o, l.device);
   return o;
 }
@@ -327,6 +335,14 @@ TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
   m.impl("init_workspace", &init_workspace);
   m.impl("forward", &forward);
   m.impl("read_error", &read_error);
+  m.impl("forward_fast", &forward_fast);
+  m.impl("forward_fast_out", &forward_fast_out);
+}
+
+// The fast operators' only tensor arguments are the inputs: with all of them on the CPU the
+// dispatcher would pick the CPU key. The same kernels there, so that the device check names it
+// (a ValueError, as for the 14-argument forward) instead of "could not run on the CPU backend".
+TORCH_LIBRARY_IMPL(nvfp4_moe, CPU, m) {
   m.impl("forward_fast", &forward_fast);
   m.impl("forward_fast_out", &forward_fast_out);
 }

@@ -23,8 +23,12 @@ from . import _ops  # noqa: F401  (loads the operators)
 # The overloads themselves: calling a packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
 _FORWARD = torch.ops.nvfp4_moe.forward.default
 # The eager path with top-k ids: four arguments, the layer's state in a torch.classes.nvfp4_moe.Layer.
-_FORWARD_FAST = torch.ops.nvfp4_moe.forward_fast.default
-_FORWARD_FAST_OUT = torch.ops.nvfp4_moe.forward_fast_out.default
+# (The overloads' C++ callables: an overload with a class argument is a TorchBindOpOverload, whose
+# Python __call__ walks the arguments' tree on every call to look for fake script objects.)
+_FORWARD_FAST = getattr(torch.ops.nvfp4_moe.forward_fast.default, "_op", torch.ops.nvfp4_moe.forward_fast.default)
+_FORWARD_FAST_OUT = getattr(
+    torch.ops.nvfp4_moe.forward_fast_out.default, "_op", torch.ops.nvfp4_moe.forward_fast_out.default
+)
 # The module's cached operator state (dropped whenever a buffer may have been replaced).
 _CACHES = ("_op_buffers", "_handle")
 # The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32),
@@ -261,13 +265,11 @@ class MoeLayer(torch.nn.Module):
             state.pop(c, None)
         return state
 
-    def _operator_buffers(
+    def _current_buffers(
         self,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(w13, w13 scales as float32, w2, w2 scales as float32, workspace, expert map) as the operator takes
-        them, made again when a buffer was replaced or a scale buffer's storage or shape changed
-        (``.data =``, ``set_``): in eager mode, the module's attribute lookups and the two views cost
-        several microseconds of host time per forward."""
+        """The buffers the operator reads, as registered now (scales as int32 bits); a RuntimeError
+        names a removed one."""
         b = self._buffers
         w13, s13, w2, s2, ws = (b.get(n) for n in _OPERATOR_BUFFERS)
         em = b.get(_EXPERT_MAP)
@@ -277,6 +279,16 @@ class MoeLayer(torch.nn.Module):
             names = _OPERATOR_BUFFERS + ((_EXPERT_MAP,) if self._config[8] else ())
             missing = [n for n in names if b.get(n) is None]
             raise RuntimeError(f"MoeLayer: buffer {', '.join(missing)} was removed")
+        return w13, s13, w2, s2, ws, em
+
+    def _operator_buffers(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(w13, w13 scales as float32, w2, w2 scales as float32, workspace, expert map) as the operator takes
+        them, made again when a buffer was replaced or a scale buffer's storage or shape changed
+        (``.data =``, ``set_``): in eager mode, the module's attribute lookups and the two views cost
+        several microseconds of host time per forward."""
+        w13, s13, w2, s2, ws, em = self._current_buffers()
         key, storage = (w13, s13, w2, s2, ws, em), (s13.data_ptr(), s13.shape, s2.data_ptr(), s2.shape)
         cached = self.__dict__.get("_op_buffers")
         if cached is None or cached[1] != storage or any(x is not y for x, y in zip(cached[0], key)):
@@ -285,18 +297,28 @@ class MoeLayer(torch.nn.Module):
         return cached[2]
 
     def _eager_handle(self) -> torch.ScriptObject:
-        """The torch.classes.nvfp4_moe.Layer of the current buffers (made once, dropped with the
-        caches): it holds them, so a forward passes four arguments to the operator."""
-        h = self.__dict__.get("_handle")
-        if h is None:
-            self._operator_buffers()  # (names a removed buffer)
+        """The torch.classes.nvfp4_moe.Layer of the current buffers: it holds them, so a forward
+        passes four arguments to the operator. Cached with the buffers it was made of (the cache is
+        a tuple, so torch.export's scan of module attributes does not take the handle for a
+        constant): made again when one of them is no longer the registered one (a replacement that
+        bypasses the module, e.g. ``_buffers[name] = t`` as torch.func.functional_call does)."""
+        b = self._buffers
+        c = self.__dict__.get("_handle")
+        if (
+            c is None
+            or b.get("w13") is not c[1]
+            or b.get("w13_scales") is not c[2]
+            or b.get("w2") is not c[3]
+            or b.get("w2_scales") is not c[4]
+            or b.get("workspace") is not c[5]
+            or b.get(_EXPERT_MAP) is not c[6]
+        ):
             # The buffers themselves, scales as their int32 bits, not views: a buffer given new
             # storage in place (.data =, set_) is then what the next forward reads.
-            w13, s13, w2, s2, ws = (self._buffers[n] for n in _OPERATOR_BUFFERS)
-            em = self._buffers.get(_EXPERT_MAP)
-            h = torch.classes.nvfp4_moe.Layer(w13, s13, w2, s2, ws, em, self._config, self._g)
-            self.__dict__["_handle"] = h
-        return h
+            bufs = self._current_buffers()
+            c = (torch.classes.nvfp4_moe.Layer(*bufs, self._config, self._g), *bufs)
+            self.__dict__["_handle"] = c
+        return c[0]
 
     def forward(
         self,
@@ -319,19 +341,21 @@ class MoeLayer(torch.nn.Module):
             and topk_weights is not None
             and type(hidden) is torch.Tensor
         ):
-            h = self.__dict__.get("_handle")
-            if h is None:
-                h = self._eager_handle()
+            h = self._eager_handle()
             if out is None:
                 return _FORWARD_FAST(hidden, topk_ids, topk_weights, h)
             _FORWARD_FAST_OUT(hidden, topk_ids, topk_weights, out, h)
             return out
-        if out is not None:  # (checked before anything runs)
+        if out is not None:  # (checked before anything runs, as the fast path's operator checks it)
             dtype = torch.float32 if self._config[9] else torch.bfloat16
             shape = (hidden.shape[0], self.hidden)
-            if out.dtype != dtype or tuple(out.shape) != shape or out.device != self.w13.device or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous {dtype} {list(shape)} on {self.w13.device}, got "
-                                 f"{out.dtype} {list(out.shape)} on {out.device}")
+            if out.dtype != dtype:
+                raise TypeError(f"out must be {dtype}, got {out.dtype}")
+            if tuple(out.shape) != shape or out.device != self.w13.device or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous [T, H] = {list(shape)} on {self.w13.device}, got "
+                                 f"{list(out.shape)} on {out.device}")
+            if torch.is_grad_enabled() and out.requires_grad:
+                raise ValueError("out requires grad: the operator has no backward (call it under torch.no_grad())")
         top_k = topk_ids.shape[1] if topk_ids is not None else self.top_k
         if torch.compiler.is_compiling():
             # (Traced once: the plain lookups, which the graph then holds as inputs.)

@@ -159,10 +159,11 @@ def test_replaced_buffers_are_what_the_forward_reads():
     b = nvfp4_moe.MoeLayer(*(random_projection(g, 16, n, k) for n, k in ((128, 256), (128, 256), (256, 128))),
                            max_tokens=64, top_k=4)
     before = a(x, topk_ids=ids, topk_weights=w)
+    a13 = a.w13.clone()
     for name in ("w13", "w13_scales", "w2", "w2_scales"):
         t = getattr(b, name).clone()
         if name == "w2":
-            a.register_buffer(name, t, persistent=False)  # (not through __setattr__: the identity check's case)
+            a.register_buffer(name, t, persistent=False)  # (not through __setattr__)
         else:
             setattr(a, name, t)  # one at a time: each one's replacement must be seen
         got = a(x, topk_ids=ids, topk_weights=w)
@@ -178,6 +179,13 @@ def test_replaced_buffers_are_what_the_forward_reads():
     assert "_op_buffers" not in a.__dict__ and "_handle" not in a.__dict__
     a.w2_scales.copy_(scales)  # into the new tensor: a cache kept across _apply would still read zeros
     assert torch.equal(a(x, topk_ids=ids, topk_weights=w), before)
+    # A buffer replaced past every module hook (torch.func.functional_call's way: _buffers[name] = t)
+    # is read too, and the old one again once it is back.
+    via_call = torch.func.functional_call(a, {"w13": a13}, (x,), {"topk_ids": ids, "topk_weights": w})
+    assert torch.equal(a(x, topk_ids=ids, topk_weights=w), before)
+    a._buffers["w13"] = a13
+    got = a(x, topk_ids=ids, topk_weights=w)
+    assert torch.equal(got, uncached(a, x, ids, w)) and torch.equal(got, via_call) and not torch.equal(got, before)
 
 
 def test_eager_fast_path_and_out():
@@ -200,11 +208,18 @@ def test_eager_fast_path_and_out():
     out.fill_(float("nan"))
     assert layer(x, router_logits=logits, out=out) is out
     assert torch.equal(out, layer(x, router_logits=logits))
-    for bad in (out.float(), out[:, :-1], out[:-1], out.t().contiguous().t(), out.cpu()):
-        with pytest.raises((ValueError, TypeError)):
+    for bad, error in ((out.float(), TypeError), (out[:, :-1], ValueError), (out[:-1], ValueError),
+                       (out.t().contiguous().t(), ValueError), (out.cpu(), ValueError)):
+        with pytest.raises(error):
             layer(x, topk_ids=ids, topk_weights=w, out=bad)
-        with pytest.raises(ValueError):
+        with pytest.raises(error):
             layer(x, router_logits=logits, out=bad)
+    with pytest.raises(ValueError):  # (the router path checks it before running)
+        layer(x, router_logits=logits, out=torch.zeros_like(out).requires_grad_())
+    with pytest.raises(RuntimeError):  # out overlapping an input the forward reads
+        layer(x, topk_ids=ids, topk_weights=w, out=x)
+    with pytest.raises(ValueError):  # all inputs on the CPU: the device is named, as for the 14-argument forward
+        layer(x.cpu(), topk_ids=ids.cpu(), topk_weights=w.cpu())
     with pytest.raises(ValueError):
         torch.ops.nvfp4_moe.forward_fast(x.clone().requires_grad_(), ids, w, h)
     with pytest.raises(ValueError):
@@ -212,6 +227,13 @@ def test_eager_fast_path_and_out():
     with pytest.raises(ValueError):
         torch.classes.nvfp4_moe.Layer(layer.w13.cpu(), layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace,
                                       None, layer._config, layer._g)
+    with pytest.raises(TypeError):  # a Layer holds the scales' int32 bits, the 14-argument forward float32
+        torch.classes.nvfp4_moe.Layer(layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales,
+                                      layer.workspace, None, layer._config, layer._g)
+    with pytest.raises(TypeError):
+        args = list(op_args(layer, x, ids, w))
+        args[2] = layer.w13_scales  # int32
+        torch.ops.nvfp4_moe.forward(*args)
     with pytest.raises(ValueError):  # another layer's config
         torch.classes.nvfp4_moe.Layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
                                       [layer._config[0] * 2, *layer._config[1:]], layer._g)
