@@ -36,7 +36,7 @@ busiest (the most tokens one rank received), B/row (bytes of one dispatched row:
 state as --payload sends it, ids and weights; nvfp4 quantizes with the step's amax / 2688 as the
 decode scale and adds NVFP4's error), whole (the one-rank layer over the T tokens) and
 shard (rank 0's shard over the same T tokens with the whole routing: its GEMMs' rows are its
-experts' only), both the mean GPU time of 20 forwards enqueued back to back. With --transport
+experts' only), both the median GPU time of 20 eager forwards, each after an L2 flush. With --transport
 loopback (the default) the N ranks are streams on GPU 0 sharing it: the step checks the exchange
 and the shards, its time is not a multi-GPU time; --transport nccl runs rank r on GPU r (the
 `nccl` feature, NCCL 2.28 or newer).
@@ -150,9 +150,9 @@ pub struct EpRow {
     pub phases_us: [f64; 4],
     pub remote_rows: usize,
     pub busiest_rows: usize,
-    /// The one-rank layer's GPU time per forward (back to back), us.
+    /// The one-rank layer's median GPU time of one forward after an L2 flush, us.
     pub whole_us: f64,
-    /// Rank 0's shard over all T tokens, GPU time per forward (back to back), us.
+    /// Rank 0's shard over all T tokens, median GPU time of one forward after an L2 flush, us.
     pub shard_us: f64,
 }
 
@@ -351,7 +351,7 @@ fn run_ep(args: &BenchArgs, global: Global, n: usize, max_t: usize) -> CliResult
                 r.shard_us
             );
         }
-        out!("(us; step: median of {BENCH_REPS} steps' wall time; phases: a profiled step's, ranks synchronized after each; whole and shard: GPU time per forward, {BENCH_REPS} back to back)");
+        out!("(us; step: median of {BENCH_REPS} steps' wall time; phases: a profiled step's, ranks synchronized after each; whole and shard: median GPU time of {BENCH_REPS} forwards, each after an L2 flush)");
     }
     if let Some(path) = &args.json_file {
         let mut s = serde_json::to_string_pretty(&doc).unwrap_or_default();
@@ -562,28 +562,31 @@ mod gpu_run {
         Ok((gpu, rows))
     }
 
-    /// GPU time per forward of `f` (us): 3 warm-up runs, then [`BENCH_REPS`] back to back between
-    /// two events.
-    fn time_back_to_back(
-        stream: &Arc<CudaStream>,
-        mut f: impl FnMut() -> nvfp4_moe::Result<()>,
-    ) -> nvfp4_moe::Result<f64> {
+    /// GPU time of one forward of `f` (us): 3 warm-up runs, then the median of [`BENCH_REPS`] runs,
+    /// each after an L2 flush (a [`FLUSH_BYTES`] memset, which also lets the host enqueue the
+    /// forward ahead of the GPU). (Not back to back: a forward repeated over the same routing finds
+    /// a small expert set's weights in L2, e.g. one deepseek-v3 expert's 25 MB at T = 1.)
+    fn time_flushed(stream: &Arc<CudaStream>, mut f: impl FnMut() -> nvfp4_moe::Result<()>) -> nvfp4_moe::Result<f64> {
         use cudarc::driver::sys::CUevent_flags;
         for _ in 0..3 {
             f()?;
         }
+        let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
         let ctx = stream.context();
         let (start, end) = (
             ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
             ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
         );
-        start.record(stream)?;
+        let mut times = Vec::with_capacity(BENCH_REPS);
         for _ in 0..BENCH_REPS {
+            stream.memset_zeros(&mut flush)?;
+            start.record(stream)?;
             f()?;
+            end.record(stream)?;
+            end.synchronize()?;
+            times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
         }
-        end.record(stream)?;
-        end.synchronize()?;
-        Ok(f64::from(start.elapsed_ms(&end)?) * 1e3 / BENCH_REPS as f64)
+        Ok(median(&mut times))
     }
 
     /// The ranks' transport of `--transport`.
@@ -703,14 +706,14 @@ mod gpu_run {
                 let (xd, idd, wd) = (stream.clone_htod(&hidden)?, stream.clone_htod(&ids)?, stream.clone_htod(&wts)?);
                 let mut out = stream.alloc_zeros::<f32>(t * h)?;
                 let input = MoeInput { hidden: &xd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
-                let whole_us = time_back_to_back(&stream, || whole.forward(&stream, &input, &mut out, &mut whole_ws))?;
+                let whole_us = time_flushed(&stream, || whole.forward(&stream, &input, &mut out, &mut whole_ws))?;
                 let s0 = runner.transport().stream(0).clone();
                 let (xs, ids0, ws0) = (s0.clone_htod(&hidden)?, s0.clone_htod(&ids)?, s0.clone_htod(&wts)?);
                 let mut out0 = s0.alloc_zeros::<f32>(t * h)?;
                 let shard = runner.layer(0);
                 let mut shard_ws = shard.workspace(&s0)?;
                 let input0 = MoeInput { hidden: &xs, tokens: t, topk_ids: &ids0, topk_weights: &ws0, top_k: k };
-                let shard_us = time_back_to_back(&s0, || shard.forward(&s0, &input0, &mut out0, &mut shard_ws))?;
+                let shard_us = time_flushed(&s0, || shard.forward(&s0, &input0, &mut out0, &mut shard_ws))?;
                 let row = EpRow {
                     preset: p.name,
                     tokens: t,
