@@ -193,6 +193,18 @@ size_t grouped_scale_bytes(int64_t rows, int64_t experts, int64_t cols) noexcept
   return size_t(scale_rows) * size_t((cols / 16 + 3) / 4 * 4);
 }
 
+// The grid of the one-warp-per-row kernels above over `rows` rows: at most 8 CTAs per SM of the
+// current device (its SM count asked, and a failure to tell it an error, not a guess).
+static Status row_grid(const char* what, int64_t rows, unsigned* grid) {
+  int device = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return fail(Status::kCudaError, "%s: the device's SM count: %s", what, cudaGetErrorString(e));
+  const int64_t want = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  *grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  return Status::kSuccess;
+}
+
 Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexcept {
   // Shapes, counts and the source: the rules live in can_implement.cpp only.
   if (Status s = quantize_nvfp4_grouped_can_implement(a); s != Status::kSuccess) return s;
@@ -208,11 +220,8 @@ Status quantize_nvfp4_grouped(const QuantizeGroupedArgs& a, void* stream) noexce
     return fail(Status::kCudaError, "quantize_nvfp4_grouped: cudaMemsetAsync: %s", cudaGetErrorString(e));
   }
   if (a.rows == 0) return Status::kSuccess;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int64_t want = (a.rows + kThreads / 32 - 1) / (kThreads / 32);
-  unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  unsigned grid = 0;
+  if (Status s = row_grid("quantize_nvfp4_grouped", a.rows, &grid); s != Status::kSuccess) return s;
   auto kernel = a.source == GroupedSource::kContiguous ? quantize_grouped_kernel<GroupedSource::kContiguous>
                                                        : quantize_grouped_kernel<GroupedSource::kInterleavedSwiglu>;
   kernel<<<grid, kThreads, 0, st>>>(static_cast<const __nv_bfloat16*>(a.x), int(a.rows), int(a.cols), a.expert_offsets,
@@ -230,11 +239,8 @@ Status dequantize_nvfp4_grouped(const DequantizeGroupedArgs& a, void* stream) no
   if (!aligned(a.codes, 8) || !aligned(a.out, 16)) {
     return fail(Status::kMisaligned, "dequantize_nvfp4_grouped: codes must be 8-byte and out 16-byte aligned");
   }
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int64_t want = (a.rows + kThreads / 32 - 1) / (kThreads / 32);
-  unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  unsigned grid = 0;
+  if (Status s = row_grid("dequantize_nvfp4_grouped", a.rows, &grid); s != Status::kSuccess) return s;
   dequantize_grouped_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(a.codes), static_cast<const uint8_t*>(a.scales), int(a.rows), int(a.cols),
       a.expert_offsets, int(a.experts), a.decode_scales, int(a.num_decode_scales),
@@ -257,11 +263,8 @@ Status dequantize_nvfp4_dispatched(const void* codes, const void* scales, int64_
   if (!aligned(codes, 8) || !aligned(out, 16)) {
     return fail(Status::kMisaligned, "%s: codes must be 8-byte and out 16-byte aligned", what);
   }
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t want = (experts * stride + kThreads / 32 - 1) / (kThreads / 32);
-  const unsigned grid = unsigned(std::min<int64_t>(want, int64_t(std::max(sms, 1)) * 8));
+  unsigned grid = 0;
+  if (Status s = row_grid(what, experts * stride, &grid); s != Status::kSuccess) return s;
   dequantize_dispatched_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const uint8_t*>(codes), static_cast<const uint8_t*>(scales), int(experts), int(stride), counts,
       int(cols), decode_scales, int(num_decode_scales), static_cast<__nv_bfloat16*>(out));

@@ -504,12 +504,12 @@ impl<T: Transport> EpRunner<T> {
     /// every expert). Synchronizes each rank's stream once (the plan reads the routing back);
     /// the rest is enqueued on the ranks' streams.
     ///
-    /// Every buffer of rank `r` must be on rank `r`'s device (not checked: a buffer of another
-    /// device faults the kernels that read it).
+    /// Every buffer of rank `r` must be on rank `r`'s device (its home stream's device).
     ///
     /// # Errors
-    /// Before anything is enqueued: a rank count, token count or top-k out of range, a buffer too
-    /// small ([`Error::BufferTooSmall`]) or misaligned ([`Error::Misaligned`]: `hidden` 4 bytes,
+    /// Before anything is enqueued: a rank count, token count or top-k out of range, a buffer on
+    /// another device than its rank's ([`Error::Invalid`]), too small ([`Error::BufferTooSmall`]) or
+    /// misaligned ([`Error::Misaligned`]: `hidden` 4 bytes,
     /// 16 with an NVFP4 payload; ids and weights 4; `out` 16), an expert id outside `[0, E)`
     /// ([`Error::Invalid`], named by rank, token and slot); then a failed launch or exchange.
     pub fn forward<H, I, W>(
@@ -549,6 +549,21 @@ impl<T: Transport> EpRunner<T> {
             check_len("topk_ids", input.topk_ids.len(), input.tokens * top_k)?;
             check_len("topk_weights", input.topk_weights.len(), input.tokens * top_k)?;
             check_len("out", out.len(), input.tokens * h)?;
+            // Each buffer on its rank's device (a buffer of another device would fault the kernels
+            // that read it; its home stream tells its device without a driver call).
+            let device = self.transport.stream(r).context().ordinal();
+            for (what, on) in [
+                ("hidden", input.hidden.stream().context().ordinal()),
+                ("topk_ids", input.topk_ids.stream().context().ordinal()),
+                ("topk_weights", input.topk_weights.stream().context().ordinal()),
+                ("out", out.stream().context().ordinal()),
+            ] {
+                if on != device {
+                    return Err(Error::Invalid(format!(
+                        "rank {r}: {what} is on device {on}, the rank's stream on device {device}"
+                    )));
+                }
+            }
             if input.tokens > 0 {
                 // The gathers copy 4-byte words; the NVFP4 quantizer reads 16-byte vectors; the
                 // sums write float4.
