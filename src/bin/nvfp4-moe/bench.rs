@@ -2,6 +2,7 @@
 //! shapes and token counts.
 
 use nvfp4_moe::presets::{self, Preset};
+use nvfp4_moe::testing::Rng;
 use serde_json::json;
 
 use crate::check::{parse_count, parse_preset, IntermediateArg};
@@ -15,12 +16,18 @@ nothing large on the host), a MoeLayer sized for the largest T, and for each T b
 (token t's slot j goes to expert (t * k + j) % E, weights 1/k) and random hidden states. The
 forward is captured into a CUDA graph on its own stream; each of 20 replays runs after a 256 MiB
 memset that flushes L2, and only the replay is timed (CUDA events). Reports the median:
-  TB/s     weight bytes read / time: min(E, T x k) active experts x 3 x H x I x 0.5625 B
+  TB/s     weight bytes read / time: the active experts x 3 x H x I x 0.5625 B
   TFLOP/s  2 x T x k x 3 x H x I / time
   floor/t  max(bytes / 4.3 TB/s, flops / 795 TFLOP/s) / time (H200 measured ceilings)
 --tile forces one GEMM tile for every T (auto: the library's choice per T, shown in the tile
 column); --batch-invariant turns split-K off (what batch invariance costs). Progress goes to
 stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
+
+--routing balanced,skewed times each T under each routing (default balanced). skewed: expert
+popularity proportional to 1 / rank^1.2 (the ranks a permutation of the experts, seeded), each
+token's k experts drawn without replacement by popularity, the same ids every run (seed 0x5ce70001;
+token t's ids do not depend on T); TB/s counts the experts the routing reaches, so a skewed row
+reads fewer weight bytes at small T.
 
 --dispatched also times, for each T, the pre-dispatched forward (MoeLayer::forward_dispatched)
 over the same routing's rows grouped by expert: [E, M, H] with M the largest expert's rows, the
@@ -43,6 +50,7 @@ and the shards, its time is not a multi-GPU time; --transport nccl runs rank r o
 
 Example:
   nvfp4-moe bench --preset deepseek-v3,mixtral-8x7b --tokens 1,16,1024 --json-file layer.json
+  nvfp4-moe bench --preset deepseek-v3 --tokens 8192 --routing balanced,skewed
   nvfp4-moe bench --preset deepseek-v3 --tokens 1,128,8192 --ep 8";
 
 /// Replays timed per (preset, T).
@@ -106,6 +114,16 @@ pub struct BenchArgs {
     /// Also time the pre-dispatched forward of each T (see below)
     #[arg(long, conflicts_with = "ep")]
     pub dispatched: bool,
+    /// Comma-separated routings, each timed at every T: balanced, skewed (see below)
+    #[arg(
+        long,
+        value_enum,
+        value_name = "R",
+        value_delimiter = ',',
+        default_value = "balanced",
+        conflicts_with = "ep"
+    )]
+    pub routing: Vec<RoutingArg>,
     /// Time expert parallelism over N ranks (see below) instead of the one-GPU layer
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub ep: Option<u16>,
@@ -115,6 +133,32 @@ pub struct BenchArgs {
     /// What --ep's tokens travel as: bf16, or nvfp4 (decode scale from the step's amax)
     #[arg(long, value_enum, value_name = "P", default_value = "bf16", requires = "ep")]
     pub payload: PayloadArg,
+}
+
+/// `--routing`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RoutingArg {
+    /// Slot j of token t to expert (t k + j) % E: every expert the same count +- 1
+    Balanced,
+    /// Expert popularity 1 / rank^1.2, a token's k experts drawn without replacement (seeded)
+    Skewed,
+}
+
+impl RoutingArg {
+    pub fn name(self) -> &'static str {
+        match self {
+            RoutingArg::Balanced => "balanced",
+            RoutingArg::Skewed => "skewed",
+        }
+    }
+
+    /// The ids of `tokens` tokens (token t's do not depend on `tokens`: a prefix serves every T).
+    pub fn ids(self, tokens: usize, top_k: usize, experts: usize) -> Vec<i32> {
+        match self {
+            RoutingArg::Balanced => balanced_ids(tokens, top_k, experts),
+            RoutingArg::Skewed => skewed_ids(tokens, top_k, experts, SKEW_SEED),
+        }
+    }
 }
 
 /// `--payload`.
@@ -163,11 +207,64 @@ pub fn balanced_ids(tokens: usize, top_k: usize, experts: usize) -> Vec<i32> {
 }
 
 /// Weight bytes read and FLOPs of one forward of `tokens` tokens over preset `p`.
-pub fn bench_work(p: &Preset, tokens: usize) -> (f64, f64) {
-    let pairs = tokens * p.top_k;
-    let active = p.experts.min(pairs) as f64;
+pub fn bench_work(p: &Preset, ids: &[i32]) -> (f64, f64) {
+    let mut seen = vec![false; p.experts];
+    for &id in ids {
+        if let Some(s) = usize::try_from(id).ok().and_then(|e| seen.get_mut(e)) {
+            *s = true;
+        }
+    }
+    let active = seen.iter().filter(|&&s| s).count() as f64;
     let hi = (p.hidden * p.intermediate) as f64;
-    (active * 3.0 * hi * 0.5625, 2.0 * pairs as f64 * 3.0 * hi)
+    (active * 3.0 * hi * 0.5625, 2.0 * ids.len() as f64 * 3.0 * hi)
+}
+
+/// The popularity exponent and seed of `--routing skewed`.
+pub const SKEW_EXPONENT: f64 = 1.2;
+pub const SKEW_SEED: u64 = 0x5ce7_0001;
+
+/// Skewed routing of `tokens` tokens (`--routing skewed`): expert e's popularity is 1 / r(e)^1.2,
+/// r a permutation of 1..=E drawn from `seed` (so that the popular experts are spread over the
+/// expert order, as in a trained router); each token's `top_k` experts are drawn without
+/// replacement by popularity (`top_k` <= E). Deterministic for its arguments; token t's ids do not
+/// depend on `tokens`.
+pub fn skewed_ids(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32> {
+    let mut rng = Rng::new(seed);
+    let mut rank: Vec<usize> = (1..=experts).collect();
+    for i in (1..experts).rev() {
+        rank.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let popularity: Vec<f64> = rank.iter().map(|&r| (r as f64).powf(-SKEW_EXPONENT)).collect();
+    let total: f64 = popularity.iter().sum();
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    let mut taken = vec![false; experts];
+    for _ in 0..tokens {
+        let first = ids.len();
+        let mut left = total;
+        for _ in 0..top_k.min(experts) {
+            // A uniform draw over the experts not taken yet, by popularity (53 random bits).
+            let mut x = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * left;
+            let mut pick = None;
+            for (e, &w) in popularity.iter().enumerate() {
+                if taken[e] {
+                    continue;
+                }
+                pick = Some(e); // (the last one left, should rounding run x past the end)
+                if x < w {
+                    break;
+                }
+                x -= w;
+            }
+            let e = pick.unwrap_or(0);
+            taken[e] = true;
+            left -= popularity[e];
+            ids.push(e as i32);
+        }
+        for &e in &ids[first..] {
+            taken[e as usize] = false;
+        }
+    }
+    ids
 }
 
 /// The roofline floor of `(bytes, flops)` in microseconds.
@@ -185,6 +282,8 @@ pub struct BenchRow {
     pub us: f64,
     pub bytes: f64,
     pub flops: f64,
+    /// `--routing`'s name (`balanced`, `skewed`).
+    pub routing: &'static str,
 }
 
 impl BenchRow {
@@ -221,6 +320,7 @@ pub fn bench_json(gpu: &str, intermediate: IntermediateArg, rows: &[BenchRow]) -
                 "intermediate": p.map(|p| p.intermediate),
                 "top_k": p.map(|p| p.top_k),
                 "tokens": r.tokens,
+                "routing": r.routing,
                 "tile": r.tile,
                 "us": r.us,
                 "weight_bytes": r.bytes,
@@ -260,12 +360,23 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     if global.json {
         print_json(&doc);
     } else {
-        out!("{:<16} {:>6} {:>9} {:>11} {:>8} {:>9} {:>8}", "preset", "T", "tile", "us", "TB/s", "TFLOP/s", "floor/t");
+        out!(
+            "{:<16} {:>6} {:>8} {:>10} {:>11} {:>8} {:>9} {:>8}",
+            "preset",
+            "T",
+            "routing",
+            "tile",
+            "us",
+            "TB/s",
+            "TFLOP/s",
+            "floor/t"
+        );
         for r in &rows {
             out!(
-                "{:<16} {:>6} {:>9} {:>11.2} {:>8.3} {:>9.1} {:>8.2}",
+                "{:<16} {:>6} {:>8} {:>10} {:>11.2} {:>8.3} {:>9.1} {:>8.2}",
                 r.preset,
                 r.tokens,
+                r.routing,
                 r.tile,
                 r.us,
                 r.tbps(),
@@ -374,9 +485,7 @@ mod gpu_run {
     use nvfp4_moe::{Error, Intermediate, MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
     use tracing::info;
 
-    use super::{
-        balanced_ids, bench_work, median, BenchArgs, BenchRow, EpRow, PayloadArg, TransportArg, BENCH_REPS, FLUSH_BYTES,
-    };
+    use super::{bench_work, median, BenchArgs, BenchRow, EpRow, PayloadArg, TransportArg, BENCH_REPS, FLUSH_BYTES};
     use crate::check::IntermediateArg;
     use crate::common::{fmt_bytes, fmt_dur, progress, CliResult};
     use crate::gpu::require_gpu;
@@ -388,6 +497,8 @@ mod gpu_run {
         ws: &'a mut MoeWorkspace,
         hidden: &'a CudaSlice<bf16>,
         ids: &'a CudaSlice<i32>,
+        /// `ids` on the host (the pre-dispatched layout is made from them).
+        host_ids: &'a [i32],
         weights: &'a CudaSlice<f32>,
         out: &'a mut CudaSlice<bf16>,
         flush: &'a mut CudaSlice<u8>,
@@ -441,16 +552,15 @@ mod gpu_run {
         Ok(median(&mut times))
     }
 
-    /// Captures one pre-dispatched forward of the balanced routing's first `tokens` tokens (rows
-    /// grouped by expert, M the largest count) into a CUDA graph; the median replay time (us) over
+    /// Captures one pre-dispatched forward of the routing's first `tokens` tokens (rows grouped by
+    /// expert, M the largest count) into a CUDA graph; the median replay time (us) over
     /// [`BENCH_REPS`] replays, each after an L2 flush.
     fn time_dispatched(f: &mut Timed<'_>, tokens: usize, top_k: usize, experts: usize) -> nvfp4_moe::Result<f64> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         let stream = f.stream;
         let h = f.layer.weights().hidden;
-        let ids = balanced_ids(tokens, top_k, experts);
         let mut counts = vec![0i32; experts];
-        for &id in &ids {
+        for &id in &f.host_ids[..tokens * top_k] {
             counts[id as usize] += 1;
         }
         let m = counts.iter().copied().max().unwrap_or(0).max(1) as usize;
@@ -486,7 +596,7 @@ mod gpu_run {
         let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
         let mut rng = Rng::from_entropy();
         let mut rows = Vec::new();
-        let pb = progress("bench", (presets.len() * tokens.len()) as u64, "cases");
+        let pb = progress("bench", (presets.len() * tokens.len() * args.routing.len()) as u64, "cases");
         for p in presets {
             let (e, h, i, k) = (p.experts, p.hidden, p.intermediate, p.top_k);
             pb.set_message(format!("{}: making weights", p.name));
@@ -502,9 +612,13 @@ mod gpu_run {
             let mut layer = MoeLayer::new(weights, opts)?;
             let mut ws = layer.workspace(&stream)?;
             let hidden = stream.clone_htod(&rng.normal_bf16(max_t * h, 1.0))?;
-            // Token t's routing does not depend on T: one buffer serves every T as a prefix.
-            let ids = stream.clone_htod(&balanced_ids(max_t, k, e))?;
+            // Token t's routing does not depend on T: one buffer per routing serves every T as a
+            // prefix.
+            let routings: Vec<(super::RoutingArg, Vec<i32>)> =
+                args.routing.iter().map(|&r| (r, r.ids(max_t, k, e))).collect();
             if args.intermediate == IntermediateArg::Nvfp4 {
+                // (Calibrated once per preset, over the first routing's first tokens.)
+                let ids = stream.clone_htod(&routings[0].1)?;
                 let g = layer.calibrate_nvfp4_scale(&stream, &hidden, max_t.min(64), &ids, k, &mut ws)?;
                 info!("{}: NVFP4 intermediate, calibrated decode scale {g:.4e}", p.name);
                 layer = layer.with_intermediate(Intermediate::Nvfp4 { decode_scale: g })?;
@@ -519,43 +633,58 @@ mod gpu_run {
                 fmt_bytes(p.layer_bytes()),
                 fmt_dur(t.elapsed())
             );
-            let mut timed = Timed {
-                stream: &stream,
-                layer: &layer,
-                ws: &mut ws,
-                hidden: &hidden,
-                ids: &ids,
-                weights: &weights,
-                out: &mut out,
-                flush: &mut flush,
-            };
-            for &t in tokens {
-                pb.set_message(format!("{} T={t}", p.name));
-                let us = time_forward(&mut timed, t, k)?;
-                let (bytes, flops) = bench_work(p, t);
-                let row = BenchRow {
-                    preset: p.name,
-                    tokens: t,
-                    tile: format!("{:?}", layer.gemm_tiles(t, k)?.0),
-                    us,
-                    bytes,
-                    flops,
+            for (routing, host_ids) in &routings {
+                let ids = stream.clone_htod(host_ids)?;
+                let mut timed = Timed {
+                    stream: &stream,
+                    layer: &layer,
+                    ws: &mut ws,
+                    hidden: &hidden,
+                    ids: &ids,
+                    host_ids,
+                    weights: &weights,
+                    out: &mut out,
+                    flush: &mut flush,
                 };
-                info!(
-                    "  {} T={t}: {us:.1} us, {:.2} TB/s, {:.1} TFLOP/s, floor/t {:.2}",
-                    p.name,
-                    row.tbps(),
-                    row.tflops(),
-                    row.floor_ratio()
-                );
-                rows.push(row);
-                if args.dispatched {
-                    let us = time_dispatched(&mut timed, t, k, e)?;
-                    info!("  {} T={t}: pre-dispatched {us:.1} us", p.name);
-                    let (bytes, flops) = bench_work(p, t);
-                    rows.push(BenchRow { preset: p.name, tokens: t, tile: "dispatched".into(), us, bytes, flops });
+                for &t in tokens {
+                    pb.set_message(format!("{} T={t} ({})", p.name, routing.name()));
+                    let us = time_forward(&mut timed, t, k)?;
+                    let (bytes, flops) = bench_work(p, &host_ids[..t * k]);
+                    let row = BenchRow {
+                        preset: p.name,
+                        tokens: t,
+                        tile: format!("{:?}", layer.gemm_tiles(t, k)?.0),
+                        us,
+                        bytes,
+                        flops,
+                        routing: routing.name(),
+                    };
+                    info!(
+                        "  {} T={t} ({}): {us:.1} us, {:.2} TB/s, {:.1} TFLOP/s, floor/t {:.2}",
+                        p.name,
+                        routing.name(),
+                        row.tbps(),
+                        row.tflops(),
+                        row.floor_ratio()
+                    );
+                    rows.push(row);
+                    if args.dispatched {
+                        let us = time_dispatched(&mut timed, t, k, e)?;
+                        info!("  {} T={t} ({}): pre-dispatched {us:.1} us", p.name, routing.name());
+                        let (bytes, flops) = bench_work(p, &host_ids[..t * k]);
+                        let tile = "dispatched".into();
+                        rows.push(BenchRow {
+                            preset: p.name,
+                            tokens: t,
+                            tile,
+                            us,
+                            bytes,
+                            flops,
+                            routing: routing.name(),
+                        });
+                    }
+                    pb.inc(1);
                 }
-                pb.inc(1);
             }
         }
         pb.finish_and_clear();
@@ -783,6 +912,55 @@ mod tests {
         assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
     }
 
+    /// `--routing skewed`: seeded and repeatable, distinct ids per token, T-independent tokens,
+    /// popularity falling with rank (the counts of the experts in rank order, by decile), the work
+    /// counting only the experts it routes to.
+    #[test]
+    fn skewed_routing() {
+        let (t, k, e) = (4096usize, 8usize, 256usize);
+        let ids = skewed_ids(t, k, e, SKEW_SEED);
+        assert_eq!(ids, RoutingArg::Skewed.ids(t, k, e));
+        assert_eq!(&skewed_ids(100, k, e, SKEW_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
+        assert_ne!(skewed_ids(100, k, e, SKEW_SEED + 1), &ids[..100 * k], "the seed is ignored");
+        let mut counts = vec![0usize; e];
+        for tok in ids.chunks(k) {
+            let mut s = tok.to_vec();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), k, "{tok:?}");
+            for &id in tok {
+                assert!((0..e as i32).contains(&id));
+                counts[id as usize] += 1;
+            }
+        }
+        // Counts in decreasing order fall steeply: 1 / r^1.2 over 256 experts, 8 drawn without
+        // replacement, gives the top expert ~93% of the tokens, the 26th ~220, the median ~33 and
+        // the last ~7 of 4096 (a simulation of the same rule); no expert gets more than every token.
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        assert!(counts[0] <= t && counts[0] > t * 8 / 10, "{}", counts[0]);
+        assert!(counts[0] > 50 * counts[e / 2], "top {} vs median {}", counts[0], counts[e / 2]);
+        assert!(counts[e / 10] > counts[e / 2] && counts[e / 2] >= counts[e - 1]);
+        // k = E: every token gets every expert once.
+        for tok in skewed_ids(5, 4, 4, 7).chunks(4) {
+            let mut s = tok.to_vec();
+            s.sort();
+            assert_eq!(s, [0, 1, 2, 3]);
+        }
+        // The work follows the routing: its active experts only.
+        let p = presets::preset("deepseek-v3").unwrap();
+        let one = skewed_ids(1, 8, 256, SKEW_SEED);
+        assert_eq!(bench_work(&p, &one).0, 8.0 * 3.0 * 7168.0 * 2048.0 * 0.5625);
+        let (b, _) = bench_work(&p, &ids[..16 * 8]);
+        let active = {
+            let mut s = ids[..16 * 8].to_vec();
+            s.sort();
+            s.dedup();
+            s.len()
+        };
+        assert!(active < 16 * 8, "16 skewed tokens share experts");
+        assert_eq!(b, active as f64 * 3.0 * 7168.0 * 2048.0 * 0.5625);
+    }
+
     #[test]
     fn balanced_routing_and_bench_metrics() {
         let ids = balanced_ids(5, 3, 4);
@@ -798,16 +976,24 @@ mod tests {
         }
         let p = presets::preset("deepseek-v3").unwrap();
         // T = 1: 8 active experts.
-        let (b, f) = bench_work(&p, 1);
+        let (b, f) = bench_work(&p, &balanced_ids(1, 8, 256));
         assert_eq!(b, 8.0 * 3.0 * 7168.0 * 2048.0 * 0.5625);
         assert_eq!(f, 2.0 * 8.0 * 3.0 * 7168.0 * 2048.0);
         // T = 1024: every expert active.
-        let (b, f) = bench_work(&p, 1024);
+        let (b, f) = bench_work(&p, &balanced_ids(1024, 8, 256));
         assert_eq!(b, 256.0 * 3.0 * 7168.0 * 2048.0 * 0.5625);
         assert_eq!(f, 2.0 * 8192.0 * 3.0 * 7168.0 * 2048.0);
         assert!((floor_us(4.3e12, 0.0) - 1e6).abs() < 1e-6);
         assert!((floor_us(0.0, 795e12) - 1e6).abs() < 1e-6);
-        let r = BenchRow { preset: p.name, tokens: 1, tile: "M128N16".into(), us: 1e6, bytes: 2.15e12, flops: 795e12 };
+        let r = BenchRow {
+            preset: p.name,
+            tokens: 1,
+            tile: "M128N16".into(),
+            us: 1e6,
+            bytes: 2.15e12,
+            flops: 795e12,
+            routing: "balanced",
+        };
         assert!((r.tbps() - 2.15).abs() < 1e-9 && (r.tflops() - 795.0).abs() < 1e-9);
         assert!((r.floor_ratio() - 1.0).abs() < 1e-9);
         let json = bench_json("H200", IntermediateArg::Bf16, &[r]);
