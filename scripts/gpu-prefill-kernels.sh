@@ -18,7 +18,7 @@ cli=gpu-bundle/nvfp4-moe
 kernels='regex:count_kernel|scan_kernel|scatter_kernel|route_small_kernel|gather_kernel|combine_kernel|grouped_gemm|softmax_topk|swiglu_bf16|quantize_grouped|dequantize_grouped'
 for p in ${presets//,/ }; do
   for r in balanced skewed; do
-    timeout 240 ncu --csv --metrics gpu__time_duration.sum --kernel-name "$kernels" --launch-count 24 \
+    timeout 240 ncu --csv --clock-control none --metrics gpu__time_duration.sum --kernel-name "$kernels" --launch-count 24 \
       "$cli" bench --preset "$p" --tokens "$t" --routing "$r" >"$out/kernels/$p.$t.$r.csv" 2>"$out/kernels/$p.$t.$r.err"
     echo "ncu $p T=$t $r: rc=$? $(grep -c gpu__time_duration "$out/kernels/$p.$t.$r.csv") kernels"
   done

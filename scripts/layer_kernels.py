@@ -29,13 +29,17 @@ import statistics
 PRESETS = {"deepseek-v3": (256, 7168, 2048, 8), "qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
            "qwen3-235b-a22b": (128, 4096, 1536, 8), "gpt-oss-120b": (128, 2880, 2880, 4), "kimi-k2": (384, 7168, 2048, 8)}
 HBM = 4.3e12
+# Nsight Compute's duration units, in microseconds.
+UNIT_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 # Kernels of the bench's set-up, not of a forward (weight preparation, the workspace's initialization).
 NOT_FORWARD = ("prepare_kernel", "initialize_kernel")
 
 
 def kernel_kind(name: str) -> str:
     """A short name per layer kernel (the GEMMs by epilogue: 0 = Plain is L2, the SwiGLU ones L1)."""
-    m = re.search(r"grouped_gemm_kernel<gemm::Config<(\d+), \d+, \d+, (\d+)", name)
+    # (ncu prints `gemm::Config<16, 3, 2, 2, ...>`; a fully demangled name reads
+    # `nvfp4moe::gemm::Config<16, 3, 2, (nvfp4moe::GemmEpilogue)2, ...>`.)
+    m = re.search(r"grouped_gemm_kernel<(?:[\w:]+::)?Config<(\d+), \d+, \d+, (?:\([\w:]+\))?(\d+)", name)
     if m:
         return f"gemm {'L2' if m.group(2) == '0' else 'L1'} N{m.group(1)}"
     if "grouped_gemm_warp" in name:
@@ -62,7 +66,6 @@ def floor_us(kind: str, e: int, h: int, i: int, k: int, t: int, active: int, bf1
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bf16-tflops", type=float, default=795.0)
-    ap.add_argument("--active", type=int, default=0, help="experts reached (default: all E)")
     ap.add_argument("csv", nargs="+")
     a = ap.parse_args()
     bf16 = a.bf16_tflops * 1e12
@@ -73,12 +76,18 @@ def main() -> None:
         durations: dict = collections.defaultdict(list)
         with open(path, newline="") as f:
             rows = [r for r in csv.reader(line for line in f if line.startswith('"'))]
+        if len(rows) < 2:
+            print(f"== {preset} T={t} routing={routing}: no kernel rows in {path} (see its .err)")
+            continue
         header, body = rows[0], rows[1:]
         col = {name: n for n, name in enumerate(header)}
         for r in body:
             if r[col["Metric Name"]] != "gpu__time_duration.sum":
                 continue
-            scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(r[col["Metric Unit"]], 1e-3)
+            unit = r[col["Metric Unit"]]
+            if unit not in UNIT_US:
+                raise SystemExit(f"{path}: unknown duration unit {unit!r}")
+            scale = UNIT_US[unit]
             durations[kernel_kind(r[col["Kernel Name"]])].append(float(r[col["Metric Value"]].replace(",", "")) * scale)
         print(f"== {preset} T={t} routing={routing} (medians over the profiled forwards; floors at 4.3 TB/s and "
               f"{a.bf16_tflops:.0f} TFLOP/s)")
@@ -88,7 +97,7 @@ def main() -> None:
             durations.pop(kind, None)
         for kind, ds in sorted(durations.items(), key=lambda kv: -statistics.median(kv[1])):
             us = statistics.median(ds)
-            fl = floor_us(kind, e, h, i, k, t, a.active or e, bf16)
+            fl = floor_us(kind, e, h, i, k, t, e, bf16)  # (at T = 8192 every routing reaches every expert)
             print(f"{kind:28} {len(ds):3d} {us:10.1f} {fl if fl is not None else float('nan'):10.1f} "
                   f"{us / fl if fl else float('nan'):9.2f}")
             if not kind.startswith("gemm") and (fl is None or fl < 10):

@@ -61,7 +61,7 @@ struct Ops<256> {
   using RS = SM90_64x256x16_F32BF16BF16_RS<GMMA::Major::K, GMMA::Major::K>;
 };
 
-template <class Op, class... T, size_t... I>
+template <class Op, size_t... I>
 __device__ __forceinline__ void ss(uint64_t da, uint64_t db, float (&c)[sizeof...(I)], std::index_sequence<I...>) {
   Op::fma(da, db, c[I]..., GMMA::ScaleOut::One);
 }
@@ -97,7 +97,9 @@ __global__ void __launch_bounds__(128 * kWG, 1) probe(int iters, float* out) {
   using OpSS = typename Ops<N>::SS;
   using OpRS = typename Ops<N>::RS;
   constexpr int kAcc = N / 2;  // 64 x N floats over 128 threads
-  extern __shared__ __align__(1024) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // (The swizzled operands need 1024-byte alignment: the base rounded up within the launch's pad.)
+  uint8_t* smem = smem_raw + ((1024 - (__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
   // (A: kWG x 64 rows x 64 K; B: N rows x 64 K; BF16, 128-byte rows.) Filled with small finite values.
   const int a_bytes = kWG * 64 * 128, b_bytes = N * 128;
   for (int i = threadIdx.x * 4; i < a_bytes + b_bytes; i += blockDim.x * 4) {
@@ -178,7 +180,9 @@ __global__ void __launch_bounds__(128 * kWG, 1) probe(int iters, float* out) {
 template <Mode kMode, int N, int kWG, int kOps = 0>
 void run(const char* name, int sms, float* out) {
   auto k = probe<kMode, N, kWG, kOps>;
-  const int smem = kWG * 64 * 128 + N * 128 + 1024;
+  // Operands + alignment pad, raised to 120 KB so that two CTAs cannot share an SM (228 KB): one
+  // CTA per SM, as the prefill tile runs.
+  const int smem = std::max(kWG * 64 * 128 + N * 128 + 1024, 120 * 1024);
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int iters = 4096;
   cudaEvent_t a, b;
@@ -213,7 +217,8 @@ int main() {
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, dev);
-  std::printf("%s, %d SMs; one CTA per SM, 4096 stages of 4 m64xNxk16 BF16 wgmmas per warpgroup\n", prop.name, sms);
+  std::printf("%s, %d SMs; one CTA per SM (120 KB of shared memory each), 4096 stages of 4 m64xNxk16 BF16 "
+              "wgmmas per warpgroup\n", prop.name, sms);
   float* out = nullptr;
   cudaMalloc(&out, size_t(sms) * 384 * sizeof(float));
   run<Mode::kSS, 128, 2>("SS  N128, 2 consumer WGs", sms, out);

@@ -111,6 +111,8 @@ fn usage_errors_exit_2() {
         (&["bench", "--dispatched", "--tile", "warp"], "--dispatched takes a tile other than warp"),
         (&["bench", "--routing", "zipf"], "`--routing` is balanced or skewed (got `zipf`)"),
         (&["bench", "--routing", "skewed", "--ep", "2"], "`--routing` cannot be used with `--ep`"),
+        (&["bench", "--routing", "skewed,balanced,skewed"], "--routing: `skewed` given twice"),
+        (&["bench", "--dispatched", "--routing", "balanced,skewed"], "--dispatched takes balanced routing"),
     ];
     for (args, msg) in cases {
         let r = cli(args);

@@ -192,7 +192,12 @@ Tensor output_for(const Tensor& hidden, const Tensor& topk_ids, const Tensor& to
   check_cuda_contiguous(*given, "out", output_dtype(d), device);
   TORCH_CHECK_VALUE(given->dim() == 2 && given->size(0) == hidden.size(0) && given->size(1) == d.hidden,
                     "out must be [T, H] = [", hidden.size(0), ", ", d.hidden, "], got ", given->sizes());
-  for (const Tensor* t : {&hidden, &topk_ids, &topk_weights}) at::assert_no_overlap(*given, *t);
+  for (const auto& [t, name] : {std::pair<const Tensor&, const char*>{hidden, "hidden"}, {topk_ids, "topk_ids"},
+                                {topk_weights, "topk_weights"}}) {
+    const at::MemOverlapStatus overlap = at::get_overlap_status(*given, t);
+    TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                      "out overlaps ", name, " (the forward reads it while it writes out)");
+  }
   return *given;
 }
 

@@ -42,6 +42,20 @@ _EXPERT_MAP = "expert_map"
 DEFAULT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of a and b intersect (same device; a span runs from a tensor's first
+    element to its last, strides included): conservative, as PyTorch's partial-overlap check."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 class Tile(enum.IntEnum):
     """The grouped GEMM's tile (the core's GemmTile); AUTO chooses per forward."""
 
@@ -356,6 +370,10 @@ class MoeLayer(torch.nn.Module):
                                  f"{list(out.shape)} on {out.device}")
             if torch.is_grad_enabled() and out.requires_grad:
                 raise ValueError("out requires grad: the operator has no backward (call it under torch.no_grad())")
+            for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                            ("router_logits", router_logits)):
+                if t is not None and _overlap(out, t):
+                    raise ValueError(f"out overlaps {name} (the forward reads it while it writes out)")
         top_k = topk_ids.shape[1] if topk_ids is not None else self.top_k
         if torch.compiler.is_compiling():
             # (Traced once: the plain lookups, which the graph then holds as inputs.)

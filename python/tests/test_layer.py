@@ -216,8 +216,9 @@ def test_eager_fast_path_and_out():
             layer(x, router_logits=logits, out=bad)
     with pytest.raises(ValueError):  # (the router path checks it before running)
         layer(x, router_logits=logits, out=torch.zeros_like(out).requires_grad_())
-    with pytest.raises(RuntimeError):  # out overlapping an input the forward reads
-        layer(x, topk_ids=ids, topk_weights=w, out=x)
+    for kwargs in ({"topk_ids": ids, "topk_weights": w}, {"router_logits": logits}):
+        with pytest.raises(ValueError, match="overlaps hidden"):  # out overlapping an input the forward reads
+            layer(x, out=x, **kwargs)
     with pytest.raises(ValueError):  # all inputs on the CPU: the device is named, as for the 14-argument forward
         layer(x.cpu(), topk_ids=ids.cpu(), topk_weights=w.cpu())
     with pytest.raises(ValueError):

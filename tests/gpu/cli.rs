@@ -171,8 +171,18 @@ fn bench_prints_a_table_and_writes_json() {
             );
             assert!(r["us"].as_f64().is_some_and(|us| us > 0.0) && r["tbps"].as_f64().is_some_and(|t| t > 0.0), "{r}");
             assert!(r["tile"].as_str().is_some_and(|t| t.starts_with("M128N") || t == "WarpM16N8"), "{r}");
+            assert_eq!(r["routing"].as_str(), Some("balanced"), "{r}");
         }
     }
+    // --routing balanced,skewed: each T under each routing, in that order; skewed reaches fewer
+    // experts at T = 16 (its popular ones repeat), so it reads fewer weight bytes.
+    let run = cli(&["--json", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "16", "--routing", "balanced,skewed"]);
+    assert_ok(&run);
+    let s: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON document on stdout");
+    let rows = s["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["routing"].as_str().unwrap()).collect::<Vec<_>>(), ["balanced", "skewed"]);
+    let bytes: Vec<f64> = rows.iter().map(|r| r["weight_bytes"].as_f64().unwrap()).collect();
+    assert!(bytes[1] < bytes[0], "{bytes:?}");
     // --tile forces the tile (the library would take 128x16 at T = 1).
     let run = cli(&["--json", "bench", "--preset", "qwen3-30b-a3b", "--tokens", "1", "--tile", "n64"]);
     assert_ok(&run);

@@ -27,7 +27,8 @@ stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU
 popularity proportional to 1 / rank^1.2 (the ranks a permutation of the experts, seeded), each
 token's k experts drawn without replacement by popularity, the same ids every run (seed 0x5ce70001;
 token t's ids do not depend on T); TB/s counts the experts the routing reaches, so a skewed row
-reads fewer weight bytes at small T.
+reads fewer weight bytes at small T. --dispatched takes balanced routing only (its expert-major
+layout pads every expert to the busiest one's rows).
 
 --dispatched also times, for each T, the pre-dispatched forward (MoeLayer::forward_dispatched)
 over the same routing's rows grouped by expert: [E, M, H] with M the largest expert's rows, the
@@ -219,6 +220,16 @@ pub fn bench_work(p: &Preset, ids: &[i32]) -> (f64, f64) {
     (active * 3.0 * hi * 0.5625, 2.0 * ids.len() as f64 * 3.0 * hi)
 }
 
+/// Expert e's popularity rank (1 = the most popular) for `--routing skewed`: a permutation of
+/// 1..=E, the first draws of `rng`.
+pub fn skew_ranks(experts: usize, rng: &mut Rng) -> Vec<usize> {
+    let mut rank: Vec<usize> = (1..=experts).collect();
+    for i in (1..experts).rev() {
+        rank.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    rank
+}
+
 /// The popularity exponent and seed of `--routing skewed`.
 pub const SKEW_EXPONENT: f64 = 1.2;
 pub const SKEW_SEED: u64 = 0x5ce7_0001;
@@ -229,11 +240,9 @@ pub const SKEW_SEED: u64 = 0x5ce7_0001;
 /// replacement by popularity (`top_k` <= E). Deterministic for its arguments; token t's ids do not
 /// depend on `tokens`.
 pub fn skewed_ids(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32> {
+    assert!(top_k <= experts, "skewed_ids: top_k {top_k} > {experts} experts");
     let mut rng = Rng::new(seed);
-    let mut rank: Vec<usize> = (1..=experts).collect();
-    for i in (1..experts).rev() {
-        rank.swap(i, rng.below(i as u64 + 1) as usize);
-    }
+    let rank = skew_ranks(experts, &mut rng);
     let popularity: Vec<f64> = rank.iter().map(|&r| (r as f64).powf(-SKEW_EXPONENT)).collect();
     let total: f64 = popularity.iter().sum();
     let mut ids = Vec::with_capacity(tokens * top_k);
@@ -241,7 +250,7 @@ pub fn skewed_ids(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec
     for _ in 0..tokens {
         let first = ids.len();
         let mut left = total;
-        for _ in 0..top_k.min(experts) {
+        for _ in 0..top_k {
             // A uniform draw over the experts not taken yet, by popularity (53 random bits).
             let mut x = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * left;
             let mut pick = None;
@@ -354,6 +363,24 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     }
     if args.dispatched && args.tile == crate::run::TileArg::Warp {
         return Err(usage("bench", "--dispatched takes a tile other than warp (the warp kernel takes at most 8 rows)"));
+    }
+    if args.dispatched && args.routing.contains(&RoutingArg::Skewed) {
+        // (The expert-major layout pads every expert to the busiest one's rows: under skewed
+        // routing E x ~0.9 T rows, far past the layer's workspace and the GPU's memory at large T.)
+        return Err(usage(
+            "bench",
+            "--dispatched takes balanced routing (its layout pads every expert to the busiest one)",
+        ));
+    }
+    for (n, r) in args.routing.iter().enumerate() {
+        if args.routing[..n].contains(r) {
+            return Err(usage("bench", format!("--routing: `{}` given twice", r.name())));
+        }
+    }
+    for p in presets {
+        if p.top_k > p.experts {
+            return Err(usage("bench", format!("{}: top-k {} exceeds its {} experts", p.name, p.top_k, p.experts)));
+        }
     }
     let (gpu, rows) = gpu_run::bench(args, max_t)?;
     let doc = bench_json(&gpu, args.intermediate, &rows);
@@ -529,12 +556,23 @@ mod gpu_run {
         graph: &cudarc::driver::CudaGraph,
         mut after_warmup: impl FnMut() -> nvfp4_moe::Result<()>,
     ) -> nvfp4_moe::Result<f64> {
-        use cudarc::driver::sys::CUevent_flags;
         graph.upload()?;
         for _ in 0..3 {
             graph.launch()?;
         }
         after_warmup()?;
+        flushed_median(stream, flush, || Ok(graph.launch()?))
+    }
+
+    /// The median time (us) of [`BENCH_REPS`] runs of `run` on `stream`, each after an L2 flush
+    /// (`flush` zeroed; the memset also lets the host enqueue the run ahead of the GPU), between
+    /// two events.
+    fn flushed_median(
+        stream: &Arc<CudaStream>,
+        flush: &mut CudaSlice<u8>,
+        mut run: impl FnMut() -> nvfp4_moe::Result<()>,
+    ) -> nvfp4_moe::Result<f64> {
+        use cudarc::driver::sys::CUevent_flags;
         let ctx = stream.context();
         let (start, end) = (
             ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
@@ -544,7 +582,7 @@ mod gpu_run {
         for _ in 0..BENCH_REPS {
             stream.memset_zeros(flush)?;
             start.record(stream)?;
-            graph.launch()?;
+            run()?;
             end.record(stream)?;
             end.synchronize()?;
             times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
@@ -692,30 +730,18 @@ mod gpu_run {
     }
 
     /// GPU time of one forward of `f` (us): 3 warm-up runs, then the median of [`BENCH_REPS`] runs,
-    /// each after an L2 flush (a [`FLUSH_BYTES`] memset, which also lets the host enqueue the
-    /// forward ahead of the GPU). (Not back to back: a forward repeated over the same routing finds
-    /// a small expert set's weights in L2, e.g. one deepseek-v3 expert's 25 MB at T = 1.)
-    fn time_flushed(stream: &Arc<CudaStream>, mut f: impl FnMut() -> nvfp4_moe::Result<()>) -> nvfp4_moe::Result<f64> {
-        use cudarc::driver::sys::CUevent_flags;
+    /// each after an L2 flush ([`flushed_median`]). (Not back to back: a forward repeated over the
+    /// same routing finds a small expert set's weights in L2, e.g. one deepseek-v3 expert's 25 MB
+    /// at T = 1.)
+    fn time_flushed(
+        stream: &Arc<CudaStream>,
+        flush: &mut CudaSlice<u8>,
+        mut f: impl FnMut() -> nvfp4_moe::Result<()>,
+    ) -> nvfp4_moe::Result<f64> {
         for _ in 0..3 {
             f()?;
         }
-        let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
-        let ctx = stream.context();
-        let (start, end) = (
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
-        );
-        let mut times = Vec::with_capacity(BENCH_REPS);
-        for _ in 0..BENCH_REPS {
-            stream.memset_zeros(&mut flush)?;
-            start.record(stream)?;
-            f()?;
-            end.record(stream)?;
-            end.synchronize()?;
-            times.push(f64::from(start.elapsed_ms(&end)?) * 1e3);
-        }
-        Ok(median(&mut times))
+        flushed_median(stream, flush, f)
     }
 
     /// The ranks' transport of `--transport`.
@@ -736,6 +762,7 @@ mod gpu_run {
         let gpu = require_gpu("bench")?;
         let ctx = cudarc::driver::CudaContext::new(0)?;
         let stream = ctx.new_stream()?;
+        let mut flush = stream.alloc_zeros::<u8>(FLUSH_BYTES)?;
         let mut rng = Rng::from_entropy();
         let mut rows = Vec::new();
         let per_rank_max = max_t.div_ceil(n);
@@ -762,6 +789,8 @@ mod gpu_run {
                 layers.push(MoeLayer::new_shard(w, opts(per_rank_max * n), e, ids)?);
             }
             let mut runner = EpRunner::new(tr, layers, per_rank_max)?;
+            // (Rank 0's flush buffer, on its stream, for its shard's timing.)
+            let mut flush0 = runner.transport().stream(0).alloc_zeros::<u8>(FLUSH_BYTES)?;
             // The one-rank layer over the same tokens, on GPU 0.
             let w13 = random_device_weights(&stream, &mut rng, e, 2 * i, h, true)?;
             let w2 = random_device_weights(&stream, &mut rng, e, h, i, false)?;
@@ -835,14 +864,16 @@ mod gpu_run {
                 let (xd, idd, wd) = (stream.clone_htod(&hidden)?, stream.clone_htod(&ids)?, stream.clone_htod(&wts)?);
                 let mut out = stream.alloc_zeros::<f32>(t * h)?;
                 let input = MoeInput { hidden: &xd, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: k };
-                let whole_us = time_flushed(&stream, || whole.forward(&stream, &input, &mut out, &mut whole_ws))?;
+                let whole_us =
+                    time_flushed(&stream, &mut flush, || whole.forward(&stream, &input, &mut out, &mut whole_ws))?;
                 let s0 = runner.transport().stream(0).clone();
                 let (xs, ids0, ws0) = (s0.clone_htod(&hidden)?, s0.clone_htod(&ids)?, s0.clone_htod(&wts)?);
                 let mut out0 = s0.alloc_zeros::<f32>(t * h)?;
                 let shard = runner.layer(0);
                 let mut shard_ws = shard.workspace(&s0)?;
                 let input0 = MoeInput { hidden: &xs, tokens: t, topk_ids: &ids0, topk_weights: &ws0, top_k: k };
-                let shard_us = time_flushed(&s0, || shard.forward(&s0, &input0, &mut out0, &mut shard_ws))?;
+                let shard_us =
+                    time_flushed(&s0, &mut flush0, || shard.forward(&s0, &input0, &mut out0, &mut shard_ws))?;
                 let row = EpRow {
                     preset: p.name,
                     tokens: t,
@@ -933,13 +964,19 @@ mod tests {
                 counts[id as usize] += 1;
             }
         }
-        // Counts in decreasing order fall steeply: 1 / r^1.2 over 256 experts, 8 drawn without
-        // replacement, gives the top expert ~93% of the tokens, the 26th ~220, the median ~33 and
-        // the last ~7 of 4096 (a simulation of the same rule); no expert gets more than every token.
-        counts.sort_unstable_by(|a, b| b.cmp(a));
-        assert!(counts[0] <= t && counts[0] > t * 8 / 10, "{}", counts[0]);
-        assert!(counts[0] > 50 * counts[e / 2], "top {} vs median {}", counts[0], counts[e / 2]);
-        assert!(counts[e / 10] > counts[e / 2] && counts[e / 2] >= counts[e - 1]);
+        // By popularity rank (the seed's permutation): 1 / r^1.2 over 256 experts, 8 drawn without
+        // replacement, gives rank 1 ~93% of the tokens, rank 26 ~220, rank 128 ~33 and rank 256
+        // ~7 of 4096 (a simulation of the same rule); each rank decile's mean count below the last.
+        let rank = skew_ranks(e, &mut Rng::new(SKEW_SEED));
+        let mut by_rank = vec![0usize; e];
+        for (x, &r) in rank.iter().enumerate() {
+            by_rank[r - 1] = counts[x];
+        }
+        assert!(by_rank[0] > t * 8 / 10, "rank 1: {}", by_rank[0]);
+        assert!(by_rank[0] > 50 * by_rank[e / 2], "rank 1 {} vs rank {} {}", by_rank[0], e / 2 + 1, by_rank[e / 2]);
+        let deciles: Vec<f64> =
+            by_rank.chunks(e.div_ceil(10)).map(|c| c.iter().sum::<usize>() as f64 / c.len() as f64).collect();
+        assert!(deciles.windows(2).all(|w| w[0] > w[1]), "decile means {deciles:?}");
         // k = E: every token gets every expert once.
         for tok in skewed_ids(5, 4, 4, 7).chunks(4) {
             let mut s = tok.to_vec();
