@@ -168,9 +168,10 @@ pub struct DispatchedInput<'a, H, C> {
     /// About how many rows the counts add up to (the step's tokens x top-k), for the GEMMs' tile
     /// and K-split choice only (the counts are on the device): with the step's exact rows both are
     /// the permuted forward's, so are the bits, except where that one takes the warp kernel (at
-    /// most 8 rows; this layout takes the 128x8 tile instead, another K order); 0: E x M, which over-sizes the tiles and leaves no
-    /// split at decode when M is a dispatcher's padded capacity. For an expert shard, the whole
-    /// layer's rows (its choice assumes the whole layer's experts, as its other forwards do).
+    /// most 8 rows; this layout takes the 128x8 tile instead, another K order); 0: E x M, which
+    /// over-sizes the tiles and leaves no split at decode when M is a dispatcher's padded
+    /// capacity. For an expert shard, the whole layer's rows (its choice assumes the whole layer's
+    /// experts, as its other forwards do).
     pub expected_rows: usize,
 }
 

@@ -709,12 +709,11 @@ mod gpu_run {
                     if args.dispatched {
                         let us = time_dispatched(&mut timed, t, k, e)?;
                         info!("  {} T={t} ({}): pre-dispatched {us:.1} us", p.name, routing.name());
-                        let (bytes, flops) = bench_work(p, &host_ids[..t * k]);
-                        let tile = "dispatched".into();
+                        // (The same rows and work as the permuted forward's row above.)
                         rows.push(BenchRow {
                             preset: p.name,
                             tokens: t,
-                            tile,
+                            tile: "dispatched".into(),
                             us,
                             bytes,
                             flops,
