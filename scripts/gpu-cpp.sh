@@ -49,6 +49,8 @@ step configure 120 cmake -S cpp -B "$work/build" -DCMAKE_CUDA_COMPILER="$nvcc" -
   step example-build 120 bash -c "cmake -S examples/cpp -B '$work/example' -DCMAKE_PREFIX_PATH='$work/prefix' \
     && cmake --build '$work/example'" &&
   for run in "qwen3-30b-a3b 16" "mixtral-8x7b 4" "deepseek-v3 4"; do
+    # (NVFP4MOE_CPP_EXAMPLES=0: built, not run.)
+    [ "${NVFP4MOE_CPP_EXAMPLES:-1}" = 1 ] || break
     set -- $run
     step "example-$1" 300 "$work/example/moe_layer" --preset "$1" --tokens "$2"
   done
@@ -83,7 +85,8 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
       python3 -m pip install -v --no-build-isolation --no-deps --target "$work/site" ./python
   }
   before=$failed
-  if ! pybuild python-build; then
+  # (NVFP4MOE_PY_CXX=/usr/bin/g++: that compiler from the start, skipping the refusal's check.)
+  if ! pybuild python-build ${NVFP4MOE_PY_CXX:+CXX=$NVFP4MOE_PY_CXX}; then
     if grep -q "NVFP4MOE_STATIC_LIBSTDCXX" "$out/cpp-python-build.log" && [ -x /usr/bin/g++ ]; then
       echo "python-build: refused CXX=${CXX:-c++} (a static C++ runtime); again with /usr/bin/g++"
       failed=$before  # the refusal is the check working; the rebuild decides
@@ -92,8 +95,10 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
     fi
   fi
   if [ -d "$work/site/nvfp4_moe" ]; then
-    ops=$(ls "$work"/site/nvfp4_moe/libnvfp4_moe_ops*.so)
-    echo "operator NEEDED: $(readelf -d "$ops" | grep NEEDED | grep -o '\[.*\]' | tr '\n' ' ')"
+    # (_C.<abi>.so: the extension module; libnvfp4_moe_ops.so where the build found no Python headers.)
+    ops=$(ls "$work"/site/nvfp4_moe/_C.*.so "$work"/site/nvfp4_moe/libnvfp4_moe_ops*.so 2>/dev/null | head -1)
+    echo "operator library $(basename "$ops"), NEEDED: $(readelf -d "$ops" | grep NEEDED | grep -o '\[.*\]' | tr '\n' ' ')"
+    grep -E "nvfp4_moe: no Python development headers" "$out/cpp-python-build"*.log | head -1
     step python-tests 300 env PYTHONPATH="$work/site" python3 -m pytest -q -p no:cacheprovider python/tests &&
       step python-bench 300 env PYTHONPATH="$work/site:python/tests" python3 python/bench/bench_op.py \
         --tokens 1,16,1024,8192 --json "$out/bench_op.json" &&
@@ -102,11 +107,14 @@ if [ "${PYTHON_PACKAGE:-1}" = 1 ] && [ -d "$work/prefix" ]; then
       step readme-table 30 python3 python/bench/readme_table.py "$out/bench_op.json" "$out/torch_moe.json" &&
       cp "$out/cpp-readme-table.log" "$out/python-readme-table.md" && cat "$out/python-readme-table.md"
     [ -f "$out/cpp-python-bench.log" ] && tail -15 "$out/cpp-python-bench.log"
-    # When the tests fail: each test in its own process, with the native backtrace of a crash
-    # (scripts/segv-backtrace.c, LD_PRELOADed).
+    # When the tests fail: each failed test (or, after a crash that names none, each test) in its
+    # own process, with the native backtrace of a crash (scripts/segv-backtrace.c, LD_PRELOADed).
     if grep -q "python-tests .*rc=[^0]" <(printf '%s\n' "${summary[@]}"); then
       gcc -shared -fPIC -O1 scripts/segv-backtrace.c -o "$work/segv.so" 2>/dev/null
-      for t in $(PYTHONPATH="$work/site" python3 -m pytest -q --collect-only -p no:cacheprovider python/tests 2>/dev/null | grep "::"); do
+      tests=$(grep -oE '^FAILED python/tests/[^ ]+' "$out/cpp-python-tests.log" | sed 's|^FAILED python/||')
+      [ -n "$tests" ] ||
+        tests=$(PYTHONPATH="$work/site" python3 -m pytest -q --collect-only -p no:cacheprovider python/tests 2>/dev/null | grep "::")
+      for t in $tests; do
         echo "== $t"
         PYTHONPATH="$work/site" LD_PRELOAD="$work/segv.so" timeout 120 python3 -m pytest -q -p no:cacheprovider "python/$t" 2>&1 |
           grep -vE "^  File|^Extension modules|^\s*$" | tail -25

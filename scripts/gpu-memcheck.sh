@@ -29,7 +29,7 @@ fail=0
 # test threads (default 1).
 skips=(--skip sweep::)
 [ "${NVFP4MOE_MEMCHECK_ALL:-0}" = 1 ] || skips+=(--skip shard:: --skip expert_parallel::)
-for b in test-gpu test-cli; do
+for b in ${NVFP4MOE_MEMCHECK_BINARIES:-test-gpu test-cli}; do
   log="$out/memcheck-$b.log"
   timeout "${NVFP4MOE_MEMCHECK_TIMEOUT:-300}" compute-sanitizer --tool memcheck --target-processes all \
     --error-exitcode 9 "$bundle/tests/$b" --include-ignored --test-threads="${NVFP4MOE_MEMCHECK_THREADS:-1}" "${skips[@]}" >"$log" 2>&1

@@ -5,10 +5,10 @@ includes allocating its output, as a PyTorch caller's does), and CUDA-graph
 replay times of both (the operator's graph and the C ABI's, L2 flushed by a 256 MiB write before
 each replay, replayed interleaved, median), with the outputs compared bit for bit. Prints a table.
 The host cost is also split, every path timed in interleaved rounds: the module's call (`host op`:
-the eager fast path, `forward_fast` over the module's Layer handle), the same with the caller's
+the eager fast path, `nvfp4_moe._C.forward` over the module's handle), the same with the caller's
 `out` (`host op out`: no allocation, as the C ABI's caller), the 14-argument overload called directly
-with its arguments made beforehand (`host overload`), `forward_fast` called directly (`host fast`),
-and `torch.empty` of the output alone (`host empty`).
+with its arguments made beforehand (`host overload`), `nvfp4_moe._C.forward` called directly (`host
+fast`), and `torch.empty` of the output alone (`host empty`).
 
     PYTHONPATH=<site with nvfp4_moe>:python/tests python3 python/bench/bench_op.py \
         [--preset qwen3-30b-a3b,deepseek-v3,mixtral-8x7b] [--tokens 1,16,1024] [--json rows.json]
@@ -95,19 +95,19 @@ def main() -> None:
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             b = op._operator_buffers()
             args = (x, *b[:4], ids, w, None, k, True, b[4], b[5], op._config, op._g)
-            overload, fast = torch.ops.nvfp4_moe.forward.default, torch.ops.nvfp4_moe.forward_fast.default
+            overload, fast = torch.ops.nvfp4_moe.forward.default, nvfp4_moe._ops.eager.forward
             handle = op._eager_handle()
             op_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
             # (the 14-argument overload, the fast one and the module with out= give the same bytes too)
             want = overload(*args)
-            same = same and torch.equal(fast(x, ids, w, handle), want)
+            same = same and torch.equal(fast(handle, x, ids, w, None), want)
             same = same and torch.equal(op(x, topk_ids=ids, topk_weights=w, out=op_out), want)
             stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # fixed outside a capture
             host = host_costs({
                 "op": lambda: op(x, topk_ids=ids, topk_weights=w),
                 "op_out": lambda: op(x, topk_ids=ids, topk_weights=w, out=op_out),
                 "overload": lambda: overload(*args),
-                "fast": lambda: fast(x, ids, w, handle),
+                "fast": lambda: fast(handle, x, ids, w, None),
                 "empty": lambda: torch.empty(t, h, dtype=torch.bfloat16, device="cuda"),
                 "c": lambda: c.forward_args(f, stream),
             })

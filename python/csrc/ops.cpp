@@ -9,13 +9,14 @@
 #include <c10/core/GradMode.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <nvfp4moe/nvfp4moe.h>
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -130,14 +131,14 @@ void init_workspace(const Tensor& workspace, at::IntArrayRef config, double nvfp
 }
 
 // The layer's buffers, as the forward reads them: the prepared weights (u8), their decode scale
-// pairs (f32; a Layer holds the module's buffers, which keep them as their i32 bits so that
+// pairs (f32; an EagerLayer holds the module's buffers, which keep them as their i32 bits so that
 // Module.to(dtype) leaves them alone), the workspace (u8) and an expert shard's map (i32
 // [global_experts]). Checked on every forward (a buffer may have been given new storage in place
 // since it was last seen).
 struct LayerBuffers {
   Tensor w13, w13_scales, w2, w2_scales, workspace;
   std::optional<Tensor> expert_map;
-  bool scales_as_bits = false;  // the scales are i32 (a Layer's), else f32
+  bool scales_as_bits = false;  // the scales are i32 (an EagerLayer's), else f32
 };
 
 void check_buffers(const LayerBuffers& b, const nvfp4moe::MoeLayerDesc& d, const at::Device& device) {
@@ -255,29 +256,34 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
   return out;
 }
 
-// torch.classes.nvfp4_moe.Layer: an eager forward's state made once (the layer's buffers, held by
-// reference so they stay alive, scales as their i32 bits, and its descriptor, checked by the core),
-// so that a call passes four arguments through the dispatcher instead of fourteen (issue 20's host
-// cost). The buffers are checked again on every call, as the 14-argument forward checks them.
-struct Layer : torch::CustomClassHolder {
+// An eager forward's state made once (nvfp4_moe._C.layer): the layer's buffers, held by reference
+// so they stay alive, scales as their i32 bits, and its descriptor, checked by the core, so that a
+// forward with top-k ids passes five arguments through one CPython call instead of fourteen
+// through the dispatcher (issue 20's host cost: the dispatcher's argument parsing, ~6 us, is most
+// of what the operator adds to the C ABI; a torch.classes object as an argument cost 10 us more,
+// H100 2026-12-06). The buffers are checked again on every call, as the 14-argument forward
+// checks them.
+struct EagerLayer {
   LayerBuffers buffers;
   nvfp4moe::MoeLayerDesc desc;
   at::Device device;
 
-  Layer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor workspace, std::optional<Tensor> expert_map,
-        std::vector<int64_t> config, double nvfp4_decode_scale)
+  EagerLayer(Tensor w13, Tensor w13_scales, Tensor w2, Tensor w2_scales, Tensor workspace,
+             std::optional<Tensor> expert_map, at::IntArrayRef config, double nvfp4_decode_scale)
       : buffers{std::move(w13),       std::move(w13_scales), std::move(w2), std::move(w2_scales),
                 std::move(workspace), std::move(expert_map), /*scales_as_bits=*/true},
         desc(layer_desc(config, nvfp4_decode_scale)),
         device(buffers.w13.device()) {
     TORCH_CHECK_VALUE(device.is_cuda(), "the layer's weights must be CUDA tensors");
     check_buffers(buffers, desc, device);
-    check_status(nvfp4moe::moe_layer_can_implement(desc), "nvfp4_moe.Layer");
+    check_status(nvfp4moe::moe_layer_can_implement(desc), "nvfp4_moe._C.layer");
   }
 };
 
+// The forward with top-k ids (top_k = their columns) of an EagerLayer, into a new tensor or the
+// caller's out [T, H] (checked: dtype, shape, no overlap with the inputs).
 Tensor forward_topk(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights,
-                    const std::optional<Tensor>& out, const Layer& l) {
+                    const std::optional<Tensor>& out, const EagerLayer& l) {
   check_hidden(hidden, l.desc, l.device);
   check_topk(topk_ids, topk_weights, hidden.size(0), topk_ids.dim() == 2 ? topk_ids.size(1) : 0, l.device);
   check_buffers(l.buffers, l.desc, l.device);
@@ -285,20 +291,6 @@ Tensor forward_topk(const Tensor& hidden, const Tensor& topk_ids, const Tensor& 
   Tensor o = output_for(hidden, topk_ids, topk_weights, l.desc, out, l.device);
   launch_forward(l.desc, l.buffers, hidden, &topk_ids, &topk_weights, nullptr, topk_ids.size(1), false, o, l.device);
   return o;
-}
-
-// forward_fast(hidden, topk_ids, topk_weights, layer) -> out: the forward with top-k ids (top_k =
-// their columns) of a Layer, eager only (the module's fast path; torch.compile and opcheck take
-// forward).
-Tensor forward_fast(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights,
-                    const c10::intrusive_ptr<Layer>& layer) {
-  return forward_topk(hidden, topk_ids, topk_weights, std::nullopt, *layer);
-}
-
-// forward_fast_out: the same into the caller's out [T, H] (no allocation).
-void forward_fast_out(const Tensor& hidden, const Tensor& topk_ids, const Tensor& topk_weights, const Tensor& out,
-                      const c10::intrusive_ptr<Layer>& layer) {
-  forward_topk(hidden, topk_ids, topk_weights, out, *layer);
 }
 
 // read_error: synchronizes the current stream and returns the workspace's error word (-1: no bad
@@ -317,8 +309,6 @@ int64_t read_error(const Tensor& workspace, at::IntArrayRef config, double nvfp4
 }  // namespace
 
 TORCH_LIBRARY(nvfp4_moe, m) {
-  m.class_<Layer>("Layer").def(
-      torch::init<Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>, std::vector<int64_t>, double>());
   m.def("prepare(Tensor codes, Tensor scales, Tensor decode_scales, Tensor? up_decode_scales) -> (Tensor, Tensor)");
   m.def("workspace_bytes(int[] config, float nvfp4_decode_scale) -> int", &workspace_bytes);
   m.def("init_workspace(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> ()");
@@ -327,12 +317,6 @@ TORCH_LIBRARY(nvfp4_moe, m) {
       "Tensor? topk_weights, Tensor? router_logits, int top_k, bool renormalize, Tensor(a!) workspace, "
       "Tensor? expert_map, int[] config, float nvfp4_decode_scale) -> Tensor");
   m.def("read_error(Tensor(a!) workspace, int[] config, float nvfp4_decode_scale) -> int");
-  m.def(
-      "forward_fast(Tensor hidden, Tensor topk_ids, Tensor topk_weights, __torch__.torch.classes.nvfp4_moe.Layer layer) "
-      "-> Tensor");
-  m.def(
-      "forward_fast_out(Tensor hidden, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out, "
-      "__torch__.torch.classes.nvfp4_moe.Layer layer) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
@@ -340,14 +324,115 @@ TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
   m.impl("init_workspace", &init_workspace);
   m.impl("forward", &forward);
   m.impl("read_error", &read_error);
-  m.impl("forward_fast", &forward_fast);
-  m.impl("forward_fast_out", &forward_fast_out);
 }
 
-// The fast operators' only tensor arguments are the inputs: with all of them on the CPU the
-// dispatcher would pick the CPU key. The same kernels there, so that the device check names it
-// (a ValueError, as for the 14-argument forward) instead of "could not run on the CPU backend".
-TORCH_LIBRARY_IMPL(nvfp4_moe, CPU, m) {
-  m.impl("forward_fast", &forward_fast);
-  m.impl("forward_fast_out", &forward_fast_out);
+#ifdef NVFP4MOE_PYTHON_MODULE
+// nvfp4_moe._C: this library as a CPython extension module (python/CMakeLists.txt builds it so
+// where the interpreter's headers are found). Importing it registers the operators above and gives
+// the eager entry points, called with METH_FASTCALL (no argument tuple, no schema parsing):
+//   layer(w13, w13_scales, w2, w2_scales, workspace, expert_map, config, nvfp4_decode_scale) -> handle
+//   forward(handle, hidden, topk_ids, topk_weights, out) -> out (a new tensor where out is None)
+// Argument errors raise TypeError or ValueError, CUDA errors RuntimeError (HANDLE_TH_ERRORS maps
+// c10's exceptions), before anything is enqueued.
+#include <Python.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace {
+
+constexpr const char* kLayerCapsule = "nvfp4_moe.Layer";
+
+const Tensor& tensor_arg(PyObject* o, const char* name) {
+  TORCH_CHECK_TYPE(THPVariable_Check(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
+  return THPVariable_Unpack(o);
 }
+
+// The GIL released while the forward checks and enqueues (as PyTorch's own operators do), taken
+// back on the way out, an exception's included.
+struct ReleasedGil {
+  PyThreadState* state = PyEval_SaveThread();
+  ReleasedGil() = default;
+  ReleasedGil(const ReleasedGil&) = delete;
+  ReleasedGil& operator=(const ReleasedGil&) = delete;
+  ~ReleasedGil() { PyEval_RestoreThread(state); }
+};
+
+void destroy_layer(PyObject* capsule) {
+  delete static_cast<EagerLayer*>(PyCapsule_GetPointer(capsule, kLayerCapsule));
+}
+
+PyObject* eager_layer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 8,
+                   "layer(w13, w13_scales, w2, w2_scales, workspace, expert_map, config, nvfp4_decode_scale) takes 8 "
+                   "arguments, got ",
+                   nargs);
+  std::optional<Tensor> expert_map;
+  if (args[5] != Py_None) expert_map = tensor_arg(args[5], "expert_map");
+  std::vector<int64_t> config;
+  {
+    PyObject* seq = PySequence_Fast(args[6], "config must be a sequence of ints");
+    if (seq == nullptr) return nullptr;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+      if (v == -1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        return nullptr;
+      }
+      config.push_back(v);
+    }
+    Py_DECREF(seq);
+  }
+  const double g = PyFloat_AsDouble(args[7]);
+  if (g == -1.0 && PyErr_Occurred()) return nullptr;
+  auto layer = std::make_unique<EagerLayer>(tensor_arg(args[0], "w13"), tensor_arg(args[1], "w13_scales"),
+                                            tensor_arg(args[2], "w2"), tensor_arg(args[3], "w2_scales"),
+                                            tensor_arg(args[4], "workspace"), std::move(expert_map), config, g);
+  PyObject* capsule = PyCapsule_New(layer.get(), kLayerCapsule, destroy_layer);
+  if (capsule != nullptr) layer.release();
+  return capsule;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* eager_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 5, "forward(layer, hidden, topk_ids, topk_weights, out) takes 5 arguments, got ", nargs);
+  const auto* layer = static_cast<const EagerLayer*>(PyCapsule_GetPointer(args[0], kLayerCapsule));
+  if (layer == nullptr) return nullptr;  // (PyCapsule_GetPointer set the error: not a layer handle)
+  const Tensor& hidden = tensor_arg(args[1], "hidden");
+  const Tensor& topk_ids = tensor_arg(args[2], "topk_ids");
+  const Tensor& topk_weights = tensor_arg(args[3], "topk_weights");
+  std::optional<Tensor> out;
+  if (args[4] != Py_None) out = tensor_arg(args[4], "out");
+  Tensor result;
+  {
+    const ReleasedGil released;
+    result = forward_topk(hidden, topk_ids, topk_weights, out, *layer);
+  }
+  if (out) {  // the caller's tensor object itself
+    Py_INCREF(args[4]);
+    return args[4];
+  }
+  return THPVariable_Wrap(std::move(result));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef eager_methods[] = {
+    {"layer", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(eager_layer)), METH_FASTCALL,
+     "layer(w13, w13_scales, w2, w2_scales, workspace, expert_map, config, nvfp4_decode_scale): an eager forward's "
+     "state (the buffers held, scales as int32 bits)"},
+    {"forward", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(eager_forward)), METH_FASTCALL,
+     "forward(layer, hidden, topk_ids, topk_weights, out): the layer with top-k ids on the current stream; returns "
+     "out, or a new tensor where out is None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef eager_module = {PyModuleDef_HEAD_INIT, "_C",
+                            "nvfp4_moe's operator library: the torch.ops.nvfp4_moe operators and the eager entry "
+                            "points",
+                            -1, eager_methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&eager_module); }
+#endif  // NVFP4MOE_PYTHON_MODULE

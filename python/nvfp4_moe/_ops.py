@@ -2,22 +2,31 @@
 
 The CUDA kernels are registered by the C++ library (csrc/ops.cpp, TORCH_LIBRARY); the fake
 (meta) kernels here let torch.compile and torch.library.opcheck trace the operators without
-running them.
+running them. The library is the extension module ``nvfp4_moe._C`` where the build found the
+interpreter's headers (then ``eager`` is that module: the eager forward's entry points, ``layer``
+and ``forward``), else a plain library loaded with ``torch.ops.load_library`` (``eager`` is None).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+from types import ModuleType
 from typing import Optional, Sequence
 
 import torch
 
 _here = os.path.dirname(os.path.abspath(__file__))
-_libs = sorted(glob.glob(os.path.join(_here, "libnvfp4_moe_ops*.so")))
-if not _libs:
-    raise ImportError(f"nvfp4_moe: the operator library libnvfp4_moe_ops.so is not in {_here} (was the package built?)")
-torch.ops.load_library(_libs[0])
+eager: Optional[ModuleType]
+if glob.glob(os.path.join(_here, "_C.*.so")):
+    from . import _C as eager  # (after torch: the import registers the operators)
+else:
+    _libs = sorted(glob.glob(os.path.join(_here, "libnvfp4_moe_ops*.so")))
+    if not _libs:
+        raise ImportError(f"nvfp4_moe: the operator library (_C or libnvfp4_moe_ops.so) is not in {_here} (was the "
+                          "package built?)")
+    torch.ops.load_library(_libs[0])
+    eager = None
 
 #: Bytes of one prepared weight chunk: 64 rows x 64 K of E2M1 codes and their E4M3 scales.
 WEIGHT_CHUNK_BYTES = 64 * 64 // 2 + 64 * 64 // 16

@@ -18,17 +18,14 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _ops  # noqa: F401  (loads the operators)
+from . import _ops  # (loads the operators)
 
 # The overloads themselves: calling a packet (torch.ops.nvfp4_moe.forward) resolves it on every call.
 _FORWARD = torch.ops.nvfp4_moe.forward.default
-# The eager path with top-k ids: four arguments, the layer's state in a torch.classes.nvfp4_moe.Layer.
-# (The overloads' C++ callables: an overload with a class argument is a TorchBindOpOverload, whose
-# Python __call__ walks the arguments' tree on every call to look for fake script objects.)
-_FORWARD_FAST = getattr(torch.ops.nvfp4_moe.forward_fast.default, "_op", torch.ops.nvfp4_moe.forward_fast.default)
-_FORWARD_FAST_OUT = getattr(
-    torch.ops.nvfp4_moe.forward_fast_out.default, "_op", torch.ops.nvfp4_moe.forward_fast_out.default
-)
+# The eager path with top-k ids: nvfp4_moe._C's METH_FASTCALL entry points over a handle that holds
+# the layer's state (issue 20's host cost; None where the library was built without them).
+_EAGER_LAYER = _ops.eager.layer if _ops.eager is not None else None
+_EAGER_FORWARD = _ops.eager.forward if _ops.eager is not None else None
 # The module's cached operator state (dropped whenever a buffer may have been replaced).
 _CACHES = ("_op_buffers", "_handle")
 # The buffers the operator reads, in its argument order (scales as int32 bits, viewed as float32),
@@ -310,10 +307,10 @@ class MoeLayer(torch.nn.Module):
             self.__dict__["_op_buffers"] = cached
         return cached[2]
 
-    def _eager_handle(self) -> torch.ScriptObject:
-        """The torch.classes.nvfp4_moe.Layer of the current buffers: it holds them, so a forward
-        passes four arguments to the operator. Cached with the buffers it was made of (the cache is
-        a tuple, so torch.export's scan of module attributes does not take the handle for a
+    def _eager_handle(self) -> object:
+        """The eager forward's handle (``nvfp4_moe._C.layer``) of the current buffers: it holds
+        them, so a forward passes five arguments. Cached with the buffers it was made of (the cache
+        is a tuple, so torch.export's scan of module attributes does not take the handle for a
         constant): made again when one of them is no longer the registered one (a replacement that
         bypasses the module, e.g. ``_buffers[name] = t`` as torch.func.functional_call does)."""
         b = self._buffers
@@ -330,7 +327,7 @@ class MoeLayer(torch.nn.Module):
             # The buffers themselves, scales as their int32 bits, not views: a buffer given new
             # storage in place (.data =, set_) is then what the next forward reads.
             bufs = self._current_buffers()
-            c = (torch.classes.nvfp4_moe.Layer(*bufs, self._config, self._g), *bufs)
+            c = (_EAGER_LAYER(*bufs, self._config, self._g), *bufs)
             self.__dict__["_handle"] = c
         return c[0]
 
@@ -346,20 +343,17 @@ class MoeLayer(torch.nn.Module):
     ) -> torch.Tensor:
         """``out``: the caller's output [T, H] of the layer's output dtype, written and returned (no
         allocation; under torch.compile and with router logits it costs a copy)."""
-        # Eager with top-k ids on plain tensors: the four-argument operator (issue 20's host cost).
+        # Eager with top-k ids on plain tensors: the extension's entry point (issue 20's host cost).
         # (is_compiling first: a traced forward never looks at the handle.)
         if (
-            not torch.compiler.is_compiling()
+            _EAGER_FORWARD is not None
+            and not torch.compiler.is_compiling()
             and router_logits is None
             and topk_ids is not None
             and topk_weights is not None
             and type(hidden) is torch.Tensor
         ):
-            h = self._eager_handle()
-            if out is None:
-                return _FORWARD_FAST(hidden, topk_ids, topk_weights, h)
-            _FORWARD_FAST_OUT(hidden, topk_ids, topk_weights, out, h)
-            return out
+            return _EAGER_FORWARD(self._eager_handle(), hidden, topk_ids, topk_weights, out)
         if out is not None:  # (checked before anything runs, as the fast path's operator checks it)
             dtype = torch.float32 if self._config[9] else torch.bfloat16
             shape = (hidden.shape[0], self.hidden)

@@ -189,20 +189,23 @@ def test_replaced_buffers_are_what_the_forward_reads():
 
 
 def test_eager_fast_path_and_out():
-    # The eager forward with top-k ids takes the four-argument operator over a Layer handle: the same
-    # bytes as the 14-argument one, into a new tensor or the caller's `out`; the router path and
-    # bad `out`s too.
+    # The eager forward with top-k ids takes the extension's entry point over the module's handle
+    # (nvfp4_moe._C, built wherever the interpreter's headers are: the GPU machine's are): the same
+    # bytes as the 14-argument operator, into a new tensor or the caller's `out`; the router path
+    # and bad `out`s too.
+    eager = nvfp4_moe._ops.eager
+    assert eager is not None, "the package was built without nvfp4_moe._C (no Python headers at build time)"
     layer, _, x, ids, w = layer_and_inputs(tokens=24)
     want = uncached(layer, x, ids, w)
     assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)
     assert "_handle" in layer.__dict__
-    h = layer.__dict__["_handle"]
-    assert torch.equal(torch.ops.nvfp4_moe.forward_fast(x, ids, w, h), want)
+    h = layer.__dict__["_handle"][0]  # (the cache: the handle, then the buffers it holds)
+    assert torch.equal(eager.forward(h, x, ids, w, None), want)
     out = torch.full_like(want, float("nan"))
     assert layer(x, topk_ids=ids, topk_weights=w, out=out) is out
     assert torch.equal(out, want)
     out.fill_(float("nan"))
-    torch.ops.nvfp4_moe.forward_fast_out(x, ids, w, out, h)
+    assert eager.forward(h, x, ids, w, out) is out
     assert torch.equal(out, want)
     logits = torch.randn(x.shape[0], layer.experts, device="cuda")
     out.fill_(float("nan"))
@@ -222,23 +225,36 @@ def test_eager_fast_path_and_out():
     with pytest.raises(ValueError):  # all inputs on the CPU: the device is named, as for the 14-argument forward
         layer(x.cpu(), topk_ids=ids.cpu(), topk_weights=w.cpu())
     with pytest.raises(ValueError):
-        torch.ops.nvfp4_moe.forward_fast(x.clone().requires_grad_(), ids, w, h)
+        eager.forward(h, x.clone().requires_grad_(), ids, w, None)
     with pytest.raises(ValueError):
-        torch.ops.nvfp4_moe.forward_fast(x, ids[:, :2].contiguous(), w, h)  # ids and weights disagree
+        eager.forward(h, x, ids[:, :2].contiguous(), w, None)  # ids and weights disagree
+    with pytest.raises(TypeError):
+        eager.forward(h, x, ids.long(), w, None)
+    with pytest.raises(TypeError):  # not a tensor, wrong argument count
+        eager.forward(h, x.tolist(), ids, w, None)
+    with pytest.raises(TypeError):
+        eager.forward(h, x, ids, w)
+    with pytest.raises(ValueError):  # not a layer handle
+        eager.forward(x, x, ids, w, None)
     with pytest.raises(ValueError):
-        torch.classes.nvfp4_moe.Layer(layer.w13.cpu(), layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace,
-                                      None, layer._config, layer._g)
-    with pytest.raises(TypeError):  # a Layer holds the scales' int32 bits, the 14-argument forward float32
-        torch.classes.nvfp4_moe.Layer(layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales,
-                                      layer.workspace, None, layer._config, layer._g)
+        eager.layer(layer.w13.cpu(), layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
+                    layer._config, layer._g)
+    with pytest.raises(TypeError):  # a handle holds the scales' int32 bits, the 14-argument forward float32
+        eager.layer(layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales, layer.workspace, None,
+                    layer._config, layer._g)
     with pytest.raises(TypeError):
         args = list(op_args(layer, x, ids, w))
         args[2] = layer.w13_scales  # int32
         torch.ops.nvfp4_moe.forward(*args)
     with pytest.raises(ValueError):  # another layer's config
-        torch.classes.nvfp4_moe.Layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
-                                      [layer._config[0] * 2, *layer._config[1:]], layer._g)
+        eager.layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
+                    [layer._config[0] * 2, *layer._config[1:]], layer._g)
+    with pytest.raises(TypeError):
+        eager.layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None, ["a"], layer._g)
     assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)  # still works
+    del h
+    layer.__dict__.pop("_handle")  # the handle dropped (its buffers with it), then made again
+    assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)
     del layer.workspace  # a removed buffer is named, not read through the handle
     with pytest.raises(RuntimeError, match="workspace"):
         layer(x, topk_ids=ids, topk_weights=w)
