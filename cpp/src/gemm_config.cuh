@@ -199,10 +199,15 @@ struct Config {
 // (which defines the macro of that name for the dispatcher; not for release), chosen at run time by
 // NVFP4MOE_GEMM_VARIANT (grouped_gemm.cu). N64Q and N64QP: the N64 tile as four consumer
 // warpgroups (256 features) sharing one x tile at one CTA per SM (640 threads, 104 registers per
-// consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages.
+// consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages. N256
+// (issue 22): the prefill tile with 256 tokens per CTA, each converted A fragment feeding twice the
+// tokens of N128 (the wgmma probe: in-register conversion at N128 does not hide under the wgmmas,
+// 604 against 967 TFLOP/s without it; at N256 it does, 927; H100 2026-12-06); 128 accumulators per
+// consumer thread, 4 stages of 36.6 KB and a 64 KB epilogue buffer.
 #define NVFP4MOE_GEMM_VARIANT_TILES(V)     \
   V(N64Q, 64, 5, 1, false, 1, 2, 4)        \
-  V(N64QP, 64, 10, 1, true, 1, 1, 4)
+  V(N64QP, 64, 10, 1, true, 1, 1, 4)       \
+  V(N256, 256, 4, 1, true, 1, 1, 2)
 
 // ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the lists for epilogue E.
 #define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks, consumers) \

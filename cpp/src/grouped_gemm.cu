@@ -44,8 +44,9 @@ bool warp_kernel_on() {
 }
 
 #if defined(NVFP4MOE_GEMM_VARIANTS)
-// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
-// (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES) instead; read once.
+// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile,
+// "n256" the N256 tile where the N128 one was chosen (gemm_config.cuh's
+// NVFP4MOE_GEMM_VARIANT_TILES); read once.
 const std::string& gemm_variant() {
   static const std::string v = [] {
     const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
@@ -167,6 +168,10 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 : tile == GemmTile::kM128N32 ? 32
                 : tile == GemmTile::kM128N64 ? 64
                                              : 128;
+#if defined(NVFP4MOE_GEMM_VARIANTS)
+  const bool n256 = tile == GemmTile::kM128N128 && gemm_variant() == "n256";
+  if (n256) block_n = 256;
+#endif
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
   // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
@@ -228,10 +233,13 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
         if (gemm_variant() == "n64q") return launch_grouped_gemm<gemm::ConfigN64Q<E>>(map, p, sms, st);
         if (gemm_variant() == "n64qp") return launch_grouped_gemm<gemm::ConfigN64QP<E>>(map, p, sms, st);
         return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
+      default:
+        if (n256) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+        return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
 #else
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
-#endif
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
+#endif
     }
   };
   switch (a.epilogue) {
