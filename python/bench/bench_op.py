@@ -95,8 +95,11 @@ def main() -> None:
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             b = op._operator_buffers()
             args = (x, *b[:4], ids, w, None, k, True, b[4], b[5], op._config, op._g)
-            overload, fast = torch.ops.nvfp4_moe.forward.default, nvfp4_moe._ops.eager.forward
-            handle = op._eager_handle()
+            overload, eager = torch.ops.nvfp4_moe.forward.default, nvfp4_moe._ops.eager
+            if eager is None:
+                raise SystemExit("bench_op: the package was built without nvfp4_moe._C (no Python headers at build "
+                                 "time): the eager path's host cost is what this bench measures")
+            fast, handle = eager.forward, op._eager_handle()
             op_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
             # (the 14-argument overload, the fast one and the module with out= give the same bytes too)
             want = overload(*args)

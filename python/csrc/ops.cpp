@@ -4,6 +4,9 @@
 // (meta) kernels are Python's (nvfp4_moe/_ops.py). Every argument error is a Python exception
 // (TypeError for dtypes, ValueError for shapes, devices and values, RuntimeError for CUDA), raised
 // before anything is enqueued.
+#ifdef NVFP4MOE_PYTHON_MODULE
+#include <Python.h>  // (first, as Python's docs ask: it sets feature macros)
+#endif
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/GradMode.h>
@@ -259,10 +262,10 @@ Tensor forward(const Tensor& hidden, const Tensor& w13, const Tensor& w13_scales
 // An eager forward's state made once (nvfp4_moe._C.layer): the layer's buffers, held by reference
 // so they stay alive, scales as their i32 bits, and its descriptor, checked by the core, so that a
 // forward with top-k ids passes five arguments through one CPython call instead of fourteen
-// through the dispatcher (issue 20's host cost: the dispatcher's argument parsing, ~6 us, is most
-// of what the operator adds to the C ABI; a torch.classes object as an argument cost 10 us more,
-// H100 2026-12-06). The buffers are checked again on every call, as the 14-argument forward
-// checks them.
+// through the dispatcher (issue 20's host cost: the 14-argument operator's dispatch, 3-4 us beside
+// the output's allocation, was most of what the operator added to the C ABI; a torch.classes
+// object as an argument cost 10 us more, H100 2026-12-06). The buffers are checked again on every
+// call, as the 14-argument forward checks them.
 struct EagerLayer {
   LayerBuffers buffers;
   nvfp4moe::MoeLayerDesc desc;
@@ -289,6 +292,10 @@ Tensor forward_topk(const Tensor& hidden, const Tensor& topk_ids, const Tensor& 
   check_buffers(l.buffers, l.desc, l.device);
   const c10::cuda::CUDAGuard guard(l.device);
   Tensor o = output_for(hidden, topk_ids, topk_weights, l.desc, out, l.device);
+  // The caller's out is written in place outside the dispatcher: its version counter moves as an
+  // in-place operator's would (an inference tensor outside InferenceMode is refused here, before
+  // anything is enqueued, as copy_ would refuse it).
+  if (out) out->unsafeGetTensorImpl()->bump_version();
   launch_forward(l.desc, l.buffers, hidden, &topk_ids, &topk_weights, nullptr, topk_ids.size(1), false, o, l.device);
   return o;
 }
@@ -334,7 +341,6 @@ TORCH_LIBRARY_IMPL(nvfp4_moe, CUDA, m) {
 //   forward(handle, hidden, topk_ids, topk_weights, out) -> out (a new tensor where out is None)
 // Argument errors raise TypeError or ValueError, CUDA errors RuntimeError (HANDLE_TH_ERRORS maps
 // c10's exceptions), before anything is enqueued.
-#include <Python.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -342,7 +348,10 @@ namespace {
 
 constexpr const char* kLayerCapsule = "nvfp4_moe.Layer";
 
-const Tensor& tensor_arg(PyObject* o, const char* name) {
+// A copy (a reference count), not a reference into the Python object: with the GIL released,
+// another thread's torch.utils.swap_tensors could change what the object holds between the checks
+// and the launch.
+Tensor tensor_arg(PyObject* o, const char* name) {
   TORCH_CHECK_TYPE(THPVariable_Check(o), name, " must be a torch.Tensor, got ", Py_TYPE(o)->tp_name);
   return THPVariable_Unpack(o);
 }
@@ -398,11 +407,13 @@ PyObject* eager_layer(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyObject* eager_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 5, "forward(layer, hidden, topk_ids, topk_weights, out) takes 5 arguments, got ", nargs);
+  TORCH_CHECK_TYPE(PyCapsule_IsValid(args[0], kLayerCapsule), "layer must be a handle from nvfp4_moe._C.layer, got ",
+                   Py_TYPE(args[0])->tp_name);
   const auto* layer = static_cast<const EagerLayer*>(PyCapsule_GetPointer(args[0], kLayerCapsule));
-  if (layer == nullptr) return nullptr;  // (PyCapsule_GetPointer set the error: not a layer handle)
-  const Tensor& hidden = tensor_arg(args[1], "hidden");
-  const Tensor& topk_ids = tensor_arg(args[2], "topk_ids");
-  const Tensor& topk_weights = tensor_arg(args[3], "topk_weights");
+  if (layer == nullptr) return nullptr;
+  const Tensor hidden = tensor_arg(args[1], "hidden");
+  const Tensor topk_ids = tensor_arg(args[2], "topk_ids");
+  const Tensor topk_weights = tensor_arg(args[3], "topk_weights");
   std::optional<Tensor> out;
   if (args[4] != Py_None) out = tensor_arg(args[4], "out");
   Tensor result;
@@ -427,10 +438,16 @@ PyMethodDef eager_methods[] = {
      "out, or a new tensor where out is None"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef eager_module = {PyModuleDef_HEAD_INIT, "_C",
+PyModuleDef eager_module = {PyModuleDef_HEAD_INIT,
+                            "nvfp4_moe._C",
                             "nvfp4_moe's operator library: the torch.ops.nvfp4_moe operators and the eager entry "
                             "points",
-                            -1, eager_methods};
+                            -1,
+                            eager_methods,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr};
 
 }  // namespace
 

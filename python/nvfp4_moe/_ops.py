@@ -10,6 +10,7 @@ and ``forward``), else a plain library loaded with ``torch.ops.load_library`` (`
 from __future__ import annotations
 
 import glob
+import importlib.machinery
 import os
 from types import ModuleType
 from typing import Optional, Sequence
@@ -18,7 +19,8 @@ import torch
 
 _here = os.path.dirname(os.path.abspath(__file__))
 eager: Optional[ModuleType]
-if glob.glob(os.path.join(_here, "_C.*.so")):
+# The extension built for this interpreter (a leftover one of another Python version is not it).
+if any(os.path.exists(os.path.join(_here, "_C" + suffix)) for suffix in importlib.machinery.EXTENSION_SUFFIXES):
     from . import _C as eager  # (after torch: the import registers the operators)
 else:
     _libs = sorted(glob.glob(os.path.join(_here, "libnvfp4_moe_ops*.so")))

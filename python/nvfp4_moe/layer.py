@@ -269,8 +269,8 @@ class MoeLayer(torch.nn.Module):
         super().register_buffer(name, tensor, persistent)
 
     def __getstate__(self) -> dict:
-        # (torch.save refuses two views of one storage with different dtypes, and a Layer handle is
-        # no state: the caches are not saved.)
+        # (torch.save refuses two views of one storage with different dtypes, and the eager handle
+        # is no state: the caches are not saved.)
         state = dict(super().__getstate__())
         for c in _CACHES:
             state.pop(c, None)
@@ -344,6 +344,8 @@ class MoeLayer(torch.nn.Module):
         """``out``: the caller's output [T, H] of the layer's output dtype, written and returned (no
         allocation; under torch.compile and with router logits it costs a copy)."""
         # Eager with top-k ids on plain tensors: the extension's entry point (issue 20's host cost).
+        # It bypasses the dispatcher, so not where something records or intercepts operators: a
+        # torch.jit trace, a TorchDispatchMode (make_fx, FakeTensorMode, ...) or a compile.
         # (is_compiling first: a traced forward never looks at the handle.)
         if (
             _EAGER_FORWARD is not None
@@ -352,9 +354,11 @@ class MoeLayer(torch.nn.Module):
             and topk_ids is not None
             and topk_weights is not None
             and type(hidden) is torch.Tensor
+            and torch._C._len_torch_dispatch_stack() == 0
+            and not torch.jit.is_tracing()
         ):
             return _EAGER_FORWARD(self._eager_handle(), hidden, topk_ids, topk_weights, out)
-        if out is not None:  # (checked before anything runs, as the fast path's operator checks it)
+        if out is not None:  # (checked before anything runs, as the eager entry point checks it)
             dtype = torch.float32 if self._config[9] else torch.bfloat16
             shape = (hidden.shape[0], self.hidden)
             if out.dtype != dtype:

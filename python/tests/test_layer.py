@@ -7,8 +7,10 @@ CUDA-graph capture, and its argument errors. Skipped without a GPU.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
+import weakref
 
 import pytest
 import torch
@@ -234,17 +236,26 @@ def test_eager_fast_path_and_out():
         eager.forward(h, x.tolist(), ids, w, None)
     with pytest.raises(TypeError):
         eager.forward(h, x, ids, w)
-    with pytest.raises(ValueError):  # not a layer handle
+    with pytest.raises(TypeError, match="handle"):  # not a layer handle
         eager.forward(x, x, ids, w, None)
+    with pytest.raises(TypeError):  # out not a tensor; keywords (METH_FASTCALL takes none)
+        eager.forward(h, x, ids, w, "out")
+    with pytest.raises(TypeError):
+        eager.forward(h, x, ids, w, out=None)
+    with pytest.raises(ValueError, match="requires grad"):  # the eager path's own out check
+        layer(x, topk_ids=ids, topk_weights=w, out=torch.zeros_like(out).requires_grad_())
+    version = out._version  # written in place outside the dispatcher: its version moves as copy_'s would
+    layer(x, topk_ids=ids, topk_weights=w, out=out)
+    assert out._version > version
     with pytest.raises(ValueError):
         eager.layer(layer.w13.cpu(), layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
                     layer._config, layer._g)
     with pytest.raises(TypeError):  # a handle holds the scales' int32 bits, the 14-argument forward float32
         eager.layer(layer.w13, layer.w13_scales.view(torch.float32), layer.w2, layer.w2_scales, layer.workspace, None,
                     layer._config, layer._g)
+    args = list(op_args(layer, x, ids, w))
+    args[2] = layer.w13_scales  # int32
     with pytest.raises(TypeError):
-        args = list(op_args(layer, x, ids, w))
-        args[2] = layer.w13_scales  # int32
         torch.ops.nvfp4_moe.forward(*args)
     with pytest.raises(ValueError):  # another layer's config
         eager.layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None,
@@ -252,12 +263,44 @@ def test_eager_fast_path_and_out():
     with pytest.raises(TypeError):
         eager.layer(layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace, None, ["a"], layer._g)
     assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)  # still works
+    # A handle holds its buffers until it is dropped (the capsule's destructor releases them).
+    bufs = [t.clone() for t in (layer.w13, layer.w13_scales, layer.w2, layer.w2_scales, layer.workspace)]
+    refs = [weakref.ref(t) for t in bufs]
+    h2 = eager.layer(*bufs, None, layer._config, layer._g)
+    del bufs
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    del h2
+    gc.collect()
+    assert all(r() is None for r in refs)
     del h
-    layer.__dict__.pop("_handle")  # the handle dropped (its buffers with it), then made again
+    layer.__dict__.pop("_handle")  # the module's handle dropped, then made again
     assert torch.equal(layer(x, topk_ids=ids, topk_weights=w), want)
     del layer.workspace  # a removed buffer is named, not read through the handle
     with pytest.raises(RuntimeError, match="workspace"):
         layer(x, topk_ids=ids, topk_weights=w)
+
+
+def test_eager_path_is_not_taken_under_a_dispatch_mode():
+    # The eager entry point bypasses the dispatcher: under a TorchDispatchMode (what make_fx and
+    # FakeTensorMode are) the module must call the registered operator, which the mode then sees.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer, _, x, ids, w = layer_and_inputs(tokens=8)
+    want = layer(x, topk_ids=ids, topk_weights=w)
+    with Recorder() as rec:
+        got = layer(x, topk_ids=ids, topk_weights=w)
+    assert any("nvfp4_moe.forward" in op for op in rec.ops), rec.ops
+    assert torch.equal(got, want)
 
 
 def test_save_and_load_after_a_forward():

@@ -47,6 +47,12 @@ mod routing {
             (3, 2, 16, 128),
             (300, 8, 128, 256),
             (3000, 8, 256, 64),
+            // The scan's chunks (1024 pairs each) in batches of 16 loads: exactly 16 and 32 chunks,
+            // 17 (a second, partial batch), and the API's 1024 experts over several chunks.
+            (2048, 8, 64, 64),
+            (4096, 8, 256, 64),
+            (2176, 8, 64, 64),
+            (2000, 8, 1024, 64),
             (500, 2, 8, 4096),
             // Rows copied in pieces of 128 vectors (fewer than 256 rows) and of 8 x 128 (from 256
             // rows on), each with a partial last piece.
