@@ -17,11 +17,11 @@ cli=gpu-bundle/nvfp4-moe
 # The forward's kernels (names as in cpp/src): three forwards' worth of launches.
 kernels='regex:count_kernel|scan_kernel|scatter_kernel|route_small_kernel|gather_kernel|combine_kernel|grouped_gemm|softmax_topk|swiglu_bf16|quantize_grouped|dequantize_grouped'
 for p in ${presets//,/ }; do
-  for r in balanced skewed; do
+  for r in balanced uniform skewed; do
     timeout 240 ncu --csv --clock-control none --metrics gpu__time_duration.sum --kernel-name "$kernels" --launch-count 24 \
       "$cli" bench --preset "$p" --tokens "$t" --routing "$r" >"$out/kernels/$p.$t.$r.csv" 2>"$out/kernels/$p.$t.$r.err"
     echo "ncu $p T=$t $r: rc=$? $(grep -c gpu__time_duration "$out/kernels/$p.$t.$r.csv") kernels"
   done
 done
 python3 scripts/layer_kernels.py ${NVFP4MOE_BF16_TFLOPS:+--bf16-tflops $NVFP4MOE_BF16_TFLOPS} "$out"/kernels/*.csv
-timeout 240 "$cli" bench --preset "$presets" --tokens "$t" --routing balanced,skewed 2>/dev/null
+timeout 240 "$cli" bench --preset "$presets" --tokens "$t" --routing balanced,uniform,skewed 2>/dev/null

@@ -109,10 +109,11 @@ fn usage_errors_exit_2() {
         (&["bench", "--preset", "mixtral-8x7b", "--ep", "9"], "--ep 9: mixtral-8x7b has only 8 experts"),
         (&["bench", "--ep", "2", "--intermediate", "nvfp4"], "--ep takes the BF16 intermediate"),
         (&["bench", "--dispatched", "--tile", "warp"], "--dispatched takes a tile other than warp"),
-        (&["bench", "--routing", "zipf"], "`--routing` is balanced or skewed (got `zipf`)"),
+        (&["bench", "--routing", "zipf"], "`--routing` is balanced or uniform or skewed (got `zipf`)"),
         (&["bench", "--routing", "skewed", "--ep", "2"], "`--routing` cannot be used with `--ep`"),
         (&["bench", "--routing", "skewed,balanced,skewed"], "--routing: `skewed` given twice"),
         (&["bench", "--dispatched", "--routing", "balanced,skewed"], "--dispatched takes balanced routing"),
+        (&["bench", "--dispatched", "--routing", "uniform"], "--dispatched takes balanced routing"),
     ];
     for (args, msg) in cases {
         let r = cli(args);

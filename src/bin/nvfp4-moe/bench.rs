@@ -23,12 +23,15 @@ memset that flushes L2, and only the replay is timed (CUDA events). Reports the 
 column); --batch-invariant turns split-K off (what batch invariance costs). Progress goes to
 stderr, the table (or with --json the JSON document) to stdout. Needs a CUDA GPU.
 
---routing balanced,skewed times each T under each routing (default balanced). skewed: expert
-popularity proportional to 1 / rank^1.2 (the ranks a permutation of the experts, seeded), each
-token's k experts drawn without replacement by popularity, the same ids every run (seed 0x5ce70001;
-token t's ids do not depend on T); TB/s counts the experts the routing reaches, so a skewed row
-reads fewer weight bytes at small T. --dispatched takes balanced routing only (its expert-major
-layout pads every expert to the busiest one's rows).
+--routing balanced,uniform,skewed times each T under each routing (default balanced). balanced:
+every expert exactly the same rows (+- 1). uniform: each token's k experts drawn uniformly without
+replacement (seed 0x5ce70002), so the experts' rows vary as a router without preferences makes
+them (binomial: ragged tiles). skewed: expert popularity proportional to 1 / rank^1.2 (the ranks a
+permutation of the experts, seeded), each token's k experts drawn without replacement by
+popularity (seed 0x5ce70001). Seeded routings give the same ids every run, and token t's ids do
+not depend on T; TB/s counts the experts the routing reaches, so a skewed row reads fewer weight
+bytes at small T. --dispatched takes balanced routing only (its expert-major layout pads every
+expert to the busiest one's rows).
 
 --dispatched also times, for each T, the pre-dispatched forward (MoeLayer::forward_dispatched)
 over the same routing's rows grouped by expert: [E, M, H] with M the largest expert's rows, the
@@ -115,7 +118,7 @@ pub struct BenchArgs {
     /// Also time the pre-dispatched forward of each T (see below)
     #[arg(long, conflicts_with = "ep")]
     pub dispatched: bool,
-    /// Comma-separated routings, each timed at every T: balanced, skewed (see below)
+    /// Comma-separated routings, each timed at every T: balanced, uniform, skewed (see below)
     #[arg(
         long,
         value_enum,
@@ -141,6 +144,8 @@ pub struct BenchArgs {
 pub enum RoutingArg {
     /// Slot j of token t to expert (t k + j) % E: every expert the same count +- 1
     Balanced,
+    /// A token's k experts drawn uniformly without replacement (seeded): ragged counts
+    Uniform,
     /// Expert popularity 1 / rank^1.2, a token's k experts drawn without replacement (seeded)
     Skewed,
 }
@@ -149,6 +154,7 @@ impl RoutingArg {
     pub fn name(self) -> &'static str {
         match self {
             RoutingArg::Balanced => "balanced",
+            RoutingArg::Uniform => "uniform",
             RoutingArg::Skewed => "skewed",
         }
     }
@@ -157,6 +163,7 @@ impl RoutingArg {
     pub fn ids(self, tokens: usize, top_k: usize, experts: usize) -> Vec<i32> {
         match self {
             RoutingArg::Balanced => balanced_ids(tokens, top_k, experts),
+            RoutingArg::Uniform => uniform_ids(tokens, top_k, experts, UNIFORM_SEED),
             RoutingArg::Skewed => skewed_ids(tokens, top_k, experts, SKEW_SEED),
         }
     }
@@ -276,6 +283,27 @@ pub fn skewed_ids(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec
     ids
 }
 
+/// The seed of `--routing uniform`.
+pub const UNIFORM_SEED: u64 = 0x5ce7_0002;
+
+/// Uniform routing of `tokens` tokens (`--routing uniform`): each token's `top_k` experts drawn
+/// uniformly without replacement (`top_k` <= E; a partial Fisher-Yates shuffle of a permutation
+/// carried from token to token). Deterministic for its arguments; token t's ids do not depend on
+/// `tokens`.
+pub fn uniform_ids(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32> {
+    assert!(top_k <= experts, "uniform_ids: top_k {top_k} > {experts} experts");
+    let mut rng = Rng::new(seed);
+    let mut perm: Vec<i32> = (0..experts as i32).collect();
+    let mut ids = Vec::with_capacity(tokens * top_k);
+    for _ in 0..tokens {
+        for j in 0..top_k {
+            perm.swap(j, j + rng.below((experts - j) as u64) as usize);
+        }
+        ids.extend_from_slice(&perm[..top_k]);
+    }
+    ids
+}
+
 /// The roofline floor of `(bytes, flops)` in microseconds.
 pub fn floor_us(bytes: f64, flops: f64) -> f64 {
     (bytes / HBM_BYTES_PER_S).max(flops / BF16_FLOPS_PER_S) * 1e6
@@ -291,7 +319,7 @@ pub struct BenchRow {
     pub us: f64,
     pub bytes: f64,
     pub flops: f64,
-    /// `--routing`'s name (`balanced`, `skewed`).
+    /// `--routing`'s name (`balanced`, `uniform`, `skewed`).
     pub routing: &'static str,
 }
 
@@ -364,9 +392,10 @@ pub fn run(args: &BenchArgs, global: Global) -> CliResult {
     if args.dispatched && args.tile == crate::run::TileArg::Warp {
         return Err(usage("bench", "--dispatched takes a tile other than warp (the warp kernel takes at most 8 rows)"));
     }
-    if args.dispatched && args.routing.contains(&RoutingArg::Skewed) {
+    if args.dispatched && args.routing.iter().any(|&r| r != RoutingArg::Balanced) {
         // (The expert-major layout pads every expert to the busiest one's rows: under skewed
-        // routing E x ~0.9 T rows, far past the layer's workspace and the GPU's memory at large T.)
+        // routing E x ~0.9 T rows, far past the layer's workspace and the GPU's memory at large T;
+        // under uniform routing past the workspace sized for T x k rows.)
         return Err(usage(
             "bench",
             "--dispatched takes balanced routing (its layout pads every expert to the busiest one)",
@@ -940,6 +969,40 @@ mod tests {
         let e = parse_preset_list("qwen3-30b-a3b,llama").unwrap_err();
         assert!(e.contains("unknown preset `llama`") && e.contains("deepseek-v3") && e.contains("kimi-k2"), "{e}");
         assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
+    }
+
+    /// `--routing uniform`: seeded and repeatable, distinct ids per token, T-independent tokens,
+    /// every expert reached with counts spread as binomial draws (ragged, unlike balanced).
+    #[test]
+    fn uniform_routing() {
+        let (t, k, e) = (8192usize, 8usize, 256usize);
+        let ids = uniform_ids(t, k, e, UNIFORM_SEED);
+        assert_eq!(ids, RoutingArg::Uniform.ids(t, k, e));
+        assert_eq!(&uniform_ids(100, k, e, UNIFORM_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
+        assert_ne!(uniform_ids(100, k, e, UNIFORM_SEED + 1), &ids[..100 * k], "the seed is ignored");
+        let mut counts = vec![0usize; e];
+        for tok in ids.chunks(k) {
+            let mut s = tok.to_vec();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), k, "{tok:?}");
+            for &id in tok {
+                assert!((0..e as i32).contains(&id));
+                counts[id as usize] += 1;
+            }
+        }
+        // Mean 256 rows per expert, binomial sd ~15.9: the counts within +-6 sd, and spread (a
+        // balanced routing's are all 256).
+        let mean = (t * k / e) as f64;
+        let sd = (counts.iter().map(|&c| (c as f64 - mean).powi(2)).sum::<f64>() / e as f64).sqrt();
+        assert!(counts.iter().all(|&c| (c as f64 - mean).abs() < 6.0 * 16.0), "{counts:?}");
+        assert!((8.0..24.0).contains(&sd), "sd {sd}");
+        assert!(counts.iter().filter(|&&c| c > 256).count() > e / 4, "few experts past one 256-row tile");
+        for tok in uniform_ids(5, 4, 4, 7).chunks(4) {
+            let mut s = tok.to_vec();
+            s.sort();
+            assert_eq!(s, [0, 1, 2, 3]);
+        }
     }
 
     /// `--routing skewed`: seeded and repeatable, distinct ids per token, T-independent tokens,
