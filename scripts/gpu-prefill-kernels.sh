@@ -3,7 +3,8 @@
 # ["gpu-bundle", "gpu-cpp"]): the SS/RS wgmma probe (scripts/gpu-wgmma-probe.sh), then for each
 # preset and routing the layer's kernels at T (default 8192) under Nsight Compute (kernel durations
 # of the first three forwards of `nvfp4-moe bench`, set-up kernels excluded) against their floors
-# (scripts/layer_kernels.py), then the bench rows of both routings. ~6 minutes on an H100.
+# (scripts/layer_kernels.py), then the bench rows of the three routings (balanced, uniform,
+# skewed). ~6 minutes on an H100 with two routings; ~5 s more per preset for the third.
 #   bash scripts/gpu-prefill-kernels.sh [PRESETS] [T]
 set -uo pipefail
 cd "$(dirname "$0")/.."

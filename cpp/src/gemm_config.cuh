@@ -203,7 +203,7 @@ struct Config {
 // (issue 22): the prefill tile with 256 tokens per CTA, each converted A fragment feeding twice the
 // tokens of N128 (the wgmma probe: in-register conversion at N128 does not hide under the wgmmas,
 // 604 against 967 TFLOP/s without it; at N256 it does, 927; H100 2026-12-06); 128 accumulators per
-// consumer thread, 4 stages of 36.6 KB and a 64 KB epilogue buffer.
+// consumer thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB in all).
 #define NVFP4MOE_GEMM_VARIANT_TILES(V)     \
   V(N64Q, 64, 5, 1, false, 1, 2, 4)        \
   V(N64QP, 64, 10, 1, true, 1, 1, 4)       \

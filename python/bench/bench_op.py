@@ -78,6 +78,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    eager = nvfp4_moe._ops.eager
+    if eager is None:
+        raise SystemExit("bench_op: the package was built without nvfp4_moe._C (no Python headers or no libtorch_python "
+                         "at build time): the eager path's host cost is what this bench measures")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     for name in a.preset.split(","):
@@ -95,11 +99,7 @@ def main() -> None:
             same = torch.equal(op(x, topk_ids=ids, topk_weights=w), c(x, ids, w))
             b = op._operator_buffers()
             args = (x, *b[:4], ids, w, None, k, True, b[4], b[5], op._config, op._g)
-            overload, eager = torch.ops.nvfp4_moe.forward.default, nvfp4_moe._ops.eager
-            if eager is None:
-                raise SystemExit("bench_op: the package was built without nvfp4_moe._C (no Python headers at build "
-                                 "time): the eager path's host cost is what this bench measures")
-            fast, handle = eager.forward, op._eager_handle()
+            overload, fast, handle = torch.ops.nvfp4_moe.forward.default, eager.forward, op._eager_handle()
             op_out = torch.empty(t, h, dtype=torch.bfloat16, device="cuda")
             # (the 14-argument overload, the fast one and the module with out= give the same bytes too)
             want = overload(*args)

@@ -410,7 +410,6 @@ PyObject* eager_forward(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   TORCH_CHECK_TYPE(PyCapsule_IsValid(args[0], kLayerCapsule), "layer must be a handle from nvfp4_moe._C.layer, got ",
                    Py_TYPE(args[0])->tp_name);
   const auto* layer = static_cast<const EagerLayer*>(PyCapsule_GetPointer(args[0], kLayerCapsule));
-  if (layer == nullptr) return nullptr;
   const Tensor hidden = tensor_arg(args[1], "hidden");
   const Tensor topk_ids = tensor_arg(args[2], "topk_ids");
   const Tensor topk_weights = tensor_arg(args[3], "topk_weights");

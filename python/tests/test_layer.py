@@ -303,6 +303,15 @@ def test_eager_path_is_not_taken_under_a_dispatch_mode():
     assert torch.equal(got, want)
 
 
+def test_eager_path_is_not_taken_under_a_jit_trace():
+    # A trace records operators only: the module must call the registered one while tracing.
+    layer, _, x, ids, w = layer_and_inputs(tokens=8)
+    want = layer(x, topk_ids=ids, topk_weights=w)
+    traced = torch.jit.trace(lambda h, i, wt: layer(h, topk_ids=i, topk_weights=wt), (x, ids, w), check_trace=False)
+    assert "nvfp4_moe::forward" in str(traced.graph), traced.graph
+    assert torch.equal(traced(x, ids, w), want)
+
+
 def test_save_and_load_after_a_forward():
     layer, _, x, ids, w = layer_and_inputs(tokens=8)
     want = layer(x, topk_ids=ids, topk_weights=w)

@@ -971,15 +971,9 @@ mod tests {
         assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
     }
 
-    /// `--routing uniform`: seeded and repeatable, distinct ids per token, T-independent tokens,
-    /// every expert reached with counts spread as binomial draws (ragged, unlike balanced).
-    #[test]
-    fn uniform_routing() {
-        let (t, k, e) = (8192usize, 8usize, 256usize);
-        let ids = uniform_ids(t, k, e, UNIFORM_SEED);
-        assert_eq!(ids, RoutingArg::Uniform.ids(t, k, e));
-        assert_eq!(&uniform_ids(100, k, e, UNIFORM_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
-        assert_ne!(uniform_ids(100, k, e, UNIFORM_SEED + 1), &ids[..100 * k], "the seed is ignored");
+    /// Each expert's rows under `ids` (k per token), asserting that a token's k ids are distinct
+    /// experts in [0, e).
+    fn expert_counts(ids: &[i32], k: usize, e: usize) -> Vec<usize> {
         let mut counts = vec![0usize; e];
         for tok in ids.chunks(k) {
             let mut s = tok.to_vec();
@@ -991,7 +985,20 @@ mod tests {
                 counts[id as usize] += 1;
             }
         }
-        // Mean 256 rows per expert, binomial sd ~15.9: the counts within +-6 sd, and spread (a
+        counts
+    }
+
+    /// `--routing uniform`: seeded and repeatable, distinct ids per token, T-independent tokens,
+    /// every expert reached with counts spread as binomial draws (ragged, unlike balanced).
+    #[test]
+    fn uniform_routing() {
+        let (t, k, e) = (8192usize, 8usize, 256usize);
+        let ids = uniform_ids(t, k, e, UNIFORM_SEED);
+        assert_eq!(ids, RoutingArg::Uniform.ids(t, k, e));
+        assert_eq!(&uniform_ids(100, k, e, UNIFORM_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
+        assert_ne!(uniform_ids(100, k, e, UNIFORM_SEED + 1), &ids[..100 * k], "the seed is ignored");
+        let counts = expert_counts(&ids, k, e);
+        // Mean 256 rows per expert, binomial sd ~15.75: the counts within +-6 sd, and spread (a
         // balanced routing's are all 256).
         let mean = (t * k / e) as f64;
         let sd = (counts.iter().map(|&c| (c as f64 - mean).powi(2)).sum::<f64>() / e as f64).sqrt();
@@ -1015,17 +1022,7 @@ mod tests {
         assert_eq!(ids, RoutingArg::Skewed.ids(t, k, e));
         assert_eq!(&skewed_ids(100, k, e, SKEW_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
         assert_ne!(skewed_ids(100, k, e, SKEW_SEED + 1), &ids[..100 * k], "the seed is ignored");
-        let mut counts = vec![0usize; e];
-        for tok in ids.chunks(k) {
-            let mut s = tok.to_vec();
-            s.sort();
-            s.dedup();
-            assert_eq!(s.len(), k, "{tok:?}");
-            for &id in tok {
-                assert!((0..e as i32).contains(&id));
-                counts[id as usize] += 1;
-            }
-        }
+        let counts = expert_counts(&ids, k, e);
         // By popularity rank (the seed's permutation): 1 / r^1.2 over 256 experts, 8 drawn without
         // replacement, gives rank 1 ~93% of the tokens, rank 26 ~220, rank 128 ~33 and rank 256
         // ~7 of 4096 (a simulation of the same rule); each rank decile's mean count below the last.

@@ -75,6 +75,7 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         (2048, 512, 32, 150),
         (2880, 2880, 4, 150),
         (14336, 256, 2, 150),
+        (768, 256, 3, 513),
         (512, 2048, 4, 3),
         (768, 768, 8, 2),
         (2880, 2880, 2, 5),
@@ -96,7 +97,12 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         let mut rng = Rng::new(seeds[unit]);
         let n = 2 * inter;
         let (w, gate_g, up_g, wd) = gate_up_weights(&s, &mut rng, e, n, k);
-        let off = random_offsets(&mut rng, e, max_rows);
+        let mut off = random_offsets(&mut rng, e, max_rows);
+        if max_rows > 256 {
+            // The last expert past one 256-row tile, its last tile partial (whichever tile runs).
+            let last = off.len() - 1;
+            off[last] = off[last - 1] + max_rows as i32;
+        }
         let rows = *off.last().unwrap() as usize;
         let total = rows + 2;
         let x = rng.normal_bf16(total * k, 1.0);
@@ -396,7 +402,12 @@ fn grouped_dequantize_matches_reference() {
     let mut rng = test_rng();
     let rp = replay();
     for &(cols, e, max_rows, shared) in &[(64usize, 3usize, 40usize, true), (2880, 5, 70, false), (768, 16, 9, false)] {
-        let off = random_offsets(&mut rng, e, max_rows);
+        let mut off = random_offsets(&mut rng, e, max_rows);
+        if max_rows > 256 {
+            // The last expert past one 256-row tile, its last tile partial (whichever tile runs).
+            let last = off.len() - 1;
+            off[last] = off[last - 1] + max_rows as i32;
+        }
         let total = *off.last().unwrap() as usize;
         let rows = total + 2;
         let x = rng.normal_bf16(rows * cols, 1.0);
