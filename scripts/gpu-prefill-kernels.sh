@@ -4,7 +4,8 @@
 # preset and routing the layer's kernels at T (default 8192) under Nsight Compute (kernel durations
 # of the first three forwards of `nvfp4-moe bench`, set-up kernels excluded) against their floors
 # (scripts/layer_kernels.py), then the bench rows of the three routings (balanced, uniform,
-# skewed). ~6 minutes on an H100 with two routings; ~5 s more per preset for the third.
+# skewed). ~6 minutes on an H100 with two routings (each ncu run 3-6 s, the probe and the bench
+# rows the rest, 2026-12-06); a third routing adds one ncu run per preset.
 #   bash scripts/gpu-prefill-kernels.sh [PRESETS] [T]
 set -uo pipefail
 cd "$(dirname "$0")/.."

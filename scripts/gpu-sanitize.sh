@@ -141,10 +141,10 @@ step memcheck-medium "$t_medium" NVFP4MOE_SWEEP_SIZE=medium -- "${cs[@]}" memche
 # Three tests are split over processes (racecheck-parts): under racecheck a process's host memory
 # grows with every launch it makes, 1-2 GB per GEMM launch (RSS sampled every 2 s, H200
 # 2026-12-03), and faults::nan_in_one_token_changes_only_its_row (140 forwards),
-# gemm::swiglu::swiglu_epilogues_match_reference_and_each_other (13 shapes x 5-6 tiles x 2
+# gemm::swiglu::swiglu_epilogues_match_reference_and_each_other (14 shapes x 5-6 tiles x 2
 # epilogues) and gemm::swiglu::swiglu_nvfp4_equals_quantized_compact each outgrew the machine's
 # 128 GB in one process (the OOM killer ended them at 130 GB). Their parts (NVFP4MOE_TEST_PART=i/n,
-# TestPart in tests/gpu/main.rs) each run 2 of the 20 NaN units, 1-2 of the 13 SwiGLU shapes or 1
+# TestPart in tests/gpu/main.rs) each run 2 of the 20 NaN units, 2 of the 14 SwiGLU shapes or 1
 # of the 9 SwigluNvfp4 shapes.
 race=("${cs[@]}" racecheck "$bin" "${common[@]}")
 # c_abi:: (matched by layer_) is skipped by racecheck and synccheck: it runs the layer forwards of the

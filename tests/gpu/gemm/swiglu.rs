@@ -66,9 +66,9 @@ fn swiglu_epilogues_match_reference_and_each_other() {
     let part = TestPart::from_env();
     let rp = replay_with(&part.env());
     let (mut warp_cases, mut shapes) = (0, 0);
-    // The last five shapes have so few tiles that the N16 tile splits K (2, 3 or 4 CTAs per tile,
-    // one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64 tiles in clusters
-    // of 3 on the H200, 8 stages over 3 CTAs).
+    // The five shapes after (768, 256, 3, 513) have so few tiles that the N16 tile splits K (2, 3
+    // or 4 CTAs per tile, one with an uneven split: 9 K stages over 2 CTAs; (2048, 1024, 2, 1): 64
+    // tiles in clusters of 3 on the H200, 8 stages over 3 CTAs).
     let cases = [
         (768usize, 2048usize, 16usize, 150usize),
         (1536, 256, 8, 150),
@@ -306,6 +306,11 @@ fn swiglu_nvfp4_equals_quantized_compact() {
         let n = 2 * inter;
         let (_, _, _, wd) = gate_up_weights(&s, &mut rng, e, n, k);
         let mut off = random_offsets(&mut rng, e, max_rows);
+        if max_rows > 256 {
+            // The last expert past one 256-row tile, its last tile partial (whichever tile runs).
+            let last = off.len() - 1;
+            off[last] = off[last - 1] + max_rows as i32;
+        }
         if off[1] == 0 {
             // Expert 0 must have rows: they are the all-zero blocks below.
             off.iter_mut().skip(1).for_each(|o| *o += 1);
@@ -402,12 +407,7 @@ fn grouped_dequantize_matches_reference() {
     let mut rng = test_rng();
     let rp = replay();
     for &(cols, e, max_rows, shared) in &[(64usize, 3usize, 40usize, true), (2880, 5, 70, false), (768, 16, 9, false)] {
-        let mut off = random_offsets(&mut rng, e, max_rows);
-        if max_rows > 256 {
-            // The last expert past one 256-row tile, its last tile partial (whichever tile runs).
-            let last = off.len() - 1;
-            off[last] = off[last - 1] + max_rows as i32;
-        }
+        let off = random_offsets(&mut rng, e, max_rows);
         let total = *off.last().unwrap() as usize;
         let rows = total + 2;
         let x = rng.normal_bf16(rows * cols, 1.0);
