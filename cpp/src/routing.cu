@@ -123,7 +123,8 @@ __global__ void count_kernel(const int* __restrict__ ids, int pairs, ExpertIds x
 // scatter adds offsets[e] (so the counts are read and written once, not twice). Thread e reads its
 // column kScanBatch chunks at a time, all loads of a batch issued before any store: a load after a
 // store to the same array was one dependent L2 round trip per chunk (19 us at 64 chunks, deepseek-v3
-// T = 8192, H100 2026-12-06).
+// T = 8192, H100 2026-12-06). The column walked by a pointer: 64-bit indices recomputed per load
+// made ptxas spill (sass-check).
 constexpr int kScanBatch = 16;
 __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, int chunks, int experts,
                                                     int* __restrict__ offsets) {
@@ -132,13 +133,15 @@ __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, in
   const int e = threadIdx.x;
   int run = 0;
   if (e < experts) {
-    for (int c0 = 0; c0 < chunks; c0 += kScanBatch) {
+    int* col = counts + e;  // (c, e) at col[c * experts]
+    const int64_t step = experts;
+    for (int c0 = 0; c0 < chunks; c0 += kScanBatch, col += kScanBatch * step) {
       int v[kScanBatch];
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kScanBatch; ++j) v[j] = c0 + j < chunks ? counts[int64_t(c0 + j) * experts + e] : 0;
+      for (int j = 0; j < kScanBatch; ++j) v[j] = c0 + j < chunks ? col[j * step] : 0;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kScanBatch; ++j) {
-        if (c0 + j < chunks) counts[int64_t(c0 + j) * experts + e] = run;
+        if (c0 + j < chunks) col[j * step] = run;
         run += v[j];
       }
     }
