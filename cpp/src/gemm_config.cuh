@@ -54,7 +54,14 @@ struct Params {
   // e * expert_stride, expert_counts[e] of them (GroupedGemmArgs::expert_stride).
   const int* expert_counts;    // [E]
   int expert_stride;
+  // Tiles with Config::kNarrowIssue (N256): a row tile with at most 64 or 128 rows runs m64n64 or
+  // m64n128 wgmmas and loads only its rows' x boxes (0: always the whole tile; the A/B's switch).
+  int narrow_issue = 1;
 };
+
+// Rows of one TMA box of x: the whole tile, but 64 on tiles over 128 rows, whose row tiles load
+// only the boxes that hold rows (Config::kNarrowIssue). The host encodes the tensor map with it.
+constexpr int x_box_rows(int block_n) { return block_n > 128 ? 64 : block_n; }
 
 // kMinBlocks CTAs share an SM: with 2, the register budget per thread halves (the producer
 // warpgroup keeps 40, consumers get 96; ptxas compiles for 80) and so must the shared memory;
@@ -126,9 +133,22 @@ struct Config {
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kLaunchRegs * kThreads,
                 "setmaxnreg's registers must fit the CTA's allocation");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
+  // N256 (issue 22): an expert's last row tile often holds a few rows (ragged routing: deepseek-v3
+  // at T = 8192 has 256 +- 16 rows per expert, so half its experts need a second, nearly empty
+  // tile). Such a tile issues m64n64 or m64n128 wgmmas on the first accumulators, which hold the
+  // first 64 or 128 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
+  // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once
+  // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
+  // depends on its own B column only, and those rows are never stored.
+  static constexpr bool kNarrowIssue = kBlockN_ == 256;
+  static constexpr int kBoxRows = x_box_rows(kBlockN_);
+  static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
 
-  using MmaOp = decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float,
-                                                    Shape<_64, Int<kBlockN>, Int<kStageK>>>());
+  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also 64 and 128).
+  template <int N>
+  using MmaOpN =
+      decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float, Shape<_64, Int<N>, Int<kStageK>>>());
+  using MmaOp = MmaOpN<kBlockN>;
   using TiledMma = decltype(make_tiled_mma(MmaOp{}));
   // x tile per stage: (kBlockN, 64 kChunks, stages), K-major with the 128-byte swizzle TMA writes;
   // the swizzle atoms are 64 wide, so each 64-K piece is one contiguous (kBlockN, 64) TMA box.

@@ -25,12 +25,22 @@ CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA
   constexpr int kRegsC = extent<typename MmaOp::CRegisters>::value;
   static_assert(extent<typename MmaOp::BRegisters>::value == 1, "B from shared memory: one descriptor");
   Tensor rA = recast<uint32_t>(a);   // (4): 8 BF16 values
-  Tensor rC = recast<float>(accum);  // (kRegsC)
+  Tensor rC = recast<float>(accum);  // (>= kRegsC): a narrower wgmma takes the first kRegsC
   CUTE_STATIC_ASSERT_V(size(rA) == Int<kRegsA>{});
-  CUTE_STATIC_ASSERT_V(size(rC) == Int<kRegsC>{});
+  CUTE_STATIC_ASSERT_V(size(rC) >= Int<kRegsC>{});
   const uint64_t b[1] = {desc_b};
   cute::detail::explode(MmaOp::fma, rA, make_int_sequence<kRegsA>{}, b, make_int_sequence<1>{}, rC,
                         make_int_sequence<kRegsC>{}, &scale, seq<0>{});
+}
+
+// The rows the tile's wgmmas span: kBlockN, or on kNarrowIssue tiles the least of 64, 128 and
+// 256 that holds the tile's `tile_rows` rows (the producer and the consumers decide alike).
+template <class Cfg>
+CUTLASS_DEVICE int issue_rows(const Params& p, int tile_rows) {
+  if constexpr (Cfg::kNarrowIssue) {
+    if (p.narrow_issue) return tile_rows <= 64 ? 64 : tile_rows <= 128 ? 128 : 256;
+  }
+  return Cfg::kBlockN;
 }
 
 template <class Cfg>
@@ -45,7 +55,15 @@ struct MainloopProducer {
                                        const Params& p, const TileCoord& tc, int kc_begin, int kc_end,
                                        int k_tiles) {
     const int chunks_m = p.n / weights::kChunkRows;
-    int row0 = expert_rows(p, tc.expert).x + tc.n_tile * kBlockN;
+    const int2 rr = expert_rows(p, tc.expert);
+    const int row0 = rr.x + tc.n_tile * kBlockN;
+    // kNarrowIssue: the x boxes that hold the tile's rows (the wgmmas span issue_rows(); columns
+    // past the rows read stale stage contents, never stored); the others' bytes are counted off
+    // the stage's barrier.
+    constexpr int kBoxes = kBlockN / Cfg::kBoxRows;
+    const int boxes = Cfg::kNarrowIssue && p.narrow_issue
+                          ? min(kBoxes, (min(rr.y - row0, kBlockN) + Cfg::kBoxRows - 1) / Cfg::kBoxRows)
+                          : kBoxes;
     constexpr int kConsumers = Cfg::kConsumers;
     // Consumer c's 64-feature chunk row. Where the last tile reaches past n (n % kTileM != 0), the
     // consumers past it get the tile's first row again (their results are not stored), so every
@@ -99,9 +117,21 @@ struct MainloopProducer {
       }
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < Cfg::kChunks; ++h) {
-        SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-                               ss.b + s * (kBlockN * Cfg::kStageK) + h * (kBlockN * kTileK),
-                               (c0 + h) * kTileK, row0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int b = 0; b < kBoxes; ++b) {
+          if (b == 0 || b < boxes) {
+            SM90_TMA_LOAD_2D::copy(&tma_x, bar, uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   ss.b + s * (kBlockN * Cfg::kStageK) + h * (kBlockN * kTileK) +
+                                       b * (Cfg::kBoxRows * kTileK),
+                                   (c0 + h) * kTileK, row0 + b * Cfg::kBoxRows);
+          }
+        }
+      }
+      if (kBoxes > 1 && boxes < kBoxes) {
+        const uint32_t skipped = uint32_t(kBoxes - boxes) * Cfg::kChunks * (Cfg::kBoxRows * kTileK * 2);
+        asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(bar)),
+                     "r"(skipped)
+                     : "memory");
       }
       ++state;
     }
@@ -117,17 +147,25 @@ struct MainloopProducer {
 // the next conversion) and pipelined (two whole-stage fragments, one group in flight). (A third,
 // two one-chunk fragments pipelined within 128-K stages, served the one-CTA N64 tile until N64 went
 // to two CTAs per SM, 2026-12-02.)
+//
+// issue_n: the rows the wgmmas span (Cfg::kBlockN, or 64 / 128 on a kNarrowIssue tile's short
+// row tiles: issue_rows()), on the first accumulators.
 template <class Cfg>
 struct MainloopConsumer {
+  // Its lambdas are inlined by force: with the three wgmma widths of kNarrowIssue tiles, ptxas
+  // otherwise got an outlined lambda (C7510) or too few registers (C7511) and serialized every
+  // wgmma (N256, CUDA 13.0).
   template <class Pipeline, class State, class TiledMma, class FragB, class FragA, class Accum>
   CUTLASS_DEVICE static void mma_tile(Pipeline& pipeline, State& state, typename Cfg::SharedStorage& ss, int cw, int t,
                                       TiledMma& tiled_mma, FragB& tCrB, FragA& tCrA0, FragA& tCrA1, Accum& accum,
-                                      int kc_begin, int kc_end, int k_tiles) {
+                                      int kc_begin, int kc_end, int k_tiles, int issue_n) {
     const int w = t / 32, g = (t % 32) / 4;
     const int n_k = kc_end - kc_begin;  // K stages per tile for this CTA
     // A stage's shared memory is free again: arrive on this CTA's empty barrier. (The pipeline's own
     // consumer_release, built for a cluster of one, would signal the cluster's rank 0.)
-    auto release_stage = [&](auto st) { ss.pipeline.empty_barrier_[st.index()].arrive(); };
+    auto release_stage = [&](auto st) __attribute__((always_inline)) {
+      ss.pipeline.empty_barrier_[st.index()].arrive();
+    };
 
     // A chunk's shared-memory words for this thread: its 16 code bytes (one u32 per k-block) and 8
     // scale bytes (the byte pairs of its two rows for k-blocks 0..3).
@@ -135,16 +173,18 @@ struct MainloopConsumer {
       uint4 codes;
       uint2 scales;
     };
-    auto load_codes = [&](int s, int h) {
+    auto load_codes = [&](int s, int h) __attribute__((always_inline)) {
       return reinterpret_cast<const uint4*>(ss.a[s][cw] + h * weights::kChunkBytes)[t];
     };
-    auto load_scales = [&](int s, int h) {
+    auto load_scales = [&](int s, int h) __attribute__((always_inline)) {
       return *reinterpret_cast<const uint2*>(ss.a[s][cw] + h * weights::kChunkBytes + weights::kChunkCodeBytes +
                                              (w * 8 + g) * 8);
     };
-    auto load_chunk = [&](int s, int h) { return ChunkWords{load_codes(s, h), load_scales(s, h)}; };
+    auto load_chunk = [&](int s, int h) __attribute__((always_inline)) {
+      return ChunkWords{load_codes(s, h), load_scales(s, h)};
+    };
     // A chunk's words -> BF16 A fragment `frag` from k-block 4 h0 on (exact; see nvfp4_weights.cuh).
-    auto decode_chunk = [&](const ChunkWords& cwds, auto& frag, int h0) {
+    auto decode_chunk = [&](const ChunkWords& cwds, auto& frag, int h0) __attribute__((always_inline)) {
       Tensor a_words = recast<uint32_t>(frag);  // 16 registers per chunk: bf16 pairs, 4 per k-block
       const uint32_t cw4[4] = {cwds.codes.x, cwds.codes.y, cwds.codes.z, cwds.codes.w};
       CUTLASS_PRAGMA_UNROLL
@@ -156,16 +196,18 @@ struct MainloopConsumer {
       }
     };
     // Chunk h of stage s's weights -> BF16 A fragment `frag` from k-block 4 h0 on.
-    auto convert_chunk = [&](int s, int h, auto& frag, int h0) { decode_chunk(load_chunk(s, h), frag, h0); };
+    auto convert_chunk = [&](int s, int h, auto& frag, int h0) __attribute__((always_inline)) {
+      decode_chunk(load_chunk(s, h), frag, h0);
+    };
     // All of stage s's chunks -> `frag` (a whole-stage fragment).
-    auto convert = [&](int s, auto& frag) {
+    auto convert = [&](int s, auto& frag) __attribute__((always_inline)) {
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < Cfg::kChunks; ++h) {
         convert_chunk(s, h, frag, h);
       }
     };
     // Keeps the compiler from moving fragment writes across the asynchronous wgmmas that read them.
-    auto fence_a = [](auto& frag) {
+    auto fence_a = [](auto& frag) __attribute__((always_inline)) {
       Tensor a_words = recast<uint32_t>(frag);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(a_words); ++i) {
@@ -175,26 +217,43 @@ struct MainloopConsumer {
     // B descriptors: tCrB (MMA, MMA_N, MMA_K, stages) holds descriptor offsets from its base; k-block
     // kb of stage s is base + offset(0, 0, kb, s), added as 64-bit values (wgmma_rs).
     const uint64_t desc_b0 = uint64_t(tCrB.data().desc_);
-    auto desc_b = [&](int kb, int s) { return desc_b0 + uint64_t(int(tCrB.layout()(0, 0, kb, s))); };
-    using MmaOp = typename Cfg::MmaOp;
-    // The 4 kFragChunks m64 x kBlockN x k16 wgmmas of one fragment, k-blocks [kb0, kb0 + 4
+    auto desc_b = [&](int kb, int s) __attribute__((always_inline)) {
+      return desc_b0 + uint64_t(int(tCrB.layout()(0, 0, kb, s)));
+    };
+    // The 4 kFragChunks m64 x issue_n x k16 wgmmas of one fragment, k-blocks [kb0, kb0 + 4
     // kFragChunks) of stage s, committed as one group. (All of them in a partial last stage too: a
     // predicated wgmma makes ptxas inject a warpgroup.arrive before each.)
-    auto issue_range = [&](int s, int kb0, auto& frag) {
+    auto issue_range = [&](int s, int kb0, auto& frag) __attribute__((always_inline)) {
       fence_a(frag);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       const uint64_t desc_s = desc_b(0, s);
-      CUTLASS_PRAGMA_UNROLL
-      for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {
-        wgmma_rs<MmaOp>(frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb0 + kb, 0))), accum,
-                        tiled_mma.accumulate_);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      auto wgmmas = [&](auto n) __attribute__((always_inline)) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {
+          wgmma_rs<typename Cfg::template MmaOpN<decltype(n)::value>>(
+              frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb0 + kb, 0))), accum, tiled_mma.accumulate_);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
+        // Committed in each branch: a commit after the branches merge made ptxas end each
+        // branch's group and add an empty one, so that the wait for one group in flight waited
+        // for the group just issued.
+        warpgroup_commit_batch();
+      };
+      if constexpr (Cfg::kNarrowIssue) {
+        if (issue_n == 64) {
+          wgmmas(Int<64>{});
+        } else if (issue_n == 128) {
+          wgmmas(Int<128>{});
+        } else {
+          wgmmas(Int<Cfg::kBlockN>{});
+        }
+      } else {
+        wgmmas(Int<Cfg::kBlockN>{});
       }
-      warpgroup_commit_batch();
       warpgroup_fence_operand(accum);
     };
-    auto issue = [&](int s, auto& frag) { issue_range(s, 0, frag); };  // a whole stage
+    auto issue = [&](int s, auto& frag) __attribute__((always_inline)) { issue_range(s, 0, frag); };  // a whole stage
 
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     if constexpr (Cfg::kPipelined) {
@@ -206,7 +265,7 @@ struct MainloopConsumer {
       issue(state.index(), tCrA0);
       auto release = state;
       ++state;
-      auto step = [&](auto& frag) {
+      auto step = [&](auto& frag) __attribute__((always_inline)) {
         pipeline.consumer_wait(state);
         int s = state.index();
         convert(s, frag);
@@ -237,7 +296,7 @@ struct MainloopConsumer {
       // The next part's code words (8 registers per chunk pair); its scale words are read when it
       // is converted (reading them early too made ptxas spill at 80 registers).
       uint4 next[Cfg::kFragChunks];
-      auto load_part = [&](int s, int part) {
+      auto load_part = [&](int s, int part) __attribute__((always_inline)) {
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < Cfg::kFragChunks; ++h) next[h] = load_codes(s, part * Cfg::kFragChunks + h);
       };
@@ -248,7 +307,7 @@ struct MainloopConsumer {
       };
       // Parts [0, parts) of stage s from its part 0's words (already read); ends with the last
       // part's group in flight.
-      auto run_stage = [&](int s, int parts) {
+      auto run_stage = [&](int s, int parts) __attribute__((always_inline)) {
         CUTLASS_PRAGMA_UNROLL
         for (int part = 0; part < kParts; ++part) {
           if (part == 0 || part < parts) {

@@ -46,7 +46,8 @@ bool warp_kernel_on() {
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile,
 // "n256" the N256 tile where the N128 one was chosen (gemm_config.cuh's
-// NVFP4MOE_GEMM_VARIANT_TILES); read once.
+// NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the same with every row tile issued 256 wide
+// (Params::narrow_issue = 0); read once.
 const std::string& gemm_variant() {
   static const std::string v = [] {
     const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
@@ -169,8 +170,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 : tile == GemmTile::kM128N64 ? 64
                                              : 128;
 #if defined(NVFP4MOE_GEMM_VARIANTS)
-  const bool n256 = tile == GemmTile::kM128N128 && gemm_variant() == "n256";
+  const bool n256 = tile == GemmTile::kM128N128 && (gemm_variant() == "n256" || gemm_variant() == "n256full");
   if (n256) block_n = 256;
+  p.narrow_issue = gemm_variant() != "n256full";
 #endif
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
@@ -178,7 +180,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   CUtensorMap map;
   cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.total_rows)};
   cuuint64_t strides[1] = {cuuint64_t(a.k) * 2};
-  cuuint32_t box[2] = {64, cuuint32_t(block_n)};
+  cuuint32_t box[2] = {64, cuuint32_t(gemm::x_box_rows(block_n))};
   cuuint32_t elem_strides[2] = {1, 1};
   CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a.x), dims, strides, box,
                       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,

@@ -213,8 +213,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       tile_k_tiles = unhoisted(p.k) / kTileK;
       tile_kc_end = (tile_k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;
     }
+    // kNarrowIssue: the rows the tile's wgmmas span (issue_rows()).
+    int issue_n = kBlockN;
+    if constexpr (Cfg::kNarrowIssue) {
+      static_assert(!kLateTileValues, "the tile's rows are known before its mainloop");
+      issue_n = issue_rows<Cfg>(p, min(tv.row_end - tv.row_begin, kBlockN));
+    }
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,
-                                    tile_kc_end, tile_k_tiles);
+                                    tile_kc_end, tile_k_tiles, issue_n);
     if constexpr (kLateTileValues) tv = tile_values();
     const int row_begin = tv.row_begin, row_end = tv.row_end, feature0 = tv.feature0;
     const float scale_lo = tv.scale_lo, scale_hi = tv.scale_hi;
