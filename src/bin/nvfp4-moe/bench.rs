@@ -973,6 +973,29 @@ mod tests {
 
     /// Each expert's rows under `ids` (k per token), asserting that a token's k ids are distinct
     /// experts in [0, e).
+    /// A seeded routing's ids for (t, k, e), checked for what every seeded routing promises: the
+    /// CLI's routing gives them, token i's ids do not depend on T, the seed matters, and with
+    /// k = E every token gets every expert once.
+    fn seeded_ids(
+        ids_of: fn(usize, usize, usize, u64) -> Vec<i32>,
+        arg: RoutingArg,
+        seed: u64,
+        t: usize,
+        k: usize,
+        e: usize,
+    ) -> Vec<i32> {
+        let ids = ids_of(t, k, e, seed);
+        assert_eq!(ids, arg.ids(t, k, e));
+        assert_eq!(&ids_of(100, k, e, seed)[..], &ids[..100 * k], "token t's ids depend on T");
+        assert_ne!(ids_of(100, k, e, seed + 1), &ids[..100 * k], "the seed is ignored");
+        for tok in ids_of(5, 4, 4, 7).chunks(4) {
+            let mut s = tok.to_vec();
+            s.sort();
+            assert_eq!(s, [0, 1, 2, 3]);
+        }
+        ids
+    }
+
     fn expert_counts(ids: &[i32], k: usize, e: usize) -> Vec<usize> {
         let mut counts = vec![0usize; e];
         for tok in ids.chunks(k) {
@@ -993,10 +1016,7 @@ mod tests {
     #[test]
     fn uniform_routing() {
         let (t, k, e) = (8192usize, 8usize, 256usize);
-        let ids = uniform_ids(t, k, e, UNIFORM_SEED);
-        assert_eq!(ids, RoutingArg::Uniform.ids(t, k, e));
-        assert_eq!(&uniform_ids(100, k, e, UNIFORM_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
-        assert_ne!(uniform_ids(100, k, e, UNIFORM_SEED + 1), &ids[..100 * k], "the seed is ignored");
+        let ids = seeded_ids(uniform_ids, RoutingArg::Uniform, UNIFORM_SEED, t, k, e);
         let counts = expert_counts(&ids, k, e);
         // Mean 256 rows per expert, binomial sd ~15.75: the counts within +-6 sd, and spread (a
         // balanced routing's are all 256).
@@ -1005,11 +1025,6 @@ mod tests {
         assert!(counts.iter().all(|&c| (c as f64 - mean).abs() < 6.0 * 16.0), "{counts:?}");
         assert!((8.0..24.0).contains(&sd), "sd {sd}");
         assert!(counts.iter().filter(|&&c| c > 256).count() > e / 4, "few experts past one 256-row tile");
-        for tok in uniform_ids(5, 4, 4, 7).chunks(4) {
-            let mut s = tok.to_vec();
-            s.sort();
-            assert_eq!(s, [0, 1, 2, 3]);
-        }
     }
 
     /// `--routing skewed`: seeded and repeatable, distinct ids per token, T-independent tokens,
@@ -1018,10 +1033,7 @@ mod tests {
     #[test]
     fn skewed_routing() {
         let (t, k, e) = (4096usize, 8usize, 256usize);
-        let ids = skewed_ids(t, k, e, SKEW_SEED);
-        assert_eq!(ids, RoutingArg::Skewed.ids(t, k, e));
-        assert_eq!(&skewed_ids(100, k, e, SKEW_SEED)[..], &ids[..100 * k], "token t's ids depend on T");
-        assert_ne!(skewed_ids(100, k, e, SKEW_SEED + 1), &ids[..100 * k], "the seed is ignored");
+        let ids = seeded_ids(skewed_ids, RoutingArg::Skewed, SKEW_SEED, t, k, e);
         let counts = expert_counts(&ids, k, e);
         // By popularity rank (the seed's permutation): 1 / r^1.2 over 256 experts, 8 drawn without
         // replacement, gives rank 1 ~93% of the tokens, rank 26 ~220, rank 128 ~33 and rank 256
@@ -1036,12 +1048,6 @@ mod tests {
         let deciles: Vec<f64> =
             by_rank.chunks(e.div_ceil(10)).map(|c| c.iter().sum::<usize>() as f64 / c.len() as f64).collect();
         assert!(deciles.windows(2).all(|w| w[0] > w[1]), "decile means {deciles:?}");
-        // k = E: every token gets every expert once.
-        for tok in skewed_ids(5, 4, 4, 7).chunks(4) {
-            let mut s = tok.to_vec();
-            s.sort();
-            assert_eq!(s, [0, 1, 2, 3]);
-        }
         // The work follows the routing: its active experts only.
         let p = presets::preset("deepseek-v3").unwrap();
         let one = skewed_ids(1, 8, 256, SKEW_SEED);
