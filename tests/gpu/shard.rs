@@ -88,6 +88,19 @@ fn forward_f32(
     s.clone_dtoh(&out).unwrap()
 }
 
+/// The internal-permutation forward of `tokens` (`[t, h]`, one expert each: `ids`, weight 1) as
+/// host BF16, each row the reference the pre-dispatched forward's row must match bit for bit.
+fn permuted_forward(s: &Arc<CudaStream>, layer: &MoeLayer, tokens: &[bf16], ids: &[i32]) -> Vec<bf16> {
+    let (t, h) = (ids.len(), layer.weights().hidden);
+    let mut out = poisoned_bf16(s, t * h);
+    let mut ws = layer.workspace(s).unwrap();
+    let (td, idd, wd) =
+        (s.clone_htod(tokens).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(&vec![1f32; t]).unwrap());
+    let input = MoeInput { hidden: &td, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
+    layer.forward(s, &input, &mut out, &mut ws).unwrap();
+    s.clone_dtoh(&out).unwrap()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn shards_add_up_to_the_whole_layer() {
@@ -353,13 +366,7 @@ fn dispatched_forward_gives_each_experts_rows() {
     }
     let t = ids.len();
     let w = vec![1f32; t];
-    let want = {
-        let mut out = poisoned_bf16(&s, t * h);
-        let (td, idd, wd) = (s.clone_htod(&tokens).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
-        let input = MoeInput { hidden: &td, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
-        layer.forward(&s, &input, &mut out, &mut ws).unwrap();
-        s.clone_dtoh(&out).unwrap()
-    };
+    let want = permuted_forward(&s, &layer, &tokens, &ids);
     let oracle = reference::routing::moe_layer(&tokens, t, &ids, &w, 1, &ck).unwrap();
     for expected_rows in [0usize, t, 8] {
         let ctx = format!("expected_rows {expected_rows}: {rp}");
@@ -404,14 +411,7 @@ fn dispatched_forward_gives_each_experts_rows() {
         }
         let t2 = dec_ids.len();
         assert_eq!(split.gemm_tiles(t2, 1).unwrap().0, nvfp4_moe::GemmTile::M128N16, "{rp}");
-        let want2 = {
-            let mut out = poisoned_bf16(&s, t2 * h);
-            let (td, idd) = (s.clone_htod(&dec_tokens).unwrap(), s.clone_htod(&dec_ids).unwrap());
-            let wd = s.clone_htod(&vec![1f32; t2]).unwrap();
-            let input = MoeInput { hidden: &td, tokens: t2, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
-            split.forward(&s, &input, &mut out, &mut ws_split).unwrap();
-            s.clone_dtoh(&out).unwrap()
-        };
+        let want2 = permuted_forward(&s, &split, &dec_tokens, &dec_ids);
         let mut out = poisoned_bf16(&s, e * m * h);
         let input = DispatchedInput { hidden: &xd, counts: &cd2, max_tokens_per_expert: m, expected_rows: t2 };
         split.forward_dispatched(&s, &input, &mut out, &mut ws_split).unwrap();
@@ -440,7 +440,7 @@ fn dispatched_forward_gives_each_experts_rows() {
     // The NVFP4 intermediate in the same layout: each expert's rows are the permuted forward's
     // with the same intermediate, bit for bit (the packing and dequantization are per row); rows
     // past a count stay poisoned.
-    let (td, idd, wd) = (s.clone_htod(&tokens).unwrap(), s.clone_htod(&ids).unwrap(), s.clone_htod(&w).unwrap());
+    let (td, idd) = (s.clone_htod(&tokens).unwrap(), s.clone_htod(&ids).unwrap());
     let g = layer.calibrate_nvfp4_scale(&s, &td, t, &idd, 1, &mut ws).unwrap();
     let fp4 = layer_of(
         &s,
@@ -449,12 +449,7 @@ fn dispatched_forward_gives_each_experts_rows() {
         MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: g }, ..opts },
     );
     let mut ws4 = fp4.workspace(&s).unwrap();
-    let want4 = {
-        let mut out = poisoned_bf16(&s, t * h);
-        let input = MoeInput { hidden: &td, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
-        fp4.forward(&s, &input, &mut out, &mut ws4).unwrap();
-        s.clone_dtoh(&out).unwrap()
-    };
+    let want4 = permuted_forward(&s, &fp4, &tokens, &ids);
     let mut out4 = poisoned_bf16(&s, e * m * h);
     let input = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m, expected_rows: t };
     fp4.forward_dispatched(&s, &input, &mut out4, &mut ws4).unwrap();
