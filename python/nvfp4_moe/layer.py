@@ -303,7 +303,18 @@ class MoeLayer(torch.nn.Module):
         key, storage = (w13, s13, w2, s2, ws, em), (s13.data_ptr(), s13.shape, s2.data_ptr(), s2.shape)
         cached = self.__dict__.get("_op_buffers")
         if cached is None or cached[1] != storage or any(x is not y for x, y in zip(cached[0], key)):
-            cached = (key, storage, (w13, s13.view(torch.float32), w2, s2.view(torch.float32), ws, em))
+            # Made outside a torch.jit trace: its tracer fails on a dtype view ("We don't have an op
+            # for aten::view but it isn't a special case", torch 2.11), and the trace records the
+            # views as the constants they are.
+            tracing = torch._C._get_tracing_state()
+            if tracing is not None:
+                torch._C._set_tracing_state(None)
+            try:
+                s13f, s2f = s13.view(torch.float32), s2.view(torch.float32)
+            finally:
+                if tracing is not None:
+                    torch._C._set_tracing_state(tracing)
+            cached = (key, storage, (w13, s13f, w2, s2f, ws, em))
             self.__dict__["_op_buffers"] = cached
         return cached[2]
 

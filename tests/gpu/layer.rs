@@ -58,6 +58,9 @@ mod routing {
             // rows on), each with a partial last piece.
             (10, 4, 8, 2056),
             (40, 8, 16, 8200),
+            // From 4096 tokens on, each token read once and written to its slots' rows (the
+            // 4096-token case above too), here with a partial last piece.
+            (4100, 2, 16, 2056),
         ] {
             // Skewed routing: a few hot experts, many empty ones.
             let ids: Vec<i32> = (0..t * k)
