@@ -217,7 +217,7 @@ fn custom_shapes(b: &mut Bench<'_>, spec: &str, rng: &mut Rng) {
     }
 }
 
-/// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128, warp), else the library's choice.
+/// `$NVFP4MOE_GEMM_TILE` (n8, n16, n32, n64, n128, n256, warp), else the library's choice.
 fn forced_tile() -> GemmTile {
     match std::env::var("NVFP4MOE_GEMM_TILE").as_deref() {
         Ok("n8") => GemmTile::M128N8,
@@ -225,9 +225,10 @@ fn forced_tile() -> GemmTile {
         Ok("n32") => GemmTile::M128N32,
         Ok("n64") => GemmTile::M128N64,
         Ok("n128") => GemmTile::M128N128,
+        Ok("n256") => GemmTile::M128N256,
         Ok("warp") => GemmTile::WarpM16N8,
         Ok("") | Ok("auto") | Err(_) => GemmTile::Auto,
-        Ok(other) => panic!("NVFP4MOE_GEMM_TILE={other}: expected n8, n16, n32, n64, n128, warp or auto"),
+        Ok(other) => panic!("NVFP4MOE_GEMM_TILE={other}: expected n8, n16, n32, n64, n128, n256, warp or auto"),
     }
 }
 

@@ -152,7 +152,7 @@ Status grouped_gemm_nvfp4_can_implement(const GroupedGemmArgs& a) noexcept {
   }
   if (a.tile != GemmTile::kAuto && a.tile != GemmTile::kM128N8 && a.tile != GemmTile::kM128N16 &&
       a.tile != GemmTile::kM128N32 && a.tile != GemmTile::kM128N64 && a.tile != GemmTile::kM128N128 &&
-      a.tile != GemmTile::kWarpM16N8) {
+      a.tile != GemmTile::kM128N256 && a.tile != GemmTile::kWarpM16N8) {
     return fail(Status::kInvalidShape, "grouped_gemm_nvfp4: unknown tile %d", int(a.tile));
   }
   if (a.tile == GemmTile::kWarpM16N8 && !gemm::warp::supports(a.epilogue, a.total_rows, a.k)) {

@@ -205,7 +205,15 @@ struct Config {
 //   each stage converted and retired in two 64-K parts (32 registers of accumulators). Against the
 //   one-CTA, chunk-pipelined N64 (8 stages) at 64 rows per expert: the GEMMs 5-11% faster
 //   (qwen3-30b-a3b L2 71.2 -> 63.5 us), the layer 5-8% (2026-12-02, PERF_NOTES.md).
-// - N128, prefill.
+// - N128, prefill at 65-128 rows per expert.
+// - N256 (issue 22), prefill beyond 128 rows per expert: each converted A fragment feeds a 64x256
+//   wgmma (the wgmma probe: in-register conversion does not hide under N128's wgmmas, 604 against
+//   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
+//   last row tile issues 64 or 128 wide (Config::kNarrowIssue). 128 accumulators per consumer
+//   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
+//   (H100, 2026-12-07): the layer 5-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,
+//   uniform and skewed routing), deepseek-v3 L1 / L2 5284 / 2890 us against 6177 / 3332; at exactly
+//   128 rows per expert 10-23% slower (its 4 stages against N128's 8), hence N128 up to 128.
 #define NVFP4MOE_GEMM_TILES(X)             \
   X(N8, 8, 4, 2, false, 1, 4, 2)           \
   X(N8SplitK, 8, 4, 2, false, 4, 4, 2)     \
@@ -213,21 +221,17 @@ struct Config {
   X(N16SplitK, 16, 3, 2, false, 4, 4, 2)   \
   X(N32, 32, 5, 2, false, 1, 2, 2)         \
   X(N64, 64, 3, 2, false, 1, 2, 2)         \
-  X(N128, 128, 8, 1, true, 1, 1, 2)
+  X(N128, 128, 8, 1, true, 1, 1, 2)        \
+  X(N256, 256, 4, 1, true, 1, 1, 2)
 
 // A/B variants (the same parameters), compiled only with the CMake option NVFP4MOE_GEMM_VARIANTS
 // (which defines the macro of that name for the dispatcher; not for release), chosen at run time by
 // NVFP4MOE_GEMM_VARIANT (grouped_gemm.cu). N64Q and N64QP: the N64 tile as four consumer
 // warpgroups (256 features) sharing one x tile at one CTA per SM (640 threads, 104 registers per
-// consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages. N256
-// (issue 22): the prefill tile with 256 tokens per CTA, each converted A fragment feeding twice the
-// tokens of N128 (the wgmma probe: in-register conversion at N128 does not hide under the wgmmas,
-// 604 against 967 TFLOP/s without it; at N256 it does, 927; H100 2026-12-06); 128 accumulators per
-// consumer thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB in all).
+// consumer): unpipelined with whole 128-K stage fragments, and pipelined with 64-K stages.
 #define NVFP4MOE_GEMM_VARIANT_TILES(V)     \
   V(N64Q, 64, 5, 1, false, 1, 2, 4)        \
-  V(N64QP, 64, 10, 1, true, 1, 1, 4)       \
-  V(N256, 256, 4, 1, true, 1, 1, 2)
+  V(N64QP, 64, 10, 1, true, 1, 1, 4)
 
 // ConfigN16<E>, ConfigN16SplitK<E>, ...: each tile of the lists for epilogue E.
 #define NVFP4MOE_GEMM_ALIAS(name, block_n, stages, min_blocks, pipelined, max_splits, chunks, consumers) \

@@ -226,18 +226,18 @@ struct MainloopConsumer {
     auto issue_range = [&](int s, int kb0, auto& frag) __attribute__((always_inline)) {
       fence_a(frag);
       warpgroup_fence_operand(accum);
-      warpgroup_arrive();
       const uint64_t desc_s = desc_b(0, s);
+      // The arrive and the commit in each branch: a commit after the branches merge made ptxas end
+      // each branch's group and add an empty one, so that the wait for one group in flight waited
+      // for the group just issued; an arrive before the branch made it inject one in each (C7519).
       auto wgmmas = [&](auto n) __attribute__((always_inline)) {
+        warpgroup_arrive();
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {
           wgmma_rs<typename Cfg::template MmaOpN<decltype(n)::value>>(
               frag(_, _, kb), desc_s + uint64_t(int(tCrB.layout()(0, 0, kb0 + kb, 0))), accum, tiled_mma.accumulate_);
           tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
-        // Committed in each branch: a commit after the branches merge made ptxas end each
-        // branch's group and add an empty one, so that the wait for one group in flight waited
-        // for the group just issued.
         warpgroup_commit_batch();
       };
       if constexpr (Cfg::kNarrowIssue) {

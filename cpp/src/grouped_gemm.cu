@@ -44,10 +44,9 @@ bool warp_kernel_on() {
 }
 
 #if defined(NVFP4MOE_GEMM_VARIANTS)
-// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile,
-// "n256" the N256 tile where the N128 one was chosen (gemm_config.cuh's
-// NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the same with every row tile issued 256 wide
-// (Params::narrow_issue = 0); read once.
+// NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
+// (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
+// issued 256 wide (Params::narrow_issue = 0); read once.
 const std::string& gemm_variant() {
   static const std::string v = [] {
     const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
@@ -66,14 +65,18 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   // wasted MMA work; up to 32 the N32 tile (at 32 rows it beat N64 by 1.2-1.3x, at 40 N64 beat it
   // by 1.4x: qwen3-30b-a3b, 2026-12-02); up to 64 rows (decode batches, mid-size prefill over many
   // experts) the N64 tile reads each expert's weights once; beyond that the N128 tile (at 80 rows
-  // 1.1-1.25x faster than N64's two row tiles per expert, and its MMA-to-conversion ratio wins).
+  // 1.1-1.25x faster than N64's two row tiles per expert, and its MMA-to-conversion ratio wins);
+  // beyond 128 rows the N256 tile, whose wgmmas hide the weight conversion (the layer 5-14% faster
+  // at T = 8192 on the three presets and routings; at exactly 128 rows N256 was 10-23% slower,
+  // H100 2026-12-07: gemm_config.cuh).
   // At most 8 rows in all (one token's top-k): no expert can have more than 8, so the N8 tile
   // reads every expert's weights once with half of N16's MMA work and x bytes.
   if (total_rows <= 8) return GemmTile::kM128N8;
   if (total_rows <= 16 * experts) return GemmTile::kM128N16;
   if (total_rows <= 32 * experts) return GemmTile::kM128N32;
   if (total_rows <= 64 * experts) return GemmTile::kM128N64;
-  return GemmTile::kM128N128;
+  if (total_rows <= 128 * experts) return GemmTile::kM128N128;
+  return GemmTile::kM128N256;
 }
 
 namespace {
@@ -168,10 +171,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 : tile == GemmTile::kM128N16 ? 16
                 : tile == GemmTile::kM128N32 ? 32
                 : tile == GemmTile::kM128N64 ? 64
-                                             : 128;
+                : tile == GemmTile::kM128N128 ? 128
+                                              : 256;
 #if defined(NVFP4MOE_GEMM_VARIANTS)
-  const bool n256 = tile == GemmTile::kM128N128 && (gemm_variant() == "n256" || gemm_variant() == "n256full");
-  if (n256) block_n = 256;
   p.narrow_issue = gemm_variant() != "n256full";
 #endif
 
@@ -235,13 +237,11 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
         if (gemm_variant() == "n64q") return launch_grouped_gemm<gemm::ConfigN64Q<E>>(map, p, sms, st);
         if (gemm_variant() == "n64qp") return launch_grouped_gemm<gemm::ConfigN64QP<E>>(map, p, sms, st);
         return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
-      default:
-        if (n256) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
-        return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
 #else
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
-      default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
 #endif
+      case GemmTile::kM128N256: return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+      default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }
   };
   switch (a.epilogue) {

@@ -47,6 +47,8 @@ int main() {
   EXPECT(scale_bytes(ScaleLayout::kLinear, 3, 33) == 0);  // cols not a multiple of 16
   EXPECT(prepared_weight_bytes(2, 128, 128) == size_t(2) * 2 * 2 * kWeightChunkBytes);
   EXPECT(choose_gemm_tile(1024 * 8, 128) == GemmTile::kM128N64);
+  EXPECT(choose_gemm_tile(128 * 128, 128) == GemmTile::kM128N128);
+  EXPECT(choose_gemm_tile(128 * 128 + 1, 128) == GemmTile::kM128N256);
 
   // Bad shapes and null pointers: a status and a message, nothing enqueued (no GPU here).
   QuantizeNvfp4Args q;

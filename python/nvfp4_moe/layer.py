@@ -63,6 +63,7 @@ class Tile(enum.IntEnum):
     M128N32 = 4
     M128N8 = 5
     WARP_M16N8 = 6
+    M128N256 = 7
 
 
 class Projection:

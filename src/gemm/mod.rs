@@ -351,7 +351,8 @@ pub use crate::abi::GemmTile;
 impl GemmTile {
     /// The documented heuristic (the core's `choose_gemm_tile`): with at most 8 rows in all (so at
     /// most 8 per expert) N8; with at most 16 rows per expert on average N16, at most 32 N32, at
-    /// most 64 N64, else N128. Uses only what the host knows without synchronizing.
+    /// most 64 N64, at most 128 N128, else N256. Uses only what the host knows without
+    /// synchronizing.
     pub fn choose(total_rows: usize, experts: usize) -> GemmTile {
         GemmTile::from_raw(raw::core_choose_gemm_tile(total_rows as i64, experts as i64)).unwrap_or(GemmTile::M128N128)
     }

@@ -20,8 +20,10 @@ fn tile_heuristic() {
     assert_eq!(GemmTile::choose(9, 256), GemmTile::M128N16);
     assert_eq!(GemmTile::choose(9, 1), GemmTile::M128N16);
     assert_eq!(GemmTile::choose(16 * 256, 256), GemmTile::M128N16);
-    assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N128);
-    assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N128);
+    assert_eq!(GemmTile::choose(65536, 256), GemmTile::M128N256);
+    assert_eq!(GemmTile::choose(2048, 8), GemmTile::M128N256);
+    assert_eq!(GemmTile::choose(128 * 256, 256), GemmTile::M128N128);
+    assert_eq!(GemmTile::choose(128 * 256 + 1, 256), GemmTile::M128N256);
     assert_eq!(GemmTile::choose(17 * 256, 256), GemmTile::M128N32);
     assert_eq!(GemmTile::choose(8192, 256), GemmTile::M128N32);
     assert_eq!(GemmTile::choose(32 * 8 + 1, 8), GemmTile::M128N64);

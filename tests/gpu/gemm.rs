@@ -85,9 +85,14 @@ pub(crate) mod grouped {
                     let total = rows + extra;
                     let x = rng.normal_bf16(total * k, 1.0);
                     let xd = s.clone_htod(&x).unwrap();
-                    for tile in
-                        [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128]
-                    {
+                    for tile in [
+                        GemmTile::M128N8,
+                        GemmTile::M128N16,
+                        GemmTile::M128N32,
+                        GemmTile::M128N64,
+                        GemmTile::M128N128,
+                        GemmTile::M128N256,
+                    ] {
                         let out = run(&s, &wd, &xd, total, &off, tile);
                         let ctx = format!("E={e} n={n} k={k} rows={rows} {tile:?}: {rp}");
                         // Every row of an expert written (no poison), rows past off[E] untouched.
@@ -249,7 +254,14 @@ pub(crate) mod grouped {
             x[r * k + hot[r]] = bf16::ONE;
         }
         let xd = s.clone_htod(&x).unwrap();
-        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        for tile in [
+            GemmTile::M128N8,
+            GemmTile::M128N16,
+            GemmTile::M128N32,
+            GemmTile::M128N64,
+            GemmTile::M128N128,
+            GemmTile::M128N256,
+        ] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
             for r in 0..rows {
                 let ex = expert_of(&off, r);
@@ -352,6 +364,7 @@ pub(crate) mod grouped {
             GemmTile::M128N32,
             GemmTile::M128N64,
             GemmTile::M128N128,
+            GemmTile::M128N256,
         ] {
             let out = go(&x_big, big, tile, true);
             for ex in 0..e {
@@ -394,7 +407,14 @@ pub(crate) mod grouped {
         let rows = *off.last().unwrap() as usize;
         let x = rng.normal_bf16(rows * k, 1.0);
         let xd = s.clone_htod(&x).unwrap();
-        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        for tile in [
+            GemmTile::M128N8,
+            GemmTile::M128N16,
+            GemmTile::M128N32,
+            GemmTile::M128N64,
+            GemmTile::M128N128,
+            GemmTile::M128N256,
+        ] {
             let out = run(&s, &wd, &xd, rows, &off, tile);
             let ctx = format!("gate/up rows {tile:?}: {}", replay());
             let [case_err] = sampled_expert_errors(&mut rng, &off, n, 300, 1e-2, ["gate/up"], &ctx, |ex, row, p| {
@@ -446,7 +466,14 @@ mod graph {
         let x = s.clone_htod(&rng.normal_bf16(rows * k, 1.0)).unwrap();
         let off_dev = s.clone_htod(&off).unwrap();
         let mut out = s.alloc_zeros::<bf16>(rows * n).unwrap();
-        for tile in [GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128] {
+        for tile in [
+            GemmTile::M128N8,
+            GemmTile::M128N16,
+            GemmTile::M128N32,
+            GemmTile::M128N64,
+            GemmTile::M128N128,
+            GemmTile::M128N256,
+        ] {
             let plan: GroupedGemm<PlainBf16> = GroupedGemm::new(&wd, tile).unwrap();
             plan.launch(&s, &x, rows, &off_dev, &mut out).unwrap();
             let eager = s.clone_dtoh(&out).unwrap();

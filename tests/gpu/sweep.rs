@@ -347,8 +347,15 @@ fn sweep_grouped_gemms_match_reference() {
     assert!(b.hidden <= WARP_MAX_K, "k up to {} would not fit the warp kernel at 8 rows", b.hidden);
     let s = stream();
     let mut rng = test_rng();
-    let tiles =
-        [GemmTile::Auto, GemmTile::M128N8, GemmTile::M128N16, GemmTile::M128N32, GemmTile::M128N64, GemmTile::M128N128];
+    let tiles = [
+        GemmTile::Auto,
+        GemmTile::M128N8,
+        GemmTile::M128N16,
+        GemmTile::M128N32,
+        GemmTile::M128N64,
+        GemmTile::M128N128,
+        GemmTile::M128N256,
+    ];
     let mut warp_cases = 0;
     for case in 0..n {
         let seed = rng.next_u64();
@@ -609,6 +616,7 @@ fn sweep_layer_matches_reference() {
         GemmTile::M128N32,
         GemmTile::M128N64,
         GemmTile::M128N128,
+        GemmTile::M128N256,
     ];
     assert!(b.hidden.max(b.intermediate) <= WARP_MAX_K, "H or I would not fit the warp kernel at 8 rows");
     let mut warp_cases = 0;

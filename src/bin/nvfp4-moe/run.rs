@@ -38,8 +38,10 @@ pub enum TileArg {
     N32,
     /// 128 x 64
     N64,
-    /// 128 x 128 (prefill)
+    /// 128 x 128 (prefill, 65-128 rows per expert)
     N128,
+    /// 128 x 256 (prefill, more than 128 rows per expert)
+    N256,
     /// One warp per 16 features, mma.sync (at most 8 rows in all)
     Warp,
 }
@@ -56,6 +58,7 @@ impl TileArg {
             TileArg::N32 => GemmTile::M128N32,
             TileArg::N64 => GemmTile::M128N64,
             TileArg::N128 => GemmTile::M128N128,
+            TileArg::N256 => GemmTile::M128N256,
             TileArg::Warp => GemmTile::WarpM16N8,
         }
     }

@@ -181,7 +181,7 @@ mod tests {
             (&["check", "--tile", "n16"], "error: unknown flag `--tile` for `check`"),
             (
                 &["bench", "--tile", "n12"],
-                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n12`)",
+                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or n256 or warp (got `n12`)",
             ),
             (&["bench", "--batch-invariant=yes"], "--batch-invariant"),
             (&["bench", "--intermediate", "fp8"], "error: `--intermediate` is bf16 or nvfp4 (got `fp8`)"),
@@ -192,7 +192,7 @@ mod tests {
             (&["bench", "--tokens", "1,,2"], "error: invalid value `1,,2` for `--tokens`"),
             (
                 &["run", "--tile", "n48"],
-                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or warp (got `n48`)",
+                "error: `--tile` is auto or n8 or n16 or n32 or n64 or n128 or n256 or warp (got `n48`)",
             ),
         ];
         for (args, want) in cases {
