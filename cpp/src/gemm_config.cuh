@@ -151,7 +151,8 @@ struct Config {
   using MmaOp = MmaOpN<kBlockN>;
   using TiledMma = decltype(make_tiled_mma(MmaOp{}));
   // x tile per stage: (kBlockN, 64 kChunks, stages), K-major with the 128-byte swizzle TMA writes;
-  // the swizzle atoms are 64 wide, so each 64-K piece is one contiguous (kBlockN, 64) TMA box.
+  // the swizzle atoms are 64 wide, so each 64-K piece is contiguous: one (kBlockN, 64) TMA box, or
+  // (N256) kBlockN / kBoxRows boxes of (kBoxRows, 64) one after another.
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<bfloat16_t>{},
                                              make_shape(Int<kBlockN>{}, Int<kStageK>{}, Int<kStages>{})));
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -211,7 +212,7 @@ struct Config {
 //   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
 //   last row tile issues 64 or 128 wide (Config::kNarrowIssue). 128 accumulators per consumer
 //   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
-//   (H100, 2026-12-07): the layer 5-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,
+//   (H100, 2026-12-07): the layer 4-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,
 //   uniform and skewed routing), deepseek-v3 L1 / L2 5284 / 2890 us against 6177 / 3332; at exactly
 //   128 rows per expert 10-23% slower (its 4 stages against N128's 8), hence N128 up to 128.
 #define NVFP4MOE_GEMM_TILES(X)             \

@@ -1,7 +1,8 @@
 // The grouped GEMM's mainloops (grouped_gemm_sm90.cuh). Producer: one elected thread of the producer
 // warpgroup streams a tile's K stages into the pipeline: per stage one bulk copy of kChunks
-// prepared weight chunks per consumer warpgroup (nvfp4_weights.cuh) and kChunks TMA 2-D loads of
-// the x tile, all completing on the stage's full barrier (cutlass::PipelineTmaAsync). Consumer:
+// prepared weight chunks per consumer warpgroup (nvfp4_weights.cuh) and the x tile's TMA 2-D loads
+// (per 64-K chunk one box, or on N256 up to four 64-row boxes), all completing on the stage's full
+// barrier (cutlass::PipelineTmaAsync). Consumer:
 // MainloopConsumer below.
 #pragma once
 
@@ -61,8 +62,9 @@ struct MainloopProducer {
     // past the rows read stale stage contents, never stored); the others' bytes are counted off
     // the stage's barrier.
     constexpr int kBoxes = kBlockN / Cfg::kBoxRows;
+    // (At least one: box 0 is always loaded, and a tile has rows.)
     const int boxes = Cfg::kNarrowIssue && p.narrow_issue
-                          ? min(kBoxes, (min(rr.y - row0, kBlockN) + Cfg::kBoxRows - 1) / Cfg::kBoxRows)
+                          ? max(1, min(kBoxes, (min(rr.y - row0, kBlockN) + Cfg::kBoxRows - 1) / Cfg::kBoxRows))
                           : kBoxes;
     constexpr int kConsumers = Cfg::kConsumers;
     // Consumer c's 64-feature chunk row. Where the last tile reaches past n (n % kTileM != 0), the
@@ -300,7 +302,7 @@ struct MainloopConsumer {
         CUTLASS_PRAGMA_UNROLL
         for (int h = 0; h < Cfg::kFragChunks; ++h) next[h] = load_codes(s, part * Cfg::kFragChunks + h);
       };
-      auto retire = [&] {
+      auto retire = [&]() __attribute__((always_inline)) {
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
         fence_a(tCrA0);

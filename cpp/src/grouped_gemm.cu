@@ -66,7 +66,7 @@ GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept {
   // by 1.4x: qwen3-30b-a3b, 2026-12-02); up to 64 rows (decode batches, mid-size prefill over many
   // experts) the N64 tile reads each expert's weights once; beyond that the N128 tile (at 80 rows
   // 1.1-1.25x faster than N64's two row tiles per expert, and its MMA-to-conversion ratio wins);
-  // beyond 128 rows the N256 tile, whose wgmmas hide the weight conversion (the layer 5-14% faster
+  // beyond 128 rows the N256 tile, whose wgmmas hide the weight conversion (the layer 4-14% faster
   // at T = 8192 on the three presets and routings; at exactly 128 rows N256 was 10-23% slower,
   // H100 2026-12-07: gemm_config.cuh).
   // At most 8 rows in all (one token's top-k): no expert can have more than 8, so the N8 tile
@@ -177,8 +177,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   p.narrow_issue = gemm_variant() != "n256full";
 #endif
 
-  // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows with the 128-byte swizzle
-  // that the wgmma K-major SW128 layout expects. Rows past total_rows read as zero.
+  // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows (64 rows on N256:
+  // gemm::x_box_rows) with the 128-byte swizzle that the wgmma K-major SW128 layout expects. Rows
+  // past total_rows read as zero.
   CUtensorMap map;
   cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.total_rows)};
   cuuint64_t strides[1] = {cuuint64_t(a.k) * 2};

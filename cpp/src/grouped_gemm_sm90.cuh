@@ -5,21 +5,22 @@
 // GEMM view: M = output features f (weights, register-sourced wgmma A), N = rows/tokens (x, wgmma B
 // from shared memory), K = k. A CTA tile is 64 kConsumers features (128 on the shipped tiles) x
 // kBlockN rows; a K stage is kChunks x 64
-// wide (N8 and N16 take 256 per stage, N32 and N64 128, N128 64: gemm_config.cuh's tile list); a
+// wide (N8 and N16 take 256 per stage, N32 and N64 128, N128 and N256 64: gemm_config.cuh's tile list); a
 // partial last stage loads and converts only its parts with a chunk inside K, and its x pieces past
 // K are zero-filled by the TMA unit.
 //
 // Roles (128 + 128 kConsumers threads; 384 on the shipped tiles):
 //   warpgroup 0 (producer, one elected thread): per stage, one bulk copy of kChunks prepared
 //     weight chunks per consumer warpgroup (nvfp4_weights.cuh) and kChunks TMA 2-D loads of the
-//     x tile (kBlockN rows x 64 k each, 128-byte swizzle, the GMMA K-major SW128 layout), all
+//     x tile (kBlockN rows x 64 k each, on N256 up to four boxes of 64 rows; 128-byte swizzle, the
+//     GMMA K-major SW128 layout), all
 //     completing on the stage's full barrier (cutlass::PipelineTmaAsync).
 //   warpgroups 1.. kConsumers (consumers): each owns 64 of the tile's features. Per 64-K chunk, each thread
 //     reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 //     (shift/mask/or and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas
-//     as one group. Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
+//     as one group (N256: 64 or 128 wide on an expert's short last row tile). Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
 //     group retires before the next conversion, and the other CTA's warpgroups fill the wait.
-//     Pipelined (N128, one CTA per SM): two fragments, one group in flight. The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
+//     Pipelined (N128 and N256, one CTA per SM): two fragments, one group in flight. The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
 //     shared memory with 16-byte row-masked stores (rows past the expert's end are never written).
 //   kSwigluNvfp4 only: warps 1-3 of warpgroup 0 (idle otherwise) are the quantizer. Each consumer
 //     hands over its staged BF16 SwiGLU tile through mbarriers (Config::EpiHandOff) and goes on to the next

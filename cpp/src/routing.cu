@@ -288,6 +288,26 @@ using routing::kVecsPerCta;
 constexpr int kGatherWide = 8;
 constexpr int64_t kGatherWideRows = 256;  // from this many rows on (below, pieces spread the rows)
 
+// A thread's vectors v0, v0 + kVecsPerCta, ... of a row (kPieces of them, those below
+// vecs_per_row), all loaded before any is used.
+template <int kPieces>
+CUTLASS_DEVICE void load_pieces(const uint4* __restrict__ src, int64_t v0, int64_t vecs_per_row, uint4 (&q)[kPieces]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kPieces; ++i) {
+    const int64_t v = v0 + i * kVecsPerCta;
+    if (v < vecs_per_row) q[i] = __ldg(src + v);
+  }
+}
+// The same vectors of another row, stored.
+template <int kPieces>
+CUTLASS_DEVICE void store_pieces(uint4* __restrict__ dst, int64_t v0, int64_t vecs_per_row, const uint4 (&q)[kPieces]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kPieces; ++i) {
+    const int64_t v = v0 + i * kVecsPerCta;
+    if (v < vecs_per_row) dst[v] = q[i];
+  }
+}
+
 // CTA (r, c): pieces [kPieces c, kPieces (c + 1)) of permuted row r, copied from its token's hidden
 // row; thread x copies vectors x, x + kVecsPerCta, ... of them.
 template <int kPieces>
@@ -301,19 +321,9 @@ __global__ void __launch_bounds__(kVecsPerCta) gather_kernel(const __nv_bfloat16
   const int64_t v0 = int64_t(blockIdx.y) * kVecsPerCta * kPieces + threadIdx.x;
   if (r >= offsets[experts] || v0 >= vecs_per_row) return;
   const int64_t t = pair_of_row[r] / top_k;
-  const uint4* src = reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row;
-  uint4* dst = reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row;
   uint4 q[kPieces];
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kPieces; ++i) {
-    const int64_t v = v0 + i * kVecsPerCta;
-    if (v < vecs_per_row) q[i] = __ldg(src + v);
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kPieces; ++i) {
-    const int64_t v = v0 + i * kVecsPerCta;
-    if (v < vecs_per_row) dst[v] = q[i];
-  }
+  load_pieces(reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row, v0, vecs_per_row, q);
+  store_pieces(reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row, v0, vecs_per_row, q);
 }
 
 // From kGatherTokenMajor tokens on, CTA (t, c) reads pieces [kPieces c, kPieces (c + 1)) of token
@@ -337,21 +347,19 @@ __global__ void __launch_bounds__(kVecsPerCta) gather_tokens_kernel(const __nv_b
   const int64_t v0 = int64_t(blockIdx.y) * kVecsPerCta * kPieces + threadIdx.x;
   if (v0 >= vecs_per_row) return;
   const int rows = offsets[experts];
-  const uint4* src = reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row;
-  uint4 q[kPieces];
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kPieces; ++i) {
-    const int64_t v = v0 + i * kVecsPerCta;
-    if (v < vecs_per_row) q[i] = __ldg(src + v);
-  }
+  // A token with no slot here (an expert shard's foreign experts, bad ids) is not read.
+  bool any = false;
   for (int j = 0; j < top_k; ++j) {
     const int r = row_of_pair[t * top_k + j];
-    if (r < 0 || r >= rows) continue;
-    uint4* dst = reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kPieces; ++i) {
-      const int64_t v = v0 + i * kVecsPerCta;
-      if (v < vecs_per_row) dst[v] = q[i];
+    any |= r >= 0 && r < rows;
+  }
+  if (!any) return;
+  uint4 q[kPieces];
+  load_pieces(reinterpret_cast<const uint4*>(hidden) + t * vecs_per_row, v0, vecs_per_row, q);
+  for (int j = 0; j < top_k; ++j) {
+    const int r = row_of_pair[t * top_k + j];
+    if (r >= 0 && r < rows) {
+      store_pieces(reinterpret_cast<uint4*>(x_perm) + int64_t(r) * vecs_per_row, v0, vecs_per_row, q);
     }
   }
 }

@@ -88,20 +88,29 @@ mod routing {
         let s = stream();
         let mut rng = test_rng();
         let rp = replay();
-        let (t, k, e, h) = (50usize, 4usize, 8usize, 64usize);
-        let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
-        ids[37] = 9;
-        ids[120] = -3;
-        let hidden = rng.normal_bf16(t * h, 1.0);
-        let mut buf = PermuteBuffers::new(&s, t * k, e, h).unwrap();
-        buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
-        let msg = buf.check(&s, k).unwrap_err().to_string();
-        assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}: {rp}");
-        assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check: {rp}");
-        let rows = s.clone_dtoh(&buf.row_of_pair).unwrap();
-        assert_eq!(rows[37], -1, "{rp}");
-        assert_eq!(rows[120], -1, "{rp}");
-        assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2, "{rp}");
+        // 50 tokens: the row-major gather; 4100: the token-major one, which skips the bad slots.
+        for (t, k, e, h) in [(50usize, 4usize, 8usize, 64usize), (4100, 4, 8, 136)] {
+            let ctx = format!("t={t}: {rp}");
+            let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
+            ids[37] = 9;
+            ids[120] = -3;
+            let hidden = rng.normal_bf16(t * h, 1.0);
+            let mut buf = PermuteBuffers::new(&s, t * k, e, h).unwrap();
+            buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
+            let msg = buf.check(&s, k).unwrap_err().to_string();
+            assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}: {ctx}");
+            assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check: {ctx}");
+            let rows = s.clone_dtoh(&buf.row_of_pair).unwrap();
+            assert_eq!(rows[37], -1, "{ctx}");
+            assert_eq!(rows[120], -1, "{ctx}");
+            assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2, "{ctx}");
+            // Each good slot's row holds its token's hidden row.
+            let x = s.clone_dtoh(&buf.x_perm).unwrap();
+            for (pair, &r) in rows[..t * k].iter().enumerate().filter(|(_, &r)| r >= 0) {
+                let (got, want) = (&x[r as usize * h..(r as usize + 1) * h], &hidden[pair / k * h..(pair / k + 1) * h]);
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "slot {pair}: {ctx}");
+            }
+        }
     }
 
     #[test]

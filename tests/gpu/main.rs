@@ -52,6 +52,13 @@ mod modelopt_fixture;
 mod shard;
 mod sweep;
 
+/// Every wgmma tile of the grouped GEMM (the warp kernel, `WarpM16N8`, apart): the tile lists the
+/// GEMM and layer tests run on.
+const WGMMA_TILES: [nvfp4_moe::GemmTile; 6] = {
+    use nvfp4_moe::GemmTile::*;
+    [M128N8, M128N16, M128N32, M128N64, M128N128, M128N256]
+};
+
 /// The poison of u8 outputs ([`poisoned_u8`]).
 const POISON: u8 = 0xA5;
 

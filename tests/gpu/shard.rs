@@ -16,7 +16,7 @@ use crate::sweep::skewed_ids;
 use nvfp4_moe::host::MoeCheckpoint;
 use nvfp4_moe::moe::{MoeInput, OutputFormat, RouterInput};
 use nvfp4_moe::testing::expert_subset;
-use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights};
+use nvfp4_moe::{MoeLayer, MoeOptions, MoeWeights, MoeWorkspace};
 
 /// 0..e in a random order (Fisher-Yates).
 fn shuffled(rng: &mut Rng, e: usize) -> Vec<usize> {
@@ -89,15 +89,21 @@ fn forward_f32(
 }
 
 /// The internal-permutation forward of `tokens` (`[t, h]`, one expert each: `ids`, weight 1) as
-/// host BF16, each row the reference the pre-dispatched forward's row must match bit for bit.
-fn permuted_forward(s: &Arc<CudaStream>, layer: &MoeLayer, tokens: &[bf16], ids: &[i32]) -> Vec<bf16> {
+/// host BF16, each row the reference the pre-dispatched forward's row must match bit for bit (on
+/// the workspace the dispatched forward then reuses).
+fn permuted_forward(
+    s: &Arc<CudaStream>,
+    layer: &MoeLayer,
+    tokens: &[bf16],
+    ids: &[i32],
+    ws: &mut MoeWorkspace,
+) -> Vec<bf16> {
     let (t, h) = (ids.len(), layer.weights().hidden);
     let mut out = poisoned_bf16(s, t * h);
-    let mut ws = layer.workspace(s).unwrap();
     let (td, idd, wd) =
         (s.clone_htod(tokens).unwrap(), s.clone_htod(ids).unwrap(), s.clone_htod(&vec![1f32; t]).unwrap());
     let input = MoeInput { hidden: &td, tokens: t, topk_ids: &idd, topk_weights: &wd, top_k: 1 };
-    layer.forward(s, &input, &mut out, &mut ws).unwrap();
+    layer.forward(s, &input, &mut out, ws).unwrap();
     s.clone_dtoh(&out).unwrap()
 }
 
@@ -366,7 +372,7 @@ fn dispatched_forward_gives_each_experts_rows() {
     }
     let t = ids.len();
     let w = vec![1f32; t];
-    let want = permuted_forward(&s, &layer, &tokens, &ids);
+    let want = permuted_forward(&s, &layer, &tokens, &ids, &mut ws);
     let oracle = reference::routing::moe_layer(&tokens, t, &ids, &w, 1, &ck).unwrap();
     for expected_rows in [0usize, t, 8] {
         let ctx = format!("expected_rows {expected_rows}: {rp}");
@@ -411,7 +417,7 @@ fn dispatched_forward_gives_each_experts_rows() {
         }
         let t2 = dec_ids.len();
         assert_eq!(split.gemm_tiles(t2, 1).unwrap().0, nvfp4_moe::GemmTile::M128N16, "{rp}");
-        let want2 = permuted_forward(&s, &split, &dec_tokens, &dec_ids);
+        let want2 = permuted_forward(&s, &split, &dec_tokens, &dec_ids, &mut ws_split);
         let mut out = poisoned_bf16(&s, e * m * h);
         let input = DispatchedInput { hidden: &xd, counts: &cd2, max_tokens_per_expert: m, expected_rows: t2 };
         split.forward_dispatched(&s, &input, &mut out, &mut ws_split).unwrap();
@@ -449,7 +455,7 @@ fn dispatched_forward_gives_each_experts_rows() {
         MoeOptions { intermediate: nvfp4_moe::Intermediate::Nvfp4 { decode_scale: g }, ..opts },
     );
     let mut ws4 = fp4.workspace(&s).unwrap();
-    let want4 = permuted_forward(&s, &fp4, &tokens, &ids);
+    let want4 = permuted_forward(&s, &fp4, &tokens, &ids, &mut ws4);
     let mut out4 = poisoned_bf16(&s, e * m * h);
     let input = DispatchedInput { hidden: &xd, counts: &cd, max_tokens_per_expert: m, expected_rows: t };
     fp4.forward_dispatched(&s, &input, &mut out4, &mut ws4).unwrap();

@@ -347,15 +347,7 @@ fn sweep_grouped_gemms_match_reference() {
     assert!(b.hidden <= WARP_MAX_K, "k up to {} would not fit the warp kernel at 8 rows", b.hidden);
     let s = stream();
     let mut rng = test_rng();
-    let tiles = [
-        GemmTile::Auto,
-        GemmTile::M128N8,
-        GemmTile::M128N16,
-        GemmTile::M128N32,
-        GemmTile::M128N64,
-        GemmTile::M128N128,
-        GemmTile::M128N256,
-    ];
+    let tiles: Vec<GemmTile> = std::iter::once(GemmTile::Auto).chain(WGMMA_TILES).collect();
     let mut warp_cases = 0;
     for case in 0..n {
         let seed = rng.next_u64();
@@ -608,16 +600,7 @@ fn sweep_layer_matches_reference() {
     let (size, b, n) = setup("layer", |c| c.2);
     let s = stream();
     let mut rng = test_rng();
-    let tiles = [
-        GemmTile::Auto,
-        GemmTile::Auto,
-        GemmTile::M128N8,
-        GemmTile::M128N16,
-        GemmTile::M128N32,
-        GemmTile::M128N64,
-        GemmTile::M128N128,
-        GemmTile::M128N256,
-    ];
+    let tiles: Vec<GemmTile> = [GemmTile::Auto, GemmTile::Auto].into_iter().chain(WGMMA_TILES).collect();
     assert!(b.hidden.max(b.intermediate) <= WARP_MAX_K, "H or I would not fit the warp kernel at 8 rows");
     let mut warp_cases = 0;
     for case in 0..n {

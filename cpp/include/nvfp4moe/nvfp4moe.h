@@ -149,7 +149,8 @@ NVFP4MOE_API Status prepare_moe_weights_can_implement(const PrepareWeightsArgs& 
                                                       const float* up_decode_scales) noexcept;
 
 // The heuristic: the host knows total_rows (= tokens x top-k) and the expert count, not how many
-// rows each expert got. Average rows per expert <= 16: N16; <= 32: N32; <= 64: N64; else N128.
+// rows each expert got. At most 8 rows in all: N8; average rows per expert <= 16: N16; <= 32: N32;
+// <= 64: N64; <= 128: N128; else N256.
 NVFP4MOE_API GemmTile choose_gemm_tile(int64_t total_rows, int64_t experts) noexcept;
 
 // The tile a grouped_gemm_nvfp4 launch with these arguments runs on a device of `sms` SMs (<= 0:

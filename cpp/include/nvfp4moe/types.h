@@ -94,7 +94,7 @@ NVFP4MOE_ENUM(RowOrder) {
 NVFP4MOE_ENUM(GemmTile) {
   NVFP4MOE_ENUMERATOR(GemmTile, kAuto, 0),      // Chosen from the total row count and the expert count.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N16, 1),   // 128 x 16: decode, few rows per expert.
-  NVFP4MOE_ENUMERATOR(GemmTile, kM128N128, 2),  // 128 x 128: prefill, many rows per expert.
+  NVFP4MOE_ENUMERATOR(GemmTile, kM128N128, 2),  // 128 x 128: prefill, 65-128 rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N64, 3),   // 128 x 64: tens of rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N32, 4),   // 128 x 32: 17 to 32 rows per expert.
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N8, 5),    // 128 x 8: at most 8 rows per expert (one token).

@@ -971,8 +971,6 @@ mod tests {
         assert!(parse_preset_list("kimi-k2,kimi-k2").unwrap_err().contains("twice"));
     }
 
-    /// Each expert's rows under `ids` (k per token), asserting that a token's k ids are distinct
-    /// experts in [0, e).
     /// A seeded routing's ids for (t, k, e), checked for what every seeded routing promises: the
     /// CLI's routing gives them, token i's ids do not depend on T, the seed matters, and with
     /// k = E every token gets every expert once.
@@ -996,6 +994,8 @@ mod tests {
         ids
     }
 
+    /// Each expert's rows under `ids` (k per token), asserting that a token's k ids are distinct
+    /// experts in [0, e).
     fn expert_counts(ids: &[i32], k: usize, e: usize) -> Vec<usize> {
         let mut counts = vec![0usize; e];
         for tok in ids.chunks(k) {

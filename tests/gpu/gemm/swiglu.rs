@@ -112,17 +112,7 @@ fn swiglu_epilogues_match_reference_and_each_other() {
         assert!(unit + 3 < cases.len() || total <= 8, "shape {unit} has {total} rows: the warp kernel is not run");
         let warp = (total <= 8).then_some(GemmTile::WarpM16N8);
         warp_cases += usize::from(total <= 8);
-        for tile in [
-            GemmTile::M128N8,
-            GemmTile::M128N16,
-            GemmTile::M128N32,
-            GemmTile::M128N64,
-            GemmTile::M128N128,
-            GemmTile::M128N256,
-        ]
-        .into_iter()
-        .chain(warp)
-        {
+        for tile in WGMMA_TILES.into_iter().chain(warp) {
             let ctx = format!("I={inter} k={k} E={e} rows={rows} {tile:?}: {rp}");
             let mut compact = poisoned_bf16(&s, total * inter);
             let mut inter_out = poisoned_bf16(&s, total * n);
@@ -333,14 +323,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
             if ci % 2 == 0 { (0..e).map(|_| rng.uniform(1e-3, 1e-1)).collect() } else { vec![rng.uniform(1e-3, 1e-1)] };
         let gd = s.clone_htod(&act_g).unwrap();
         let sl = grouped_scale_len(rows, e, inter);
-        for tile in [
-            GemmTile::M128N8,
-            GemmTile::M128N16,
-            GemmTile::M128N32,
-            GemmTile::M128N64,
-            GemmTile::M128N128,
-            GemmTile::M128N256,
-        ] {
+        for tile in WGMMA_TILES {
             let mut compact = s.alloc_zeros::<bf16>(rows * inter).unwrap();
             let mut interleaved = s.alloc_zeros::<bf16>(rows * n).unwrap();
             GroupedGemm::<SwigluBf16>::new(&wd, tile).unwrap().launch(&s, &xd, rows, &offd, &mut compact).unwrap();
