@@ -17,7 +17,7 @@ cli=gpu-bundle/nvfp4-moe
 [ -e "$cli.gz" ] && gunzip -f "$cli.gz" && chmod +x "$cli"
 [ -f gpu-cpp/cutlass.tgz ] && timeout 120 bash scripts/gpu-wgmma-probe.sh 2>&1 | tee "$out/wgmma-probe.txt"
 # The forward's kernels (names as in cpp/src): three forwards' worth of launches.
-kernels='regex:count_kernel|scan_kernel|scatter_kernel|route_small_kernel|gather_kernel|combine_kernel|grouped_gemm|softmax_topk|swiglu_bf16|quantize_grouped|dequantize_grouped'
+kernels='regex:count_kernel|scan_kernel|scatter_kernel|route_small_kernel|route_fused_kernel|gather_kernel|gather_tokens_kernel|combine_kernel|grouped_gemm|softmax_topk|swiglu_bf16|quantize_grouped|dequantize_grouped'
 for p in ${presets//,/ }; do
   for r in balanced uniform skewed; do
     timeout 240 ncu --csv --clock-control none --metrics gpu__time_duration.sum --kernel-name "$kernels" --launch-count 24 \

@@ -7,8 +7,8 @@ bench --preset P --tokens T --routing R`), named `P.T.R.csv`.
 Floors (H200 ceilings as the benches use them: 4.3 TB/s, and the dense BF16 rate given with
 --bf16-tflops, default 795), each byte counted once (T tokens, P = T k pairs, H hidden, I
 intermediate, E experts, A the experts the routing reaches):
-  routing kernels (count, scan, scatter, route_small)   ids read P x 4 + the row maps written 2 P x 4
-  gather       hidden read T H 2 + permuted rows written P H 2
+  routing kernels (route_small, route_fused, count, scan, scatter)   ids read P x 4 + the row maps written 2 P x 4
+  gather (row- or token-major)   hidden read T H 2 + permuted rows written P H 2
   combine      y read P H 2 + weights P 4 + out written T H 2
   L1 GEMM      max(A x 2 I H x 0.5625 + P H 2 + P I 2, 2 P 2I H flops)   (SwigluBf16: P x I written)
   L2 GEMM      max(A x H I x 0.5625 + P I 2 + P H 2, 2 P H I flops)
@@ -50,9 +50,9 @@ def kernel_kind(name: str) -> str:
 
 def floor_us(kind: str, e: int, h: int, i: int, k: int, t: int, active: int, bf16: float) -> float | None:
     p = t * k
-    if kind in ("count_kernel", "scan_kernel", "scatter_kernel", "route_small_kernel"):
+    if kind in ("count_kernel", "scan_kernel", "scatter_kernel", "route_small_kernel", "route_fused_kernel"):
         return (p * 4 + 2 * p * 4) / HBM * 1e6
-    if kind.startswith("gather_kernel"):
+    if kind.startswith(("gather_kernel", "gather_tokens_kernel")):
         return (t * h * 2 + p * h * 2) / HBM * 1e6
     if kind.startswith("combine_kernel"):
         return (p * h * 2 + p * 4 + t * h * 2) / HBM * 1e6

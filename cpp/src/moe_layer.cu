@@ -5,6 +5,7 @@
 #include "nvfp4moe/nvfp4moe.h"
 #include "grouped_gemm_warp.hpp"
 #include "grouped_quantize.hpp"
+#include "routing_limits.hpp"
 #include "status.hpp"
 
 #include <cuda_runtime.h>
@@ -284,6 +285,8 @@ Status moe_layer_initialize(const MoeLayerDesc& d, void* workspace, int64_t work
   if (Status s = check_workspace(l, workspace, workspace_bytes, "moe_layer_initialize"); s != Status::kSuccess) {
     return s;
   }
+  // The one-launch permutation's capacity, asked now rather than in a forward under capture.
+  (void)routing::route_fused_capacity();
   initialize_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(
       at<unsigned long long>(workspace, l.error), at<float>(workspace, l.act_scale), d.intermediate_decode_scale);
   return check_launch("moe_layer_initialize");

@@ -2,23 +2,30 @@
 // gather of hidden rows, and the deterministic combine. Everything runs on the device with no
 // host synchronization; the permutation is deterministic (no atomics decide any order).
 //
-// Permutation in three launches over chunks of 1024 pairs (one fused launch, route_small_kernel,
-// when all pairs fit in one chunk):
+// Permutation over chunks of 1024 pairs, in three steps:
 //   count:   per chunk, a shared-memory histogram of expert ids -> counts (chunks, E)
-//   scan:    one CTA: per expert, an exclusive scan over chunks, then over experts -> offsets
+//   scan:    per expert, an exclusive scan over chunks, then over experts -> offsets
 //   scatter: per chunk (scatter_chunk), each warp ranks its lanes within equal ids (match_any), and
 //            the 32 warps claim their ids' slots in warp order, so pair i precedes every later pair
 //            of its id.
+// One launch when all pairs fit in one chunk (route_small_kernel: decode and small batches); one
+// cooperative launch when the chunks' CTAs fit on the GPU at once (route_fused_kernel: a grid
+// barrier between count and scan, each CTA scans what its chunk needs); three launches beyond
+// (count_kernel, scan_kernel, scatter_kernel).
 #include "nvfp4moe/nvfp4moe.h"
 #include "pdl.cuh"
 #include "routing_limits.hpp"
 #include "status.hpp"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
 
+#include <atomic>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 namespace nvfp4moe {
@@ -220,6 +227,32 @@ __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ i
   scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
+// The inclusive scan of one value per thread over a CTA of 1024 threads: within each warp by
+// shuffles, then over the 32 warp totals (two __syncthreads; a Hillis-Steele scan over shared
+// memory took twenty). Called by all threads; warp_total is 32 ints of shared memory.
+CUTLASS_DEVICE int block_inclusive_scan(int value, int* warp_total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int incl = value;
+  CUTLASS_PRAGMA_UNROLL
+  for (int d = 1; d < 32; d *= 2) {
+    int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int wt = warp_total[lane], wincl = wt;
+    CUTLASS_PRAGMA_UNROLL
+    for (int d = 1; d < 32; d *= 2) {
+      int v = __shfl_up_sync(0xFFFFFFFFu, wincl, d);
+      if (lane >= d) wincl += v;
+    }
+    warp_total[lane] = wincl - wt;  // exclusive: the counts of the warps before
+  }
+  __syncthreads();
+  return incl + warp_total[warp];
+}
+
 // pairs <= kChunk (decode and small batches): count, scan and scatter in one CTA of 1024 threads,
 // one launch instead of three, writing exactly what the three-launch path writes (with one chunk,
 // the chunk's bases are the expert offsets, and the scatter claims slots in the same warp order).
@@ -246,28 +279,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   }
   __syncthreads();
   const int count = t < experts ? next[t] : 0;
-  // Inclusive scan of the counts: within each warp by shuffles, then over the 32 warp totals (two
-  // __syncthreads; a Hillis-Steele scan over shared memory took twenty).
-  const int lane = t % 32, warp = t / 32;
-  int incl = count;
-  CUTLASS_PRAGMA_UNROLL
-  for (int d = 1; d < 32; d *= 2) {
-    int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-    if (lane >= d) incl += v;
-  }
-  if (lane == 31) warp_total[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int wt = warp_total[lane], wincl = wt;
-    CUTLASS_PRAGMA_UNROLL
-    for (int d = 1; d < 32; d *= 2) {
-      int v = __shfl_up_sync(0xFFFFFFFFu, wincl, d);
-      if (lane >= d) wincl += v;
-    }
-    warp_total[lane] = wincl - wt;  // exclusive: the counts of the warps before
-  }
-  __syncthreads();
-  incl += warp_total[warp];
+  const int incl = block_inclusive_scan(count, warp_total);
   const int base = incl - count;  // exclusive
   if (t < experts) {
     offsets[t] = base;
@@ -276,6 +288,85 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   if (t == experts - 1) offsets[experts] = incl;
   __syncthreads();
   scatter_chunk(id, t, pairs, next, claimed, row_of_pair, pair_of_row);
+}
+
+// 1 < chunks <= the CTAs that fit on the GPU at once (a cooperative launch; 64 registers x 1024
+// threads fill an SM, so one per SM: 132 on an H100 SXM or H200; deepseek-v3 at T = 8192 has 64
+// chunks): count, scan and scatter in one launch of one 1024-thread CTA per chunk. Each CTA
+// counts its chunk into counts (chunks, E); after the grid barrier each CTA reads the counts it
+// needs itself (expert e's rows in the chunks before its own, and in all of them): thread t reads
+// column e = t % E for the chunks c = g, g + G, ... (g = t / E, G = min(1024 / E, chunks) groups),
+// sixteen loads in flight, so that one pass of loads covers 64 chunks of 256 experts. CTA 0 writes
+// the offsets.
+// Writes exactly what the three-launch path writes. The three launches took 4.7 + 6.4 + 6.9 us
+// at deepseek-v3 T = 8192 (H100, 2026-12-07), mostly launch and L2 latency, not bytes.
+// (counts: neither const nor __restrict__, so that its reads after the barrier never take the
+// non-coherent path, ld.global.nc, which may return data from before other CTAs' writes.)
+__global__ void __launch_bounds__(1024) route_fused_kernel(const int* __restrict__ ids, int pairs, ExpertIds x,
+                                                           int* counts, int* __restrict__ offsets,
+                                                           int* __restrict__ row_of_pair, int* __restrict__ pair_of_row,
+                                                           unsigned long long* __restrict__ error) {
+  pdl::wait_and_release();
+  static_assert(kChunk == 1024 && kMaxExperts == 1024, "one thread per pair and per expert slot");
+  const int experts = x.experts, chunks = gridDim.x, c = blockIdx.x, t = threadIdx.x;
+  __shared__ int next[kMaxExperts];     // counts, then each expert's next free row
+  __shared__ int before[kMaxExperts];   // per (group, expert): rows in the group's chunks before c
+  __shared__ int all[kMaxExperts];      // per (group, expert): rows in all the group's chunks
+  __shared__ int warp_total[32];
+  __shared__ int claimed[kChunk];
+  next[t] = 0;
+  __syncthreads();
+  const int i = c * kChunk + t;
+  int id = -1;
+  if (i < pairs) {
+    const int given = ids[i];
+    bool bad;
+    id = x.local(given, &bad);
+    if (id >= 0) atomicAdd(&next[id], 1);
+    if (bad) atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(given));
+  }
+  __syncthreads();
+  if (t < experts) counts[int64_t(c) * experts + t] = next[t];
+  // The barrier orders every CTA's counts before any read below (grid.sync fences memory).
+  cooperative_groups::this_grid().sync();
+  const int groups = min(kMaxExperts / experts, chunks);  // (more would only sum zeros below)
+  {
+    const int e = t % experts, g = t / experts;
+    int below = 0, sum = 0;
+    if (g < groups) {
+      // Group g's chunks g, g + groups, ...; the column walked by a pointer (cf. scan_kernel).
+      const int* col = counts + int64_t(g) * experts + e;
+      const int64_t step = int64_t(groups) * experts;
+      for (int c0 = g; c0 < chunks; c0 += kScanBatch * groups, col += kScanBatch * step) {
+        int v[kScanBatch];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kScanBatch; ++j) v[j] = c0 + j * groups < chunks ? col[j * step] : 0;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kScanBatch; ++j) {
+          below += c0 + j * groups < c ? v[j] : 0;
+          sum += v[j];
+        }
+      }
+      before[t] = below;
+      all[t] = sum;
+    }
+  }
+  __syncthreads();
+  int base = 0, total = 0;
+  if (t < experts) {
+    for (int g = 0; g < groups; ++g) {
+      base += before[g * experts + t];
+      total += all[g * experts + t];
+    }
+  }
+  const int incl = block_inclusive_scan(total, warp_total);
+  if (t < experts) {
+    next[t] = incl - total + base;
+    if (c == 0) offsets[t] = incl - total;
+  }
+  if (c == 0 && t == experts - 1) offsets[experts] = incl;
+  __syncthreads();
+  scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
 // Rows are copied and combined in pieces of kVecsPerCta vectors (routing_limits.hpp).
@@ -432,7 +523,58 @@ Status launched(cudaError_t e, const char* what) {
   return check_launch(what);
 }
 
+// route_fused_kernel as a cooperative launch: the runtime guarantees its CTAs are resident together
+// or refuses the grid (cudaErrorCooperativeLaunchTooLarge). Without the programmatic-serialization
+// attribute (a cooperative launch with it is not something the docs promise), so it waits for its
+// predecessor to finish: about a microsecond of launch overlap given up.
+cudaError_t launch_route_fused(int chunks, cudaStream_t st, const int* ids, int pairs, ExpertIds x, int* counts,
+                        int* offsets, int* row_of_pair, int* pair_of_row, unsigned long long* error) {
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(chunks));
+  cfg.blockDim = dim3(1024);
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, route_fused_kernel, ids, pairs, x, counts, offsets, row_of_pair, pair_of_row, error);
+}
+
 }  // namespace
+
+namespace routing {
+
+// routing_limits.hpp. Asked once per device: the occupancy query costs microseconds of host time.
+int route_fused_capacity() noexcept {
+  // NVFP4MOE_ROUTE_FUSED=0 in the environment (read once): always the three launches (their tests
+  // on a GPU that would hold every chunk; A/B timing).
+  static const bool off = [] {
+    const char* v = std::getenv("NVFP4MOE_ROUTE_FUSED");
+    return v && std::strcmp(v, "0") == 0;
+  }();
+  if (off) return 0;
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // capacity + 1; 0 = not asked yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  if (int k = known[dev].load(std::memory_order_relaxed); k > 0) return k - 1;
+  int coop = 0, sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, route_fused_kernel, 1024, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  const int capacity = coop ? sms * per_sm : 0;
+  known[dev].store(capacity + 1, std::memory_order_relaxed);
+  return capacity;
+}
+
+}  // namespace routing
 
 Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
                     int* topk_ids, float* topk_weights, void* stream) noexcept {
@@ -451,6 +593,7 @@ Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_
 
 size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept {
   if (pairs < 0 || experts <= 0) return 0;
+  if (pairs > kChunk) (void)routing::route_fused_capacity();  // asked here, before any capture
   return size_t((pairs + kChunk - 1) / kChunk) * size_t(experts) * sizeof(int);
 }
 
@@ -477,15 +620,26 @@ Status permute_and_gather(const PermuteArgs& a, void* stream) noexcept {
     if (Status s = launched(e, "permute_and_gather (route)"); s != Status::kSuccess) return s;
     if (pairs == 0) return Status::kSuccess;
   } else {
-    cudaError_t e = pdl::launch(count_kernel, dim3(chunks), dim3(256), 0, st, a.topk_ids, int(pairs), x, counts,
-                                a.error);
-    if (Status s = launched(e, "permute_and_gather (count)"); s != Status::kSuccess) return s;
-    e = pdl::launch(scan_kernel, dim3(1), dim3(1024), 0, st, counts, chunks, int(a.experts), a.expert_offsets);
-    if (Status s = launched(e, "permute_and_gather (scan)"); s != Status::kSuccess) return s;
-    e = pdl::launch(scatter_kernel, dim3(chunks), dim3(1024), 0, st, a.topk_ids, int(pairs), x,
-                    static_cast<const int*>(counts), static_cast<const int*>(a.expert_offsets), a.row_of_pair,
-                    a.pair_of_row);
-    if (Status s = launched(e, "permute_and_gather (scatter)"); s != Status::kSuccess) return s;
+    // One cooperative launch where the chunks' CTAs fit on the GPU at once; else, or where the GPU
+    // refuses the grid (another tenant's share of the SMs, e.g. under MPS: that launch error is
+    // cleared), three launches.
+    const bool fused = chunks <= routing::route_fused_capacity();
+    cudaError_t e = fused ? launch_route_fused(chunks, st, a.topk_ids, int(pairs), x, counts, a.expert_offsets,
+                                               a.row_of_pair, a.pair_of_row, a.error)
+                          : cudaErrorCooperativeLaunchTooLarge;
+    if (e != cudaErrorCooperativeLaunchTooLarge) {
+      if (Status s = launched(e, "permute_and_gather (route)"); s != Status::kSuccess) return s;
+    } else {
+      if (fused) (void)cudaGetLastError();
+      e = pdl::launch(count_kernel, dim3(chunks), dim3(256), 0, st, a.topk_ids, int(pairs), x, counts, a.error);
+      if (Status s = launched(e, "permute_and_gather (count)"); s != Status::kSuccess) return s;
+      e = pdl::launch(scan_kernel, dim3(1), dim3(1024), 0, st, counts, chunks, int(a.experts), a.expert_offsets);
+      if (Status s = launched(e, "permute_and_gather (scan)"); s != Status::kSuccess) return s;
+      e = pdl::launch(scatter_kernel, dim3(chunks), dim3(1024), 0, st, a.topk_ids, int(pairs), x,
+                      static_cast<const int*>(counts), static_cast<const int*>(a.expert_offsets), a.row_of_pair,
+                      a.pair_of_row);
+      if (Status s = launched(e, "permute_and_gather (scatter)"); s != Status::kSuccess) return s;
+    }
   }
   const int64_t vecs = a.hidden_size / 8;
   const bool wide = pairs >= kGatherWideRows;

@@ -13,4 +13,10 @@ constexpr int kVecsPerCta = 128;
 // The widest row: its pieces index gridDim.y (at most 65535).
 constexpr int64_t kMaxHidden = int64_t(65535) * kVecsPerCta * 8;
 
+// How many CTAs of the one-launch permutation (route_fused_kernel, 1024 threads) the current GPU
+// holds at once: permute_and_gather takes it for up to that many 1024-pair chunks (0: no
+// cooperative launch on this GPU). The first call per device queries it (cudaOccupancy...): made
+// by moe_layer_initialize and permute_workspace_bytes, before any stream capture needs it.
+int route_fused_capacity() noexcept;
+
 }  // namespace nvfp4moe::routing

@@ -47,12 +47,24 @@ mod routing {
             (3, 2, 16, 128),
             (300, 8, 128, 256),
             (3000, 8, 256, 64),
-            // The scan's chunks (1024 pairs each) in batches of 16 loads: exactly 16 and 32 chunks,
-            // 17 (a second, partial batch), and the API's 1024 experts over several chunks.
+            // Chunks of 1024 pairs, one CTA each, all resident at once (one cooperative launch),
+            // each thread reading expert t % E's counts of every G-th chunk (G = min(1024 / E,
+            // chunks) groups) 16 loads at a time: 16, 17 and 32 chunks of 64 experts (one batch),
+            // 32 and 64 of 256 (deepseek-v3 at T = 8192: one batch), 66 of 256 (a second, partial
+            // batch), 16 and 18 of 1024 (one group: one and two batches), 96 experts (1024 / E not
+            // whole: threads past G x E idle).
             (2048, 8, 64, 64),
-            (4096, 8, 256, 64),
             (2176, 8, 64, 64),
+            (4096, 8, 64, 64),
+            (4096, 8, 256, 64),
+            (8192, 8, 256, 64),
+            (8448, 8, 256, 64),
             (2000, 8, 1024, 64),
+            (2200, 8, 1024, 64),
+            (2000, 8, 96, 64),
+            // 329 chunks: more than an H100 or H200 holds at once (one CTA of 1024 threads per SM,
+            // 132), so the three launches (count, scan, scatter).
+            (42000, 8, 64, 64),
             (500, 2, 8, 4096),
             // Rows copied in pieces of 128 vectors (fewer than 256 rows) and of 8 x 128 (from 256
             // rows on), each with a partial last piece.
@@ -88,28 +100,43 @@ mod routing {
         let s = stream();
         let mut rng = test_rng();
         let rp = replay();
-        // 50 tokens: the row-major gather; 4100: the token-major one, which skips the bad slots.
-        for (t, k, e, h) in [(50usize, 4usize, 8usize, 64usize), (4100, 4, 8, 136)] {
+        // 50 tokens: the row-major gather and one routing launch; 4100: the token-major gather, which
+        // skips the bad slots, and the cooperative routing launch; 42000 x 8 pairs: the three routing
+        // launches (329 chunks, too many to be resident at once). Then the same ids with only the
+        // last chunk's bad id: the error word names it (its CTA's count).
+        for (t, k, e, h) in [(50usize, 4usize, 8usize, 64usize), (4100, 4, 8, 136), (42000, 8, 8, 64)] {
             let ctx = format!("t={t}: {rp}");
             let mut ids: Vec<i32> = (0..t * k).map(|_| rng.below(e as u64) as i32).collect();
             ids[37] = 9;
             ids[120] = -3;
+            // A bad id in the last chunk too (its CTA's count and scatter).
+            let late = t * k - 3;
+            ids[late] = e as i32 + 5;
             let hidden = rng.normal_bf16(t * h, 1.0);
             let mut buf = PermuteBuffers::new(&s, t * k, e, h).unwrap();
             buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
             let msg = buf.check(&s, k).unwrap_err().to_string();
-            assert!(msg.contains("topk_ids[9, 1] = 9"), "{msg}: {ctx}");
+            let first_bad = format!("topk_ids[{}, {}] = 9", 37 / k, 37 % k);
+            assert!(msg.contains(&first_bad), "{msg}: {ctx}");
             assert!(buf.check(&s, k).is_ok(), "the error word is cleared after a check: {ctx}");
             let rows = s.clone_dtoh(&buf.row_of_pair).unwrap();
             assert_eq!(rows[37], -1, "{ctx}");
             assert_eq!(rows[120], -1, "{ctx}");
-            assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 2, "{ctx}");
+            assert_eq!(rows[late], -1, "{ctx}");
+            assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 3, "{ctx}");
             // Each good slot's row holds its token's hidden row.
             let x = s.clone_dtoh(&buf.x_perm).unwrap();
             for (pair, &r) in rows[..t * k].iter().enumerate().filter(|(_, &r)| r >= 0) {
                 let (got, want) = (&x[r as usize * h..(r as usize + 1) * h], &hidden[pair / k * h..(pair / k + 1) * h]);
                 assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "slot {pair}: {ctx}");
             }
+            ids[37] = 0;
+            ids[120] = 1;
+            buf.permute(&s, &s.clone_htod(&ids).unwrap(), t, k, &s.clone_htod(&hidden).unwrap()).unwrap();
+            let msg = buf.check(&s, k).unwrap_err().to_string();
+            let last_bad = format!("topk_ids[{}, {}] = {}", late / k, late % k, e + 5);
+            assert!(msg.contains(&last_bad), "{msg}: {ctx}");
+            assert_eq!(*s.clone_dtoh(&buf.expert_offsets).unwrap().last().unwrap() as usize, t * k - 1, "{ctx}");
         }
     }
 

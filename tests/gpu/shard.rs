@@ -115,7 +115,7 @@ fn shards_add_up_to_the_whole_layer() {
     let rp = replay();
     // (name, E, H, I, k, T): deepseek-v3's expert shape with 32 of its experts, mixtral-8x7b whole;
     // T = 1 and 16 (decode, most shards empty at T = 1), 160 (more than 1024 pairs with k = 8: the
-    // three-launch permutation).
+    // cooperative one-launch permutation).
     for &(name, e, h, i, k) in
         &[("deepseek-v3 (32 experts)", 32usize, 7168usize, 2048usize, 8usize), ("mixtral-8x7b", 8, 4096, 14336, 2)]
     {

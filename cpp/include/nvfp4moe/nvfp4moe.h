@@ -77,11 +77,16 @@ NVFP4MOE_API Status swiglu_bf16(const void* gate_up, int64_t rows, int64_t inter
 NVFP4MOE_API Status softmax_topk(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, bool renormalize,
                     int* topk_ids, float* topk_weights, void* stream) noexcept;
 
-// Scratch bytes of permute_and_gather for `pairs` = tokens x top_k pairs.
+// Scratch bytes of permute_and_gather for `pairs` = tokens x top_k pairs. With more than 1024
+// pairs it also asks the current device, once, how many chunks the one-launch permutation takes
+// (an occupancy query: made here, before any stream capture, rather than in the first call).
 NVFP4MOE_API size_t permute_workspace_bytes(int64_t pairs, int64_t experts) noexcept;
 
 // The stable counting sort of the (token, slot) pairs by expert (deterministic: pair t*k + j goes
-// before every later pair of its expert), and the gather of the hidden rows.
+// before every later pair of its expert), and the gather of the hidden rows. Up to 1024 pairs one
+// launch; beyond, one cooperative launch while the 1024-pair chunks fit on the GPU at once (one
+// CTA per SM: 132 chunks on an H100 SXM or H200), else three. A graph captured with the
+// cooperative launch fails on replay where the GPU can no longer hold the grid (a smaller SM share).
 NVFP4MOE_API Status permute_and_gather(const PermuteArgs& args, void* stream) noexcept;
 
 // out[t] = sum over j = 0..k-1 (in order, FP32) of topk_weights[t, j] * y[row_of_pair[t, j]]
