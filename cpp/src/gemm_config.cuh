@@ -57,6 +57,9 @@ struct Params {
   // Tiles with Config::kNarrowIssue (N256): a row tile with at most 64 or 128 rows runs m64n64 or
   // m64n128 wgmmas and loads only its rows' x boxes (0: always the whole tile; the A/B's switch).
   int narrow_issue = 1;
+  // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
+  // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
+  int l2_prefetch = 0;
 };
 
 // Rows of one TMA box of x: the whole tile, but 64 on tiles over 128 rows, whose row tiles load
@@ -141,6 +144,13 @@ struct Config {
   // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
   // depends on its own B column only, and those rows are never stored.
   static constexpr bool kNarrowIssue = kBlockN_ == 256;
+  // N256: a short row tile has little MMA work per 64-K stage, so its stages come as fast as
+  // memory latency allows, and its 4 stages in flight (the x tiles' shared memory bounds them) do
+  // not cover an HBM round trip: deepseek-v3 L1 under uniform routing spent ~48 us on each tile of
+  // ~16 rows against ~75 us on a full one (H100, 2026-12-07: 430 ns per stage, ~4 stages per HBM
+  // round trip). Its weights (the bytes no other tile is reading) are prefetched into L2
+  // Params::l2_prefetch stages ahead, so that its loads hit L2.
+  static constexpr bool kL2Prefetch = kBlockN_ == 256;
   static constexpr int kBoxRows = x_box_rows(kBlockN_);
   static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
 

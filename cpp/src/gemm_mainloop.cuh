@@ -72,10 +72,28 @@ struct MainloopProducer {
     // stage moves the same bytes.
     const int mt0 = tc.m_tile * kConsumers;
     auto chunk_row = [&](int c) { return mt0 + c < chunks_m ? mt0 + c : mt0; };
+    // Config::kL2Prefetch: stage kc's weight chunks (each consumer's are contiguous in K) into L2,
+    // a hint the memory system may drop; issued before the stage is acquired, so while waiting.
+    const int ahead = Cfg::kL2Prefetch ? p.l2_prefetch : 0;
+    auto prefetch_weights = [&](int kc) __attribute__((always_inline)) {
+      const int c0 = kc * Cfg::kChunks;
+      const int chunks = min(Cfg::kChunks, k_tiles - c0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < kConsumers; ++c) {
+        SM90_BULK_COPY_G2S::PREFETCH::copy(p.prepared + weights::chunk_offset(tc.expert, chunk_row(c), c0, p.n, p.k),
+                                           chunks * weights::kChunkBytes);
+      }
+    };
+    if (ahead > 0) {
+      // The stages the pipeline's first pass loads at once need none.
+#pragma unroll 1
+      for (int kc = kc_begin + Cfg::kStages; kc < min(kc_begin + ahead, kc_end); ++kc) prefetch_weights(kc);
+    }
     // Not unrolled: with split-K's runtime K range, unrolling spills on the producer's
     // kProducerRegs registers (and measured no faster without split-K, 2026-12-02).
 #pragma unroll 1
     for (int kc = kc_begin; kc < kc_end; ++kc) {
+      if (ahead > 0 && kc + ahead < kc_end) prefetch_weights(kc + ahead);
       pipeline.producer_acquire(state);
       uint64_t* bar = pipeline.producer_get_barrier(state);
       int s = state.index();

@@ -43,6 +43,19 @@ bool warp_kernel_on() {
   return on;
 }
 
+// The N256 tile's L2 prefetch distance in 64-K stages (Params::l2_prefetch):
+// NVFP4MOE_L2_PREFETCH in the environment (0: off; read once), else kL2PrefetchStages.
+constexpr int kL2PrefetchStages = 0;
+int l2_prefetch_stages() {
+  static const int stages = [] {
+    const char* v = std::getenv("NVFP4MOE_L2_PREFETCH");
+    if (!v || !*v) return kL2PrefetchStages;
+    const int n = std::atoi(v);
+    return n < 0 ? 0 : n > 64 ? 64 : n;
+  }();
+  return stages;
+}
+
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
 // (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
@@ -176,6 +189,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 #if defined(NVFP4MOE_GEMM_VARIANTS)
   p.narrow_issue = gemm_variant() != "n256full";
 #endif
+  p.l2_prefetch = l2_prefetch_stages();
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows (64 rows on N256:
   // gemm::x_box_rows) with the 128-byte swizzle that the wgmma K-major SW128 layout expects. Rows
