@@ -107,6 +107,19 @@ __global__ void softmax_topk_kernel(const float* __restrict__ logits, int tokens
   if (lane < top_k) weights[int64_t(t) * top_k + lane] = renormalize ? picked / total : picked;
 }
 
+// Pair i's local expert (-1: none, or i >= pairs), counted in the shared-memory histogram `hist`;
+// a bad id is recorded in the error word (the lowest pair index wins).
+CUTLASS_DEVICE int count_pair(const int* __restrict__ ids, int i, int pairs, const ExpertIds& x, int* hist,
+                              unsigned long long* __restrict__ error) {
+  if (i >= pairs) return -1;
+  const int given = ids[i];
+  bool bad;
+  const int e = x.local(given, &bad);
+  if (e >= 0) atomicAdd(&hist[e], 1);
+  if (bad) atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(given));
+  return e;
+}
+
 __global__ void count_kernel(const int* __restrict__ ids, int pairs, ExpertIds x, int* __restrict__ counts,
                              unsigned long long* __restrict__ error) {
   pdl::wait_and_release();
@@ -115,11 +128,7 @@ __global__ void count_kernel(const int* __restrict__ ids, int pairs, ExpertIds x
   for (int e = threadIdx.x; e < experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
   for (int i = blockIdx.x * kChunk + threadIdx.x; i < min(pairs, (blockIdx.x + 1) * kChunk); i += blockDim.x) {
-    const int id = ids[i];
-    bool bad;
-    const int e = x.local(id, &bad);
-    if (e >= 0) atomicAdd(&hist[e], 1);
-    if (bad) atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(id));
+    count_pair(ids, i, pairs, x, hist, error);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[int64_t(blockIdx.x) * experts + e] = hist[e];
@@ -269,14 +278,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   const int t = threadIdx.x;
   next[t] = 0;
   __syncthreads();
-  int id = -1;
-  if (t < pairs) {
-    const int given = ids[t];
-    bool bad;
-    id = x.local(given, &bad);
-    if (id >= 0) atomicAdd(&next[id], 1);
-    if (bad) atomicMin(error, (static_cast<unsigned long long>(t) << 32) | static_cast<unsigned int>(given));
-  }
+  const int id = count_pair(ids, t, pairs, x, next, error);
   __syncthreads();
   const int count = t < experts ? next[t] : 0;
   const int incl = block_inclusive_scan(count, warp_total);
@@ -317,14 +319,7 @@ __global__ void __launch_bounds__(1024) route_fused_kernel(const int* __restrict
   next[t] = 0;
   __syncthreads();
   const int i = c * kChunk + t;
-  int id = -1;
-  if (i < pairs) {
-    const int given = ids[i];
-    bool bad;
-    id = x.local(given, &bad);
-    if (id >= 0) atomicAdd(&next[id], 1);
-    if (bad) atomicMin(error, (static_cast<unsigned long long>(i) << 32) | static_cast<unsigned int>(given));
-  }
+  const int id = count_pair(ids, i, pairs, x, next, error);
   __syncthreads();
   if (t < experts) counts[int64_t(c) * experts + t] = next[t];
   // The barrier orders every CTA's counts before any read below (grid.sync fences memory).
