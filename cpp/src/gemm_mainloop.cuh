@@ -84,16 +84,19 @@ struct MainloopProducer {
                                            chunks * weights::kChunkBytes);
       }
     };
-    if (ahead > 0) {
-      // The stages the pipeline's first pass loads at once need none.
+    if constexpr (Cfg::kL2Prefetch) {
+      // The tile's first stages too: after a CTA's first tile they are loaded only as the previous
+      // tile's stages are freed.
 #pragma unroll 1
-      for (int kc = kc_begin + Cfg::kStages; kc < min(kc_begin + ahead, kc_end); ++kc) prefetch_weights(kc);
+      for (int kc = kc_begin; kc < min(kc_begin + ahead, kc_end); ++kc) prefetch_weights(kc);
     }
     // Not unrolled: with split-K's runtime K range, unrolling spills on the producer's
     // kProducerRegs registers (and measured no faster without split-K, 2026-12-02).
 #pragma unroll 1
     for (int kc = kc_begin; kc < kc_end; ++kc) {
-      if (ahead > 0 && kc + ahead < kc_end) prefetch_weights(kc + ahead);
+      if constexpr (Cfg::kL2Prefetch) {
+        if (ahead > 0 && kc + ahead < kc_end) prefetch_weights(kc + ahead);
+      }
       pipeline.producer_acquire(state);
       uint64_t* bar = pipeline.producer_get_barrier(state);
       int s = state.index();

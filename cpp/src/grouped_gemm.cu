@@ -50,8 +50,8 @@ int l2_prefetch_stages() {
   static const int stages = [] {
     const char* v = std::getenv("NVFP4MOE_L2_PREFETCH");
     if (!v || !*v) return kL2PrefetchStages;
-    const int n = std::atoi(v);
-    return n < 0 ? 0 : n > 64 ? 64 : n;
+    const long n = std::strtol(v, nullptr, 10);
+    return n < 0 ? 0 : n > 64 ? 64 : int(n);
   }();
   return stages;
 }
