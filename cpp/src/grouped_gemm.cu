@@ -1,11 +1,11 @@
 // grouped_gemm_nvfp4: host-side validation, tile choice, the x tensor map, and dispatch to the
 // per-configuration kernels (grouped_gemm_instance.cu, once per tile and epilogue).
+#include "env.hpp"
 #include "grouped_gemm_sm90.cuh"
 #include "grouped_gemm_warp.hpp"
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -36,10 +36,7 @@ EncodeTiledFn tensor_map_encoder() {
 // NVFP4MOE_WARP_KERNEL=0 in the environment keeps kAuto's 8-row launches on the N8 tile (for A/B
 // timing; read once).
 bool warp_kernel_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("NVFP4MOE_WARP_KERNEL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = !env::switched_off("NVFP4MOE_WARP_KERNEL");
   return on;
 }
 

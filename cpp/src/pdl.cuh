@@ -10,11 +10,10 @@
 // CTAs have started before it releases: no CTA can wait on one that is not resident.)
 #pragma once
 
+#include "env.hpp"
+
 #include <cuda_runtime.h>
 #include <cutlass/cutlass.h>
-
-#include <cstdlib>
-#include <cstring>
 
 namespace nvfp4moe::pdl {
 
@@ -31,10 +30,7 @@ CUTLASS_DEVICE void wait_and_release() {
 // (115 vs 102 us), while the other launches gained (deepseek-v3 T = 1: 108 -> 87 us; H200,
 // 2026-12-02, PERF_NOTES.md).
 inline bool enabled(bool cluster_launch) {
-  static const bool on = [] {
-    const char* v = std::getenv("NVFP4MOE_PDL");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
+  static const bool on = !env::switched_off("NVFP4MOE_PDL");
   return on && !cluster_launch;
 }
 

@@ -12,6 +12,7 @@
 // cooperative launch when the chunks' CTAs fit on the GPU at once (route_fused_kernel: a grid
 // barrier between count and scan, each CTA scans what its chunk needs); three launches beyond
 // (count_kernel, scan_kernel, scatter_kernel).
+#include "env.hpp"
 #include "nvfp4moe/nvfp4moe.h"
 #include "pdl.cuh"
 #include "routing_limits.hpp"
@@ -25,7 +26,6 @@
 #include <atomic>
 #include <cfloat>
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 namespace nvfp4moe {
@@ -544,10 +544,7 @@ namespace routing {
 int route_fused_capacity() noexcept {
   // NVFP4MOE_ROUTE_FUSED=0 in the environment (read once): always the three launches (their tests
   // on a GPU that would hold every chunk; A/B timing).
-  static const bool off = [] {
-    const char* v = std::getenv("NVFP4MOE_ROUTE_FUSED");
-    return v && std::strcmp(v, "0") == 0;
-  }();
+  static const bool off = env::switched_off("NVFP4MOE_ROUTE_FUSED");
   if (off) return 0;
   constexpr int kDevices = 64;
   static std::atomic<int> known[kDevices];  // capacity + 1; 0 = not asked yet
