@@ -142,4 +142,41 @@ mod drift {
         let bad = h.replacen("NVFP4MOE_ENUMERATOR(GemmTile, kAuto, 0)", "kAuto = 0", 1);
         assert!(abi::parse(&bad).is_err());
     }
+
+    /// The Python package's `Tile` (python/nvfp4_moe/layer.py) is written by hand: it must name every
+    /// `GemmTile` of the header with its value (`kWarpM16N8` -> `WARP_M16N8`), and nothing else.
+    #[test]
+    fn python_tile_enum_matches_the_header() {
+        let parsed = abi::parse(&header()).unwrap();
+        let tile = parsed.enums.iter().find(|e| e.name == "GemmTile").expect("GemmTile in types.h");
+        let python_name = |variant: &str| {
+            let v = variant.strip_prefix('k').unwrap_or(variant);
+            let mut out = String::new();
+            for (i, c) in v.char_indices() {
+                // A word starts at an upper-case letter after a lower-case one ("WarpM16" -> "WARP_M16").
+                if i > 0 && c.is_ascii_uppercase() && v[..i].ends_with(|p: char| p.is_ascii_lowercase()) {
+                    out.push('_');
+                }
+                out.push(c.to_ascii_uppercase());
+            }
+            out
+        };
+        let mut want: Vec<(String, i64)> = tile.variants.iter().map(|(n, v, _)| (python_name(n), *v)).collect();
+        let src =
+            std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("python/nvfp4_moe/layer.py")).unwrap();
+        let body = src.split("class Tile(enum.IntEnum):").nth(1).expect("class Tile in layer.py");
+        let mut got: Vec<(String, i64)> = body
+            .lines()
+            .skip(1)
+            .take_while(|l| l.is_empty() || l.starts_with("    "))
+            .filter_map(|l| {
+                let (name, value) = l.trim().split_once(" = ")?;
+                Some((name.to_string(), value.parse().ok()?))
+            })
+            .collect();
+        want.sort();
+        got.sort();
+        assert!(want.len() >= 8, "{want:?}");
+        assert_eq!(got, want, "python/nvfp4_moe/layer.py's Tile against types.h's GemmTile");
+    }
 }
