@@ -523,7 +523,7 @@ Status launched(cudaError_t e, const char* what) {
 // attribute (a cooperative launch with it is not something the docs promise), so it waits for its
 // predecessor to finish: about a microsecond of launch overlap given up.
 cudaError_t launch_route_fused(int chunks, cudaStream_t st, const int* ids, int pairs, ExpertIds x, int* counts,
-                        int* offsets, int* row_of_pair, int* pair_of_row, unsigned long long* error) {
+                               int* offsets, int* row_of_pair, int* pair_of_row, unsigned long long* error) {
   cudaLaunchAttribute attr[1] = {};
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
