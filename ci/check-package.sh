@@ -19,7 +19,7 @@ fi
 for need in Cargo.toml build.rs src/lib.rs src/bin/nvfp4-moe/main.rs cpp/CMakeLists.txt \
   cpp/include/nvfp4moe/nvfp4moe.h cpp/include/nvfp4moe/types.h codegen/abi.rs third_party/fetch.sh third_party/requirements.txt \
   tests/golden/input.safetensors tests/fixtures/modelopt_nvfp4_v2.safetensors tests/modelopt/oracle.py \
-  tests/fixtures/checkpoints/modelopt_w4a4/model.safetensors scripts/fixtures/make_ct_fixtures.py README.md CHANGELOG.md LICENSE-MIT LICENSE-APACHE; do
+  tests/fixtures/checkpoints/modelopt_w4a4/model.safetensors scripts/fixtures/make_ct_fixtures.py python/nvfp4_moe/layer.py README.md CHANGELOG.md LICENSE-MIT LICENSE-APACHE; do
   grep -qxF "$need" <<<"$list" || { echo "check-package: $need is missing from the package" >&2; exit 1; }
 done
 

@@ -42,7 +42,7 @@ bool warp_kernel_on() {
 
 // The N256 tile's L2 prefetch distance in 64-K stages (Params::l2_prefetch):
 // NVFP4MOE_L2_PREFETCH in the environment (0: off; read once), else kL2PrefetchStages. Off: at 16
-// stages the layer was 4-6% slower at deepseek-v3 T = 8192, 14% with every row tile short (H100,
+// stages the layer was 3.5-6.4% slower at deepseek-v3 T = 8192, 14% with every row tile short (H100,
 // 2026-12-07, PERF_NOTES.md session 23); kept as an experiment's knob.
 constexpr int kL2PrefetchStages = 0;
 int l2_prefetch_stages() {

@@ -25,7 +25,6 @@
 
 #include <atomic>
 #include <cfloat>
-#include <cstdlib>
 #include <type_traits>
 
 namespace nvfp4moe {
