@@ -367,7 +367,7 @@ class MoeLayer(torch.nn.Module):
             and topk_weights is not None
             and type(hidden) is torch.Tensor
             and torch._C._len_torch_dispatch_stack() == 0
-            and not torch.jit.is_tracing()
+            and not torch._C._is_tracing()  # (torch.jit.is_tracing() without its Python frame)
         ):
             return _EAGER_FORWARD(self._eager_handle(), hidden, topk_ids, topk_weights, out)
         if out is not None:  # (checked before anything runs, as the eager entry point checks it)
