@@ -60,7 +60,17 @@ struct Params {
   // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
   int l2_prefetch = 0;
+  // The launch's share of each expert's rows (grouped_gemm.cu's tail split of the 128x256 tile):
+  // kAllRows every row; kHeadRows all but the tail, kTailRows the tail only, where the tail is the
+  // rows past the expert's last whole kTailBlock-row tile when they are at most tail_rows (else
+  // empty: such a last tile stays with the head).
+  int row_part = 0;
+  int tail_rows = 0;
 };
+
+// Params::row_part's values, and the row tile the tail is taken from (the 128x256 tile's).
+constexpr int kAllRows = 0, kHeadRows = 1, kTailRows = 2;
+constexpr int kTailBlock = 256;
 
 // Rows of one TMA box of x: the whole tile, but 64 on tiles over 128 rows, whose row tiles load
 // only the boxes that hold rows (Config::kNarrowIssue). The host encodes the tensor map with it.

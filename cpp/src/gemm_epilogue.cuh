@@ -98,12 +98,14 @@ CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Param
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
     int2 rr = expert_rows(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
+    // (The scale region starts at the expert's first row, also in a tail launch.)
+    const int expert_row0 = expert_span(p, tc.expert).x;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < Cfg::kConsumers; ++c) {
       int feature0 = tc.m_tile * Cfg::kTileM + c * 64;
       handoff_wait_thread(&ss.epi_sync.full[c], phase);  // the consumer's staged tile
       if (feature0 < p.n) {
-        quantize_staged_tile<kBlockN>(p, ss.epi[c], qt, kQuantizerThreads, tc.expert, rr.x, row_begin, rr.y,
+        quantize_staged_tile<kBlockN>(p, ss.epi[c], qt, kQuantizerThreads, tc.expert, expert_row0, row_begin, rr.y,
                                       feature0);
       }
       handoff_arrive(&ss.epi_sync.empty[c]);  // our reads of it are done

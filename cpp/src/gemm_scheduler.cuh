@@ -12,7 +12,7 @@ namespace nvfp4moe::gemm {
 // outside x or out (they then give wrong rows, not out-of-bounds accesses).
 // In the pre-dispatched layout, e's rows start at e * expert_stride (the host checked that
 // E x expert_stride <= total_rows < 2^31), expert_counts[e] of them, clamped the same way.
-CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
+CUTLASS_DEVICE int2 expert_span(const Params& p, int e) {
   if (p.expert_stride > 0) {
     const int begin = e * p.expert_stride;
     const int count = min(max(p.expert_counts[e], 0), p.expert_stride);
@@ -21,6 +21,19 @@ CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
   int begin = min(max(p.expert_offsets[e], 0), p.total_rows);
   int end = min(max(p.expert_offsets[e + 1], begin), p.total_rows);
   return make_int2(begin, end);
+}
+
+// The rows of expert e that this launch covers (Params::row_part): all of expert_span, or its
+// head or tail. The tail is the rows past the last whole kTailBlock-row tile when at most
+// p.tail_rows of them, so that head and tail launches cover every row once between them.
+CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
+  int2 rr = expert_span(p, e);
+  if (p.row_part != kAllRows) {
+    const int rem = int(unsigned(rr.y - rr.x) % unsigned(kTailBlock));  // (rows >= 0)
+    const int tail = rem <= p.tail_rows ? rem : 0;
+    if (p.row_part == kHeadRows) rr.y -= tail; else rr.x = rr.y - tail;
+  }
+  return rr;
 }
 
 // Which expert and tiles a linear tile index names. prefix[e] = first tile of expert e.

@@ -55,6 +55,24 @@ int l2_prefetch_stages() {
   return stages;
 }
 
+// The 128x256 tile's tail split (Params::row_part): an expert's rows past its last whole 256-row
+// tile, when at most this many (32 or 64), run on the 128x32 or 128x64 tile in a second launch
+// instead of as a 256-row tile of their own. Such a short tile streams and converts the expert's
+// weights for a few rows: ~48 us of SM time on the 128x256 tile (one CTA per SM, its 4 stages
+// latency-bound) against ~29 us for a 64-row 128x64 tile (two CTAs per SM) at deepseek-v3 L1
+// (H100, PERF_NOTES.md sessions 7, 21, 23). Every tile gives the same bits, so only speed changes.
+// NVFP4MOE_TAIL_ROWS in the environment (0: off, 32, 64; read once), else kTailRowsDefault.
+constexpr int kTailRowsDefault = 64;
+int tail_rows_setting() {
+  static const int rows = [] {
+    const char* v = std::getenv("NVFP4MOE_TAIL_ROWS");
+    if (!v || !*v) return kTailRowsDefault;
+    const long n = std::strtol(v, nullptr, 10);
+    return n <= 0 ? 0 : n <= 32 ? 32 : 64;
+  }();
+  return rows;
+}
+
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
 // (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
@@ -193,17 +211,27 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows (64 rows on N256:
   // gemm::x_box_rows) with the 128-byte swizzle that the wgmma K-major SW128 layout expects. Rows
   // past total_rows read as zero.
+  auto encode_x = [&](CUtensorMap* map, int tile_rows) {
+    cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.total_rows)};
+    cuuint64_t strides[1] = {cuuint64_t(a.k) * 2};
+    cuuint32_t box[2] = {64, cuuint32_t(gemm::x_box_rows(tile_rows))};
+    cuuint32_t elem_strides[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a.x), dims, strides, box,
+                        elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return r == CUDA_SUCCESS ? Status::kSuccess
+                             : fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled failed (%d)", int(r));
+  };
   CUtensorMap map;
-  cuuint64_t dims[2] = {cuuint64_t(a.k), cuuint64_t(a.total_rows)};
-  cuuint64_t strides[1] = {cuuint64_t(a.k) * 2};
-  cuuint32_t box[2] = {64, cuuint32_t(gemm::x_box_rows(block_n))};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(a.x), dims, strides, box,
-                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return fail(Status::kCudaError, "grouped_gemm_nvfp4: cuTensorMapEncodeTiled failed (%d)", int(r));
+  if (Status s = encode_x(&map, block_n); s != Status::kSuccess) return s;
+  // The 128x256 tile's tail split: the tail's tile and its x boxes (the 128x64 tile's are the
+  // 128x256 tile's 64 rows).
+  const int tail_rows = tile == GemmTile::kM128N256 ? tail_rows_setting() : 0;
+  CUtensorMap tail_map = map;
+  if (tail_rows == 32) {
+    if (Status s = encode_x(&tail_map, 32); s != Status::kSuccess) return s;
   }
+  static_assert(gemm::x_box_rows(64) == gemm::x_box_rows(256), "the 128x64 tail reuses the head's x boxes");
 
   // Split-K (N8 and N16 tiles only): when even an upper bound of the tiles leaves CTA slots idle,
   // clusters of 4, 3 or 2 CTAs share each tile's K (each CTA keeping >= 4 64-K chunks, one 256-K
@@ -254,7 +282,16 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 #else
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
 #endif
-      case GemmTile::kM128N256: return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+      case GemmTile::kM128N256: {
+        if (tail_rows == 0) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+        // Head and tail: disjoint rows of out, each launch waiting for the one before it (pdl.cuh).
+        p.row_part = gemm::kHeadRows;
+        p.tail_rows = tail_rows;
+        if (Status s = launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st); s != Status::kSuccess) return s;
+        p.row_part = gemm::kTailRows;
+        return tail_rows == 32 ? launch_grouped_gemm<gemm::ConfigN32<E>>(tail_map, p, sms, st)
+                               : launch_grouped_gemm<gemm::ConfigN64<E>>(tail_map, p, sms, st);
+      }
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }
   };
