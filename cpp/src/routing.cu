@@ -176,63 +176,35 @@ __global__ void __launch_bounds__(1024) scan_kernel(int* __restrict__ counts, in
 
 // The scatter of one chunk, called by all 1024 threads of a CTA after a __syncthreads: thread `t`
 // holds pair i's expert id (or -1) and places it after every earlier pair of that id. Each warp
-// ranks its lanes within equal ids (match_any); then the slots are claimed for the 32 warps in warp
-// order, so the permutation is deterministic and stable: warp q < 4 walks the claims of warps
-// 8q .. 8q + 7 in order (its lane l serves lane l of each; within a warp the claiming lanes hold
-// distinct ids), quarter 0 from next[], quarters 1-3 counting from zero in tables of their own;
-// then each quarter's claims are offset by what the quarters before it took. (The 32 warps
-// claiming in turn, one __syncthreads per turn, made this most of route_small_kernel's time,
-// 2026-12-02; one warp walking all 32 is a chain of 32 dependent shared-memory updates, four
-// quarters one of 8.) next[] is left at quarter 0's end: no caller reads it afterwards.
-CUTLASS_DEVICE void scatter_chunk(int id, int i, int pairs, int experts, int* next, int* claimed,
-                                  int* __restrict__ row_of_pair, int* __restrict__ pair_of_row) {
-  constexpr int kQuarters = 4, kPerQuarter = 32 / kQuarters;
-  __shared__ int taken[kQuarters - 1][kMaxExperts];  // quarter q >= 1's rows of each expert
+// ranks its lanes within equal ids (match_any); then warp 0 claims the slots from next[] for the
+// 32 warps in warp order (its lane l serves lane l of every warp; within a warp the claiming lanes
+// hold distinct ids), so the permutation is deterministic and stable. (The 32 warps claiming in
+// turn, one __syncthreads per turn, made this most of route_small_kernel's time, 2026-12-02.)
+CUTLASS_DEVICE void scatter_chunk(int id, int i, int pairs, int* next, int* claimed, int* __restrict__ row_of_pair,
+                                  int* __restrict__ pair_of_row) {
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const unsigned peers = __match_any_sync(0xFFFFFFFFu, id);
   const int leader = __ffs(peers) - 1;
   const int rank = __popc(peers & ((1u << lane) - 1));
   // A claim request: (id << 8) | count at the leader of each id's lanes, -1 elsewhere.
   claimed[t] = id >= 0 && lane == leader ? (id << 8) | __popc(peers) : -1;
-  if (t < experts) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kQuarters - 1; ++q) taken[q][t] = 0;
-  }
   __syncthreads();
-  int req[kPerQuarter];  // warps < kQuarters: the quarter's claims, then their first rows
-  if (warp < kQuarters) {
-    int* table = warp == 0 ? next : taken[warp - 1];
+  if (warp == 0) {
+    int req[32];
     CUTLASS_PRAGMA_UNROLL
-    for (int w = 0; w < kPerQuarter; ++w) req[w] = claimed[(warp * kPerQuarter + w) * 32 + lane];
+    for (int w = 0; w < 32; ++w) req[w] = claimed[w * 32 + lane];
     CUTLASS_PRAGMA_UNROLL
-    for (int w = 0; w < kPerQuarter; ++w) {
+    for (int w = 0; w < 32; ++w) {
       if (req[w] >= 0) {
         const int e = req[w] >> 8;
-        const int first = table[e];
-        table[e] = first + (req[w] & 0xFF);
-        // Quarter 0: the row; the others: (first << 10) | e (first <= 256: a quarter's claims).
-        req[w] = warp == 0 ? first : (first << 10) | e;
+        const int first = next[e];
+        next[e] = first + (req[w] & 0xFF);
+        req[w] = first;
       }
       __syncwarp();
     }
-  }
-  __syncthreads();  // every quarter's table complete
-  if (warp < kQuarters) {
     CUTLASS_PRAGMA_UNROLL
-    for (int w = 0; w < kPerQuarter; ++w) {
-      const int slot = (warp * kPerQuarter + w) * 32 + lane;
-      if (claimed[slot] >= 0) {
-        int first;
-        if (warp == 0) {
-          first = req[w];
-        } else {
-          const int e = req[w] & 1023;
-          first = (req[w] >> 10) + next[e];
-          for (int q = 0; q + 1 < warp; ++q) first += taken[q][e];
-        }
-        claimed[slot] = first;
-      }
-    }
+    for (int w = 0; w < 32; ++w) claimed[w * 32 + lane] = req[w];
   }
   __syncthreads();
   if (i < pairs) {
@@ -260,7 +232,7 @@ __global__ void __launch_bounds__(1024) scatter_kernel(const int* __restrict__ i
   bool bad;
   const int id = i < pairs ? x.local(ids[i], &bad) : -1;  // (count_kernel recorded the bad ones)
   __syncthreads();
-  scatter_chunk(id, i, pairs, experts, next, claimed, row_of_pair, pair_of_row);
+  scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
 // The inclusive scan of one value per thread over a CTA of 1024 threads: within each warp by
@@ -316,7 +288,7 @@ __global__ void __launch_bounds__(1024) route_small_kernel(const int* __restrict
   }
   if (t == experts - 1) offsets[experts] = incl;
   __syncthreads();
-  scatter_chunk(id, t, pairs, experts, next, claimed, row_of_pair, pair_of_row);
+  scatter_chunk(id, t, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
 // 1 < chunks <= the CTAs that fit on the GPU at once (a cooperative launch; 64 registers x 1024
@@ -388,7 +360,7 @@ __global__ void __launch_bounds__(1024) route_fused_kernel(const int* __restrict
   }
   if (c == 0 && t == experts - 1) offsets[experts] = incl;
   __syncthreads();
-  scatter_chunk(id, i, pairs, experts, next, claimed, row_of_pair, pair_of_row);
+  scatter_chunk(id, i, pairs, next, claimed, row_of_pair, pair_of_row);
 }
 
 // Rows are copied and combined in pieces of kVecsPerCta vectors (routing_limits.hpp).
