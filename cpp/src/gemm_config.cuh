@@ -61,11 +61,13 @@ struct Params {
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
   int l2_prefetch = 0;
   // The launch's share of each expert's rows (grouped_gemm.cu's tail split of the 128x256 tile):
-  // kAllRows every row; kHeadRows all but the tail, kTailRows the tail only, where the tail is the
-  // rows past the expert's last whole kTailBlock-row tile when they are at most tail_rows (else
-  // empty: such a last tile stays with the head).
+  // kAllRows every row; with the expert's rem = rows % kTailBlock (the rows past its last whole
+  // kTailBlock-row tile), kHeadRows all but rem when tail_lo < rem <= tail_hi, kTailRows only
+  // those rem rows (none otherwise). A head with (0, 64] and tails with (0, 32] and (32, 64]
+  // cover every row once between them.
   int row_part = 0;
-  int tail_rows = 0;
+  int tail_lo = 0;
+  int tail_hi = 0;
 };
 
 // Params::row_part's values, and the row tile the tail is taken from (the 128x256 tile's).

@@ -24,14 +24,17 @@ CUTLASS_DEVICE int2 expert_span(const Params& p, int e) {
 }
 
 // The rows of expert e that this launch covers (Params::row_part): all of expert_span, or its
-// head or tail. The tail is the rows past the last whole kTailBlock-row tile when at most
-// p.tail_rows of them, so that head and tail launches cover every row once between them.
+// head or a tail of it.
 CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
   int2 rr = expert_span(p, e);
   if (p.row_part != kAllRows) {
     const int rem = int(unsigned(rr.y - rr.x) % unsigned(kTailBlock));  // (rows >= 0)
-    const int tail = rem <= p.tail_rows ? rem : 0;
-    if (p.row_part == kHeadRows) rr.y -= tail; else rr.x = rr.y - tail;
+    const bool tail = rem > p.tail_lo && rem <= p.tail_hi;
+    if (p.row_part == kHeadRows) {
+      if (tail) rr.y -= rem;
+    } else {
+      rr.x = tail ? rr.y - rem : rr.y;
+    }
   }
   return rr;
 }

@@ -56,21 +56,30 @@ int l2_prefetch_stages() {
 }
 
 // The 128x256 tile's tail split (Params::row_part): an expert's rows past its last whole 256-row
-// tile, when at most this many (32 or 64), run on the 128x32 or 128x64 tile in a second launch
-// instead of as a 256-row tile of their own. Such a short tile streams and converts the expert's
-// weights for a few rows: ~48 us of SM time on the 128x256 tile (one CTA per SM, its 4 stages
-// latency-bound) against ~29 us for a 64-row 128x64 tile (two CTAs per SM) at deepseek-v3 L1
-// (H100, PERF_NOTES.md sessions 7, 21, 23). Every tile gives the same bits, so only speed changes.
-// NVFP4MOE_TAIL_ROWS in the environment (0: off, 32, 64; read once), else kTailRowsDefault.
-constexpr int kTailRowsDefault = 64;
-int tail_rows_setting() {
-  static const int rows = [] {
-    const char* v = std::getenv("NVFP4MOE_TAIL_ROWS");
-    if (!v || !*v) return kTailRowsDefault;
-    const long n = std::strtol(v, nullptr, 10);
-    return n <= 0 ? 0 : n <= 32 ? 32 : 64;
+// tile, when at most 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, each tail kind in
+// a launch of its own after the head's, instead of as a 256-row tile of their own. Such a short
+// tile streams and converts the expert's weights for a few rows: ~48 us of SM time on the 128x256
+// tile (one CTA per SM, its 4 stages latency-bound) against ~29 us for a 64-row 128x64 tile (two
+// CTAs per SM) at deepseek-v3 L1; with 64-row tails on 128x64 the layer was 8-11% faster at
+// deepseek-v3 T = 8192 under uniform and skewed routing, with 32-row tails on 128x32 12.5% under
+// uniform (whose tails are mostly under 32 rows) but 3% under skewed (H100, 2026-12-07,
+// PERF_NOTES.md session 24). Every tile gives the same bits, so only speed changes.
+// NVFP4MOE_TAIL_TILES in the environment (read once): 0 (off), 32 or 64 (one tail launch on that
+// tile, for every tail of at most that many rows), else both.
+struct TailTiles {
+  bool n32, n64;
+  int most() const { return n64 ? 64 : n32 ? 32 : 0; }
+};
+TailTiles tail_tiles() {
+  static const TailTiles t = [] {
+    const char* v = std::getenv("NVFP4MOE_TAIL_TILES");
+    const std::string s = v ? v : "";
+    if (s == "0") return TailTiles{false, false};
+    if (s == "32") return TailTiles{true, false};
+    if (s == "64") return TailTiles{false, true};
+    return TailTiles{true, true};
   }();
-  return rows;
+  return t;
 }
 
 #if defined(NVFP4MOE_GEMM_VARIANTS)
@@ -224,12 +233,12 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   };
   CUtensorMap map;
   if (Status s = encode_x(&map, block_n); s != Status::kSuccess) return s;
-  // The 128x256 tile's tail split: the tail's tile and its x boxes (the 128x64 tile's are the
-  // 128x256 tile's 64 rows).
-  const int tail_rows = tile == GemmTile::kM128N256 ? tail_rows_setting() : 0;
-  CUtensorMap tail_map = map;
-  if (tail_rows == 32) {
-    if (Status s = encode_x(&tail_map, 32); s != Status::kSuccess) return s;
+  // The 128x256 tile's tail split: the tails' tiles and the 128x32 tile's x boxes (the 128x64
+  // tile's are the 128x256 tile's 64 rows).
+  const TailTiles tails = tile == GemmTile::kM128N256 ? tail_tiles() : TailTiles{false, false};
+  CUtensorMap n32_map = map;
+  if (tails.n32) {
+    if (Status s = encode_x(&n32_map, 32); s != Status::kSuccess) return s;
   }
   static_assert(gemm::x_box_rows(64) == gemm::x_box_rows(256), "the 128x64 tail reuses the head's x boxes");
 
@@ -283,14 +292,21 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
 #endif
       case GemmTile::kM128N256: {
-        if (tail_rows == 0) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
-        // Head and tail: disjoint rows of out, each launch waiting for the one before it (pdl.cuh).
+        if (tails.most() == 0) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+        // Head and tails: disjoint rows of out, each launch waiting for the one before it (pdl.cuh).
         p.row_part = gemm::kHeadRows;
-        p.tail_rows = tail_rows;
+        p.tail_lo = 0;
+        p.tail_hi = tails.most();
         if (Status s = launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st); s != Status::kSuccess) return s;
         p.row_part = gemm::kTailRows;
-        return tail_rows == 32 ? launch_grouped_gemm<gemm::ConfigN32<E>>(tail_map, p, sms, st)
-                               : launch_grouped_gemm<gemm::ConfigN64<E>>(tail_map, p, sms, st);
+        if (tails.n32) {
+          p.tail_hi = 32;
+          if (Status s = launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st); s != Status::kSuccess) return s;
+          p.tail_lo = 32;
+        }
+        if (!tails.n64) return Status::kSuccess;
+        p.tail_hi = 64;
+        return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
       }
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }

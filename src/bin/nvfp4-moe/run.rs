@@ -40,7 +40,7 @@ pub enum TileArg {
     N64,
     /// 128 x 128 (prefill, 65-128 rows per expert)
     N128,
-    /// 128 x 256 (prefill, more than 128 rows per expert)
+    /// 128 x 256 (prefill, more than 128 rows per expert; an expert's last <= 64 rows on 128 x 32 / 64)
     N256,
     /// One warp per 16 features, mma.sync (at most 8 rows in all)
     Warp,

@@ -393,7 +393,8 @@ fn swiglu_nvfp4_equals_quantized_compact() {
 }
 
 /// The 128x256 tile's tail split (an expert's rows past its last whole 256-row tile, when at most
-/// 64, or 32 under `NVFP4MOE_TAIL_ROWS=32`, run on the 128x64 or 128x32 tile in a second launch):
+/// 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, in launches of their own; one tail
+/// tile for both under `NVFP4MOE_TAIL_TILES=32` or `64`):
 /// every epilogue's output under `M128N256`, and under `Auto`, which picks that tile here, equals
 /// the 128x128 tile's bit for bit (every tile gives the same bits; the batch-invariance test), with
 /// tails of 0, 1, 32, 33, 63, 64 and 65 rows, experts of only a tail, an empty expert, and the rows
