@@ -38,6 +38,18 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
+# The 128x256 tile's tail split with one tail tile (the run above has both: 128x32 and 128x64;
+# the setting is read once per process): the tests that compare it bit for bit.
+if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
+  for tt in 32 64; do
+    log="$out/test-gpu-tail$tt.log"
+    NVFP4MOE_TAIL_TILES=$tt timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
+      batch_invariant swiglu_nvfp4 swiglu_epilogues >"$log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|thread .* panicked)' "$log" | head -10; }
+    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu TAIL_TILES=$tt" "$rc" "-" "$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')")")
+  done
+fi
 # Each example once, as a user runs it (no arguments): its last line goes in the summary.
 # candle_moe loads cuBLAS, cuRAND, NVRTC and the shared runtime: the pip-installed CUDA 13 ones.
 if [ "${NVFP4MOE_EXAMPLES:-all}" != none ]; then

@@ -150,7 +150,9 @@ struct Config {
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
   // N256 (issue 22): an expert's last row tile often holds a few rows (ragged routing: deepseek-v3
   // at T = 8192 has 256 +- 16 rows per expert, so half its experts need a second, nearly empty
-  // tile). Such a tile issues m64n64 or m64n128 wgmmas on the first accumulators, which hold the
+  // tile; such tails of at most 64 rows now run on the N32 and N64 tiles instead, grouped_gemm.cu,
+  // so this serves last tiles of 65-255 rows, and every short one with NVFP4MOE_TAIL_TILES=0).
+  // A short tile issues m64n64 or m64n128 wgmmas on the first accumulators, which hold the
   // first 64 or 128 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
   // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once
   // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
@@ -160,8 +162,8 @@ struct Config {
   // memory latency allows, and its 4 stages in flight (the x tiles' shared memory bounds them) do
   // not cover an HBM round trip: deepseek-v3 L1 under uniform routing spent ~48 us on each tile of
   // ~16 rows against ~75 us on a full one (H100, 2026-12-07: 430 ns per stage, ~4 stages per HBM
-  // round trip). Its weights (the bytes no other tile is reading) are prefetched into L2
-  // Params::l2_prefetch stages ahead, so that its loads hit L2.
+  // round trip). Its weights (the bytes no other tile is reading) can be prefetched into L2
+  // Params::l2_prefetch stages ahead (off by default: measured slower, grouped_gemm.cu).
   static constexpr bool kL2Prefetch = kBlockN_ == 256;
   static constexpr int kBoxRows = x_box_rows(kBlockN_);
   static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
@@ -232,7 +234,8 @@ struct Config {
 // - N256 (issue 22), prefill beyond 128 rows per expert: each converted A fragment feeds a 64x256
 //   wgmma (the wgmma probe: in-register conversion does not hide under N128's wgmmas, 604 against
 //   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
-//   last row tile issues 64 or 128 wide (Config::kNarrowIssue). 128 accumulators per consumer
+//   last row tile issues 64 or 128 wide (Config::kNarrowIssue), and its last 1-64 rows run on N32
+//   or N64 in launches of their own (grouped_gemm.cu's tail split). 128 accumulators per consumer
 //   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
 //   (H100, 2026-12-07): the layer 4-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,
 //   uniform and skewed routing), deepseek-v3 L1 / L2 5284 / 2890 us against 6177 / 3332; at exactly

@@ -102,8 +102,8 @@ NVFP4MOE_ENUM(GemmTile) {
   // kSwigluNvfp4, nor with max_splits == 1; kAuto takes it there instead of kM128N8).
   NVFP4MOE_ENUMERATOR(GemmTile, kWarpM16N8, 6),
   // 128 x 256: prefill, more than 128 rows per expert. An expert's rows past its last whole 256-row
-  // tile, when at most 32 or 64, run on 128 x 32 or 128 x 64 in launches of their own (the same
-  // bits; NVFP4MOE_TAIL_TILES).
+  // tile, when at most 32 or 64, run on 128 x 32 or 128 x 64 in launches of their own, also when
+  // this tile is chosen explicitly (the same bits; NVFP4MOE_TAIL_TILES).
   NVFP4MOE_ENUMERATOR(GemmTile, kM128N256, 7),
 };
 

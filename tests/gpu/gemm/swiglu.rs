@@ -395,11 +395,12 @@ fn swiglu_nvfp4_equals_quantized_compact() {
 /// The 128x256 tile's tail split (an expert's rows past its last whole 256-row tile, when at most
 /// 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, in launches of their own; one tail
 /// tile for both under `NVFP4MOE_TAIL_TILES=32` or `64`):
-/// every epilogue's output under `M128N256`, and under `Auto`, which picks that tile here, equals
-/// the 128x128 tile's bit for bit (every tile gives the same bits; the batch-invariance test), with
-/// tails of 0, 1, 32, 33, 63, 64 and 65 rows, experts of only a tail, an empty expert, and the rows
-/// past offsets[E] untouched: a tail left unwritten, written twice over a neighbour, or encoded
-/// against the wrong scale region fails it.
+/// the `PlainBf16`, `SwigluBf16` and `SwigluNvfp4` outputs under `M128N256`, and under `Auto`, which
+/// picks that tile here, equal the 128x128 tile's bit for bit (every tile gives the same bits; the
+/// batch-invariance test), with tails of 0, 1, 32, 33, 63, 64 and 65 rows, experts of only a tail,
+/// an empty expert, and the rows past offsets[E] untouched: a tail left unwritten or written over a
+/// neighbour's rows fails it. (It tests the split that the environment selects: run it also under
+/// `NVFP4MOE_TAIL_TILES=32` and `=64`, as scripts/gpu-run.sh does.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tail_split_gives_the_unsplit_bits() {
