@@ -57,8 +57,8 @@ mod drift {
     // by `codegen/abi.rs` at build time, together with C++ `static_assert`s of the layout and values
     // the Rust side was generated with (compiled into the bridge). This test shows those checks bite:
     // the checks generated from the real header compile against it, and fail against a header where
-    // one value or one field changed without the Rust side being regenerated. Needs a C++ compiler
-    // (`CXX`, else `c++`), not CUDA.
+    // one value or one field changed without the Rust side being regenerated. Those tests need a C++
+    // compiler (`CXX`, else `c++`), not CUDA; the Python enum's test below reads files only.
 
     use crate::codegen_abi as abi;
 
