@@ -96,7 +96,7 @@ CUTLASS_DEVICE void quantizer_warps(typename Cfg::SharedStorage& ss, const Param
   uint32_t phase = 0;  // parity of hand-over j
   for (int tile = unit0; tile < ss.tile_prefix[p.experts]; tile += units(), phase ^= 1u) {
     TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, m_tiles);
-    int2 rr = expert_rows(p, tc.expert);
+    int2 rr = expert_rows<kBlockN>(p, tc.expert);
     int row_begin = rr.x + tc.n_tile * kBlockN;
     // (The scale region starts at the expert's first row, also in a tail launch.)
     const int expert_row0 = expert_span(p, tc.expert).x;

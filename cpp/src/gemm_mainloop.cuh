@@ -56,7 +56,7 @@ struct MainloopProducer {
                                        const Params& p, const TileCoord& tc, int kc_begin, int kc_end,
                                        int k_tiles) {
     const int chunks_m = p.n / weights::kChunkRows;
-    const int2 rr = expert_rows(p, tc.expert);
+    const int2 rr = expert_rows<kBlockN>(p, tc.expert);
     const int row0 = rr.x + tc.n_tile * kBlockN;
     // kNarrowIssue: the x boxes that hold the tile's rows (the wgmmas span issue_rows(); columns
     // past the rows read stale stage contents, never stored); the others' bytes are counted off

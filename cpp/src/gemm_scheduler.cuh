@@ -24,17 +24,18 @@ CUTLASS_DEVICE int2 expert_span(const Params& p, int e) {
 }
 
 // The rows of expert e that this launch covers (Params::row_part): all of expert_span, or its
-// head or a tail of it.
+// head or a tail of it. The kTailBlock-row tile's launches (a head, or all rows) always have
+// tail_lo = 0, so its code reads tail_hi only: its consumers have no register to spare, and with
+// tail_lo read there too ptxas serialized the 128x256 SwigluBf16 tile's wgmmas (C7511) and its L1
+// ran ~8% slower (H100, 2026-12-07, PERF_NOTES.md session 24). Of the forms tried, this one (the
+// tail as a select, then one branch on the part) left all four 128x256 epilogues pipelined.
+template <int kBlockN>
 CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
   int2 rr = expert_span(p, e);
   if (p.row_part != kAllRows) {
     const int rem = int(unsigned(rr.y - rr.x) % unsigned(kTailBlock));  // (rows >= 0)
-    const bool tail = rem > p.tail_lo && rem <= p.tail_hi;
-    if (p.row_part == kHeadRows) {
-      if (tail) rr.y -= rem;
-    } else {
-      rr.x = tail ? rr.y - rem : rr.y;
-    }
+    const int tail = (kBlockN == kTailBlock || rem > p.tail_lo) && rem <= p.tail_hi ? rem : 0;
+    if (p.row_part == kHeadRows) rr.y -= tail; else rr.x = rr.y - tail;
   }
   return rr;
 }
@@ -62,7 +63,7 @@ CUTLASS_DEVICE TileCoord decode_tile(int tile, const int* prefix, int experts, i
 template <int kBlockN, int kThreads>
 CUTLASS_DEVICE void build_tile_prefix(int* prefix, const Params& p, int m_tiles) {
   for (int e = threadIdx.x; e < p.experts; e += kThreads) {
-    int2 rr = expert_rows(p, e);
+    int2 rr = expert_rows<kBlockN>(p, e);
     int rows = rr.y - rr.x;
     prefix[e + 1] = rows > 0 ? m_tiles * ((rows + kBlockN - 1) / kBlockN) : 0;
   }

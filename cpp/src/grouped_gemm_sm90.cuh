@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     auto tile_values = [&] {
       // m_tiles recomputed from the parameters: one value less live across the mainloop.
       TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (unhoisted(p.n) + kTileM - 1) / kTileM);
-      int2 rr = expert_rows(p, tc.expert);
+      int2 rr = expert_rows<kBlockN>(p, tc.expert);
       return TileValues{rr.x + tc.n_tile * kBlockN, rr.y, tc.m_tile * kTileM + cw * 64,
                         p.decode_scale[2 * tc.expert] * 256.0f, p.decode_scale[2 * tc.expert + 1] * 256.0f};
     };

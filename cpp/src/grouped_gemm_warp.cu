@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
     const int e = h * kCtaThreads + int(threadIdx.x);
     bool any = false;
     if (e < p.experts) {
-      int2 rr = expert_rows(p, e);
+      int2 rr = expert_span(p, e);
       any = rr.y > rr.x;
     }
     has[h] = any;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(kCtaThreads, 1) grouped_gemm_warp_kernel(Param
   for (int u = u0; u < units; u += stride, ++round) {
     const Unit un = unit_at(u);
     const int expert = un.expert, mt = un.mt, wq = un.wq;
-    const int2 rr = expert_rows(p, expert);
+    const int2 rr = expert_span(p, expert);
     const int rows = rr.y - rr.x;  // 1..8 (at most total_rows <= 8)
     // ldmatrix row addresses: lane l reads row l % 8 of matrix l / 8 (matrices: k-block kb's
     // k 0-7 and 8-15, then kb + 1's); rows past the expert's end repeat its last row (their
