@@ -65,19 +65,21 @@ int l2_prefetch_stages() {
 // uniform (whose tails are mostly under 32 rows) but 3% under skewed (H100, 2026-12-07,
 // PERF_NOTES.md session 24). Every tile gives the same bits, so only speed changes.
 // NVFP4MOE_TAIL_TILES in the environment (read once): 0 (off), 32 or 64 (one tail launch on that
-// tile, for every tail of at most that many rows), else both.
+// tile, for every tail of at most that many rows), 32,64,128 (also last tiles of 65-128 rows on the
+// 128x128 tile: an experiment, not yet timed), else 32 and 64.
 struct TailTiles {
-  bool n32, n64;
-  int most() const { return n64 ? 64 : n32 ? 32 : 0; }
+  bool n32, n64, n128;
+  int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
 };
 TailTiles tail_tiles() {
   static const TailTiles t = [] {
     const char* v = std::getenv("NVFP4MOE_TAIL_TILES");
     const std::string s = v ? v : "";
-    if (s == "0") return TailTiles{false, false};
-    if (s == "32") return TailTiles{true, false};
-    if (s == "64") return TailTiles{false, true};
-    return TailTiles{true, true};
+    if (s == "0") return TailTiles{false, false, false};
+    if (s == "32") return TailTiles{true, false, false};
+    if (s == "64") return TailTiles{false, true, false};
+    if (s == "32,64,128") return TailTiles{true, true, true};
+    return TailTiles{true, true, false};
   }();
   return t;
 }
@@ -233,12 +235,15 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   };
   CUtensorMap map;
   if (Status s = encode_x(&map, block_n); s != Status::kSuccess) return s;
-  // The 128x256 tile's tail split: the tails' tiles and the 128x32 tile's x boxes (the 128x64
-  // tile's are the 128x256 tile's 64 rows).
-  const TailTiles tails = tile == GemmTile::kM128N256 ? tail_tiles() : TailTiles{false, false};
-  CUtensorMap n32_map = map;
+  // The 128x256 tile's tail split: the tails' tiles and the 128x32 and 128x128 tiles' x boxes (the
+  // 128x64 tile's are the 128x256 tile's 64 rows).
+  const TailTiles tails = tile == GemmTile::kM128N256 ? tail_tiles() : TailTiles{false, false, false};
+  CUtensorMap n32_map = map, n128_map = map;
   if (tails.n32) {
     if (Status s = encode_x(&n32_map, 32); s != Status::kSuccess) return s;
+  }
+  if (tails.n128) {
+    if (Status s = encode_x(&n128_map, 128); s != Status::kSuccess) return s;
   }
   static_assert(gemm::x_box_rows(64) == gemm::x_box_rows(256), "the 128x64 tail reuses the head's x boxes");
 
@@ -304,9 +309,14 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
           if (Status s = launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st); s != Status::kSuccess) return s;
           p.tail_lo = 32;
         }
-        if (!tails.n64) return Status::kSuccess;
-        p.tail_hi = 64;
-        return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
+        if (tails.n64) {
+          p.tail_hi = 64;
+          if (Status s = launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st); s != Status::kSuccess) return s;
+          p.tail_lo = 64;
+        }
+        if (!tails.n128) return Status::kSuccess;
+        p.tail_hi = 128;
+        return launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, sms, st);
       }
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }
