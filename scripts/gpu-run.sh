@@ -38,11 +38,12 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
-# The 128x256 tile's tail split with one tail tile (the run above has both: 128x32 and 128x64;
-# the setting is read once per process): the tests that compare it bit for bit.
+# The 128x256 tile's tail split with one tail tile, and with a third (65-128 rows on 128x128; the
+# run above has 128x32 and 128x64; the setting is read once per process): the tests that compare
+# it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
-  for tt in 32 64; do
-    log="$out/test-gpu-tail$tt.log"
+  for tt in 32 64 32,64,128; do
+    log="$out/test-gpu-tail${tt//,/-}.log"
     NVFP4MOE_TAIL_TILES=$tt timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
       batch_invariant swiglu_nvfp4 swiglu_epilogues >"$log" 2>&1
     rc=$?

@@ -397,10 +397,11 @@ fn swiglu_nvfp4_equals_quantized_compact() {
 /// tile for both under `NVFP4MOE_TAIL_TILES=32` or `64`):
 /// the `PlainBf16`, `SwigluBf16` and `SwigluNvfp4` outputs under `M128N256`, and under `Auto`, which
 /// picks that tile here, equal the 128x128 tile's bit for bit (every tile gives the same bits; the
-/// batch-invariance test), with tails of 0, 1, 32, 33, 63, 64 and 65 rows, experts of only a tail,
-/// an empty expert, and the rows past offsets[E] untouched: a tail left unwritten or written over a
-/// neighbour's rows fails it. (It tests the split that the environment selects: run it also under
-/// `NVFP4MOE_TAIL_TILES=32` and `=64`, as scripts/gpu-run.sh does.)
+/// batch-invariance test), with tails of 0, 1, 32, 33, 63, 64, 65, 96 and 128 rows, experts of
+/// only a tail, an empty expert, and the rows past offsets[E] untouched: a tail left unwritten or
+/// written over a neighbour's rows fails it. (It tests the split that the environment selects: run
+/// it also under `NVFP4MOE_TAIL_TILES=32`, `=64` and `=32,64,128`, the last of which runs the tails
+/// of 65-128 rows on the 128x128 tile, as scripts/gpu-run.sh does.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tail_split_gives_the_unsplit_bits() {
@@ -411,9 +412,10 @@ fn tail_split_gives_the_unsplit_bits() {
     let rp = replay();
     let (inter, k) = (320usize, 192usize); // n = 640: five 128-feature tiles; three K stages
     let n = 2 * inter;
-    // Tails: 1 (257), 32 (288), 33 (289), 63 (319), 64 (320), 65 (321: stays with the head), 200
-    // (456), 0 (512, 256); only a tail (5, 64); none (0).
-    let counts = [257usize, 0, 288, 289, 319, 320, 321, 5, 512, 64, 456, 256];
+    // Tails: 1 (257), 32 (288), 33 (289), 63 (319), 64 (320), 65 (321), 96 (352), 128 (384), 200
+    // (456: stays with the head), 0 (512, 256); only a tail (5, 64, 100); none (0). Tails of 65-128
+    // rows stay with the head unless NVFP4MOE_TAIL_TILES=32,64,128.
+    let counts = [257usize, 0, 288, 289, 319, 320, 321, 5, 512, 64, 456, 256, 352, 384, 100];
     let e = counts.len();
     let off: Vec<i32> = std::iter::once(0)
         .chain(counts.iter().scan(0i32, |acc, &c| {
