@@ -9,6 +9,7 @@
 #include "nvfp4moe/nvfp4moe.h"
 #include "gemm_splitk.cuh"
 #include "nvfp4_weights.cuh"
+#include "tail_split.hpp"
 
 #include <cuda_bf16.h>
 
@@ -64,15 +65,11 @@ struct Params {
   // kAllRows every row; with the expert's rem = rows % kTailBlock (the rows past its last whole
   // kTailBlock-row tile), kHeadRows all but rem when tail_lo < rem <= tail_hi, kTailRows only
   // those rem rows (none otherwise). A head with (0, 64] and tails with (0, 32] and (32, 64]
-  // cover every row once between them.
+  // cover every row once between them (tail_split.hpp's plan; cpp/tests/tail_split.cu checks it).
   int row_part = 0;
   int tail_lo = 0;
   int tail_hi = 0;
 };
-
-// Params::row_part's values, and the row tile the tail is taken from (the 128x256 tile's).
-constexpr int kAllRows = 0, kHeadRows = 1, kTailRows = 2;
-constexpr int kTailBlock = 256;
 
 // Rows of one TMA box of x: the whole tile, but 64 on tiles over 128 rows, whose row tiles load
 // only the boxes that hold rows (Config::kNarrowIssue). The host encodes the tensor map with it.

@@ -12,7 +12,7 @@ namespace nvfp4moe::gemm {
 // outside x or out (they then give wrong rows, not out-of-bounds accesses).
 // In the pre-dispatched layout, e's rows start at e * expert_stride (the host checked that
 // E x expert_stride <= total_rows < 2^31), expert_counts[e] of them, clamped the same way.
-CUTLASS_DEVICE int2 expert_span(const Params& p, int e) {
+CUTLASS_HOST_DEVICE int2 expert_span(const Params& p, int e) {
   if (p.expert_stride > 0) {
     const int begin = e * p.expert_stride;
     const int count = min(max(p.expert_counts[e], 0), p.expert_stride);
@@ -29,8 +29,9 @@ CUTLASS_DEVICE int2 expert_span(const Params& p, int e) {
 // tail_lo read there too ptxas serialized the 128x256 SwigluBf16 tile's wgmmas (C7511) and its L1
 // ran ~8% slower (H100, 2026-12-07, PERF_NOTES.md session 24). Of the forms tried, this one (the
 // tail as a select, then one branch on the part) left all four 128x256 epilogues pipelined.
+// (Host too: cpp/tests/tail_split.cu runs it over tail_split_plan's launches.)
 template <int kBlockN>
-CUTLASS_DEVICE int2 expert_rows(const Params& p, int e) {
+CUTLASS_HOST_DEVICE int2 expert_rows(const Params& p, int e) {
   int2 rr = expert_span(p, e);
   if (p.row_part != kAllRows) {
     const int rem = int(unsigned(rr.y - rr.x) % unsigned(kTailBlock));  // (rows >= 0)

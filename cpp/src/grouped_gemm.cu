@@ -64,23 +64,11 @@ int l2_prefetch_stages() {
 // deepseek-v3 T = 8192 under uniform and skewed routing, with 32-row tails on 128x32 12.5% under
 // uniform (whose tails are mostly under 32 rows) but 3% under skewed (H100, 2026-12-07,
 // PERF_NOTES.md session 24). Every tile gives the same bits, so only speed changes.
-// NVFP4MOE_TAIL_TILES in the environment (read once): 0 (off), 32 or 64 (one tail launch on that
-// tile, for every tail of at most that many rows), 32,64,128 (also last tiles of 65-128 rows on the
-// 128x128 tile: an experiment, not yet timed), else 32 and 64.
-struct TailTiles {
-  bool n32, n64, n128;
-  int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
-};
-TailTiles tail_tiles() {
-  static const TailTiles t = [] {
-    const char* v = std::getenv("NVFP4MOE_TAIL_TILES");
-    const std::string s = v ? v : "";
-    if (s == "0") return TailTiles{false, false, false};
-    if (s == "32") return TailTiles{true, false, false};
-    if (s == "64") return TailTiles{false, true, false};
-    if (s == "32,64,128") return TailTiles{true, true, true};
-    return TailTiles{true, true, false};
-  }();
+// NVFP4MOE_TAIL_TILES in the environment (read once; tail_split.hpp's parse_tail_tiles): 0 (off),
+// 32 or 64 (one tail launch on that tile, for every tail of at most that many rows), 32,64,128
+// (also last tiles of 65-128 rows on the 128x128 tile: an experiment, not yet timed), else 32 and 64.
+gemm::TailTiles tail_tiles() {
+  static const gemm::TailTiles t = gemm::parse_tail_tiles(std::getenv("NVFP4MOE_TAIL_TILES"));
   return t;
 }
 
@@ -237,7 +225,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
   if (Status s = encode_x(&map, block_n); s != Status::kSuccess) return s;
   // The 128x256 tile's tail split: the tails' tiles and the 128x32 and 128x128 tiles' x boxes (the
   // 128x64 tile's are the 128x256 tile's 64 rows).
-  const TailTiles tails = tile == GemmTile::kM128N256 ? tail_tiles() : TailTiles{false, false, false};
+  const gemm::TailTiles tails = tile == GemmTile::kM128N256 ? tail_tiles() : gemm::TailTiles{false, false, false};
   CUtensorMap n32_map = map, n128_map = map;
   if (tails.n32) {
     if (Status s = encode_x(&n32_map, 32); s != Status::kSuccess) return s;
@@ -297,26 +285,21 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
       case GemmTile::kM128N64: return launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st);
 #endif
       case GemmTile::kM128N256: {
-        if (tails.most() == 0) return launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
-        // Head and tails: disjoint rows of out, each launch waiting for the one before it (pdl.cuh).
-        p.row_part = gemm::kHeadRows;
-        p.tail_lo = 0;
-        p.tail_hi = tails.most();
-        if (Status s = launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st); s != Status::kSuccess) return s;
-        p.row_part = gemm::kTailRows;
-        if (tails.n32) {
-          p.tail_hi = 32;
-          if (Status s = launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st); s != Status::kSuccess) return s;
-          p.tail_lo = 32;
+        // tail_split_plan's launches: disjoint rows of out (cpp/tests/tail_split.cu), each
+        // waiting for the one before it (pdl.cuh).
+        gemm::TailLaunch plan[gemm::kMaxTailLaunches];
+        const int launches = gemm::tail_split_plan(tails, plan);
+        for (int i = 0; i < launches; ++i) {
+          p.row_part = plan[i].row_part;
+          p.tail_lo = plan[i].tail_lo;
+          p.tail_hi = plan[i].tail_hi;
+          Status s = plan[i].block_n == 32  ? launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st)
+                     : plan[i].block_n == 64  ? launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st)
+                     : plan[i].block_n == 128 ? launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, sms, st)
+                                              : launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+          if (s != Status::kSuccess) return s;
         }
-        if (tails.n64) {
-          p.tail_hi = 64;
-          if (Status s = launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st); s != Status::kSuccess) return s;
-          p.tail_lo = 64;
-        }
-        if (!tails.n128) return Status::kSuccess;
-        p.tail_hi = 128;
-        return launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, sms, st);
+        return Status::kSuccess;
       }
       default: return launch_grouped_gemm<gemm::ConfigN128<E>>(map, p, sms, st);
     }

@@ -1,0 +1,64 @@
+// The 128x256 tile's tail split, host side: which launches one GEMM on that tile becomes, and the
+// row parts they cover (Params::row_part, tail_lo, tail_hi; gemm_scheduler.cuh's expert_rows gives
+// each launch's rows of an expert). Plain C++: grouped_gemm.cu launches the plan, and the GPU-free
+// test cpp/tests/tail_split.cu checks that its launches cover every row of every expert once.
+#pragma once
+
+#include <cstring>
+
+namespace nvfp4moe::gemm {
+
+// Params::row_part's values, and the row tile the tail is taken from (the 128x256 tile's).
+constexpr int kAllRows = 0, kHeadRows = 1, kTailRows = 2;
+constexpr int kTailBlock = 256;
+
+// The tail tiles in use: an expert's rows past its last whole kTailBlock-row tile (its rem), when
+// at most 32, on the 128x32 tile (n32), when at most 64 (or 33-64 with n32) on the 128x64 tile
+// (n64), when 65-128 on the 128x128 tile (n128, an experiment). None: no split.
+struct TailTiles {
+  bool n32, n64, n128;
+  constexpr int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
+};
+
+// NVFP4MOE_TAIL_TILES's value (null: unset): "0" none, "32" or "64" that one tail tile for every
+// tail of at most that many rows, "32,64,128" all three; anything else the default, 32 and 64.
+inline TailTiles parse_tail_tiles(const char* v) {
+  if (v == nullptr) return TailTiles{true, true, false};
+  if (std::strcmp(v, "0") == 0) return TailTiles{false, false, false};
+  if (std::strcmp(v, "32") == 0) return TailTiles{true, false, false};
+  if (std::strcmp(v, "64") == 0) return TailTiles{false, true, false};
+  if (std::strcmp(v, "32,64,128") == 0) return TailTiles{true, true, true};
+  return TailTiles{true, true, false};
+}
+
+// One launch of the plan: its tile's rows (kBlockN) and its Params::row_part, tail_lo, tail_hi.
+struct TailLaunch {
+  int block_n, row_part, tail_lo, tail_hi;
+};
+constexpr int kMaxTailLaunches = 4;
+
+// The launches of one GEMM on the 128x256 tile, in order (each waits for the one before it):
+// without tail tiles one launch of every row; else the head (every whole 256-row tile, and a last
+// tile of more rows than the largest tail tile takes) on 128x256, then one launch per tail tile,
+// taking the tails of (tail_lo, tail_hi] rows. Returns the number of launches written to `out`.
+inline int tail_split_plan(TailTiles t, TailLaunch (&out)[kMaxTailLaunches]) {
+  if (t.most() == 0) {
+    out[0] = TailLaunch{kTailBlock, kAllRows, 0, 0};
+    return 1;
+  }
+  int n = 0;
+  out[n++] = TailLaunch{kTailBlock, kHeadRows, 0, t.most()};  // (tail_lo = 0: expert_rows's premise)
+  int lo = 0;
+  if (t.n32) {
+    out[n++] = TailLaunch{32, kTailRows, lo, 32};
+    lo = 32;
+  }
+  if (t.n64) {
+    out[n++] = TailLaunch{64, kTailRows, lo, 64};
+    lo = 64;
+  }
+  if (t.n128) out[n++] = TailLaunch{128, kTailRows, lo, 128};
+  return n;
+}
+
+}  // namespace nvfp4moe::gemm
