@@ -38,17 +38,17 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
-# The 128x256 tile's tail split with one tail tile, and with a third (65-128 rows on 128x128; the
-# run above has 128x32 and 128x64; the setting is read once per process): the tests that compare
-# it bit for bit.
+# The 128x256 tile's tail split with one tail tile, with a third (65-128 rows on 128x128; the run
+# above has 128x32 and 128x64), and with the tails beside the head (NVFP4MOE_TAIL_SMS; each
+# setting is read once per process): the tests that compare it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
-  for tt in 32 64 32,64,128; do
-    log="$out/test-gpu-tail${tt//,/-}.log"
-    NVFP4MOE_TAIL_TILES=$tt timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
+  for tt in TILES=32 TILES=64 TILES=32,64,128 SMS=0 SMS=16; do
+    log="$out/test-gpu-tail-${tt//[=,]/-}.log"
+    env "NVFP4MOE_TAIL_$tt" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
       batch_invariant swiglu_nvfp4 swiglu_epilogues >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|thread .* panicked)' "$log" | head -10; }
-    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu TAIL_TILES=$tt" "$rc" "-" "$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')")")
+    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu TAIL_$tt" "$rc" "-" "$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')")")
   done
 fi
 # Each example once, as a user runs it (no arguments): its last line goes in the summary.

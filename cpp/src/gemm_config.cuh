@@ -69,6 +69,10 @@ struct Params {
   int row_part = 0;
   int tail_lo = 0;
   int tail_hi = 0;
+  // A tail launch under NVFP4MOE_TAIL_SMS (grouped_gemm.cu): it reads nothing its predecessor (the
+  // head, or the tail before it) writes, so it starts work at once and waits for the predecessor
+  // only before it exits (pdl.cuh's release(), wait()), letting its successor see both.
+  int wait_at_exit = 0;
 };
 
 // Rows of one TMA box of x: the whole tile, but 64 on tiles over 128 rows, whose row tiles load

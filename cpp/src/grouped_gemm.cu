@@ -72,6 +72,24 @@ gemm::TailTiles tail_tiles() {
   return t;
 }
 
+// NVFP4MOE_TAIL_SMS=N (an experiment, read once; unset: off): the tail launches start work at once
+// (Params::wait_at_exit) instead of after the head completes, and with N > 0 the head runs on all
+// SMs but N and the tails on N. Skewed routing leaves the tails HBM-bound when they run alone
+// after the head (deepseek-v3 L1: 4544 tiles of <= 64 rows streaming 2.3 GB in ~926 us under ncu,
+// PERF_NOTES.md session 25); beside the head, on a few SMs, they would stream while the head
+// computes. N = 0 only overlaps the head's last tiles. Costs N / SMs of the head's rate when there
+// are no tails.
+int tail_sms() {
+  static const int n = [] {
+    const char* v = std::getenv("NVFP4MOE_TAIL_SMS");
+    if (v == nullptr || *v == '\0') return -1;
+    char* end = nullptr;
+    const long x = std::strtol(v, &end, 10);
+    return *end == '\0' && x >= 0 && x <= 1024 ? int(x) : -1;
+  }();
+  return n;
+}
+
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
 // (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
@@ -289,14 +307,18 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
         // waiting for the one before it (pdl.cuh).
         gemm::TailLaunch plan[gemm::kMaxTailLaunches];
         const int launches = gemm::tail_split_plan(tails, plan);
+        // NVFP4MOE_TAIL_SMS: tails beside the head (at most half the SMs for them).
+        const int side = launches > 1 ? std::min(tail_sms(), sms / 2) : -1;
         for (int i = 0; i < launches; ++i) {
           p.row_part = plan[i].row_part;
           p.tail_lo = plan[i].tail_lo;
           p.tail_hi = plan[i].tail_hi;
-          Status s = plan[i].block_n == 32  ? launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st)
-                     : plan[i].block_n == 64  ? launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st)
-                     : plan[i].block_n == 128 ? launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, sms, st)
-                                              : launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
+          p.wait_at_exit = i > 0 && side >= 0;
+          const int ctas = side <= 0 ? sms : i == 0 ? sms - side : side;
+          Status s = plan[i].block_n == 32  ? launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, ctas, st)
+                     : plan[i].block_n == 64  ? launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, ctas, st)
+                     : plan[i].block_n == 128 ? launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, ctas, st)
+                                              : launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, ctas, st);
           if (s != Status::kSuccess) return s;
         }
         return Status::kSuccess;

@@ -81,8 +81,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int k_tiles = p.k / kTileK;                                // 64-K chunks
   const int k_stages = (k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;  // the last one may be partial
 
-  // Launched with programmatic dependent launch: nothing global is touched before this.
-  pdl::wait_and_release();
+  // Launched with programmatic dependent launch: nothing global is touched before this (but for a
+  // tail launch with wait_at_exit, which waits before it exits instead). Not on the 128x256 tile,
+  // never a tail: reading the flag there made ptxas serialize three of its four epilogues' wgmmas
+  // (C7511, CUDA 13.0).
+  if constexpr (kBlockN != kTailBlock) {
+    if (p.wait_at_exit) {
+      pdl::release();
+    } else {
+      pdl::wait_and_release();
+    }
+  } else {
+    pdl::wait_and_release();
+  }
   build_tile_prefix<kBlockN, Cfg::kThreads>(ss.tile_prefix, p, m_tiles);
   const int total_tiles = ss.tile_prefix[p.experts];
   // Split-K: the cluster of `splits` CTAs is one unit of the persistent tile walk; CTA `rank`
@@ -144,6 +155,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         MainloopProducer<Cfg>::load_tile(pipeline, state, ss, tma_x, p, tc, kc_begin, kc_end, k_tiles);
       }
       pipeline.producer_tail(state);
+      // (One thread of one CTA keeps the grid from completing; the other CTAs leave, freeing their
+      // SM for the next tail launch.)
+      if constexpr (kBlockN != kTailBlock) {
+        if (p.wait_at_exit && blockIdx.x == 0) pdl::wait();
+      }
     }
     if constexpr (Cfg::kEpilogue == GemmEpilogue::kSwigluNvfp4) {
       if (threadIdx.x >= 32 && rank == 0 && unit0 < total_tiles) {

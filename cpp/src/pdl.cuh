@@ -24,6 +24,22 @@ CUTLASS_DEVICE void wait_and_release() {
 #endif
 }
 
+// The two halves of wait_and_release(), for a kernel that reads nothing its predecessor writes and
+// may run beside it (a tail launch of the 128x256 tile's split, grouped_gemm.cu): release() at its
+// start (everything it reads was written before its predecessor's own wait returned, and the
+// predecessor released this kernel only after that wait), wait() before it exits (so that its
+// successor, which waits for this kernel only, also finds the predecessor's writes done).
+CUTLASS_DEVICE void release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+CUTLASS_DEVICE void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Whether a launch carries the attribute. NVFP4MOE_PDL=0 in the environment turns it off (for
 // tools that do not handle programmatic dependencies; read once). Split-K cluster launches never
 // carry it: launched early, mixtral-8x7b's L2 at T = 1 (clusters of 4) made the layer 13 us slower

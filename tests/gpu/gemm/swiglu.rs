@@ -485,6 +485,53 @@ fn tail_split_gives_the_unsplit_bits() {
     eprintln!("tail split: {} rows over {e} experts, three epilogues, bit-identical to the 128x128 tile", rows);
 }
 
+/// The tail split and the launch after it: a second GEMM on the first one's output, launched right
+/// after it on the same stream, gives the 128x128 chain's bits, three rounds. Under
+/// `NVFP4MOE_TAIL_SMS` (scripts/gpu-run.sh runs it so; unset, the plain split) the tail launches
+/// start beside the head and wait for it only before they exit: a tail that let its successor
+/// start before the head finished would feed the second GEMM poisoned rows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tail_split_then_a_launch_sees_every_row() {
+    use nvfp4_moe::gemm::PlainBf16;
+    let s = stream();
+    let mut rng = test_rng();
+    let rp = replay();
+    let (n1, k1, n2) = (1024usize, 4096usize, 256usize);
+    // Tails of 44, 8, 1, 128, 34, 74 rows; 188 and 194 stay with the head; only a tail (40, 100, 64);
+    // none (768).
+    let counts = [300usize, 520, 257, 40, 384, 700, 290, 100, 768, 330, 64, 450];
+    let e = counts.len();
+    let off: Vec<i32> = std::iter::once(0)
+        .chain(counts.iter().scan(0i32, |acc, &c| {
+            *acc += c as i32;
+            Some(*acc)
+        }))
+        .collect();
+    let rows = off[e] as usize;
+    let w1 = Nvfp4Weights::from_host(&s, &random_weights(&mut rng, e, n1, k1)).unwrap();
+    let w2 = Nvfp4Weights::from_host(&s, &random_weights(&mut rng, e, n2, n1)).unwrap();
+    let x = rng.normal_bf16(rows * k1, 1.0);
+    let (xd, offd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&off).unwrap());
+    let chain = |tile: GemmTile| {
+        let mut mid = poisoned_bf16(&s, rows * n1);
+        let mut out = poisoned_bf16(&s, rows * n2);
+        let (g1, g2) =
+            (GroupedGemm::<PlainBf16>::new(&w1, tile).unwrap(), GroupedGemm::<PlainBf16>::new(&w2, tile).unwrap());
+        g1.launch(&s, &xd, rows, &offd, &mut mid).unwrap();
+        g2.launch(&s, &mid, rows, &offd, &mut out).unwrap();
+        s.clone_dtoh(&out).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<u16>>()
+    };
+    let want = chain(GemmTile::M128N128);
+    assert!(want.iter().all(|&b| b != POISON_BF16), "the 128x128 chain left poison: {rp}");
+    for round in 0..3 {
+        let got = chain(GemmTile::M128N256);
+        let diff = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(diff.is_none(), "round {round}: the 128x256 chain differs at row {:?}: {rp}", diff.map(|i| i / n2));
+    }
+    eprintln!("tail split then a launch: {rows} rows over {e} experts, three rounds, the 128x128 chain's bits");
+}
+
 /// The grouped dequantizer against the CPU decode of every element (per-expert and shared
 /// decode scales; rows past `expert_offsets[E]` stay untouched).
 #[test]
