@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The 128x256 tile's tail-split experiments, timed on the GPU machine (device tool) from the
+# repository root, over a bundle built here (`NVFP4MOE_BUNDLE_CANDLE=0 bash scripts/gpu-bundle.sh`;
+# carry its folder, $NVFP4MOE_BUNDLE, default gpu-bundle):
+#   bash scripts/gpu-tail-ab.sh
+# 1. Unless TESTS=none: the tail tests (tail_split, batch_invariant) under each setting but the
+#    first; a setting whose tests fail is not timed.
+# 2. `nvfp4-moe bench` at T = $TOKENS (default 8192) for $PRESETS (default deepseek-v3,
+#    qwen3-30b-a3b) under the three routings, once per setting of $SETTINGS (environment
+#    assignments, "-" for none; default: the shipped split, NVFP4MOE_TAIL_SMS=0, 8, 12, 16, 24,
+#    NVFP4MOE_TAIL_TILES=32,64,128 and =0), $ROUNDS rounds (default 2), each round's order the
+#    previous one's reversed; then a table of the layer's us per setting, the rounds separated by
+#    "/".
+# Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
+set -uo pipefail
+out=${OUT:-$PWD/gpu-out}
+mkdir -p "$out"
+b=${NVFP4MOE_BUNDLE:-gpu-bundle}
+settings=(${SETTINGS:-- NVFP4MOE_TAIL_SMS=0 NVFP4MOE_TAIL_SMS=8 NVFP4MOE_TAIL_SMS=12 NVFP4MOE_TAIL_SMS=16 NVFP4MOE_TAIL_SMS=24 NVFP4MOE_TAIL_TILES=32,64,128 NVFP4MOE_TAIL_TILES=0})
+rounds=${ROUNDS:-2}
+cli=$b/nvfp4-moe
+t=$b/tests/test-gpu
+for f in "$cli" "$t"; do
+  [ -e "$f.gz" ] && gunzip -f "$f.gz"
+  [ -e "$f" ] && chmod +x "$f"
+done
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
+envs() { [ "$1" = - ] && echo "NVFP4MOE_TAIL_AB=shipped" || echo "$1"; }
+timed=()
+for s in "${settings[@]}"; do
+  if [ "${TESTS:-}" != none ] && [ "$s" != - ] && [ -x "$t" ]; then
+    log="$out/tail-ab-tests-${s//[=,]/-}.log"
+    env "$(envs "$s")" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 tail_split batch_invariant \
+      >"$log" 2>&1
+    rc=$?
+    echo "tests [$s]: rc=$rc $(grep -E '^test result' "$log" | tail -1)"
+    if [ $rc -ne 0 ]; then
+      grep -E '^(test .* FAILED|thread .* panicked)' "$log" | head -5
+      continue
+    fi
+  fi
+  timed+=("$s")
+done
+rows="$out/tail-ab.txt"
+: >"$rows"
+order=("${timed[@]}")
+for ((r = 0; r < rounds; r++)); do
+  for s in "${order[@]}"; do
+    env "$(envs "$s")" timeout 200 "$cli" bench --preset "${PRESETS:-deepseek-v3,qwen3-30b-a3b}" \
+      --tokens "${TOKENS:-8192}" --routing balanced,uniform,skewed 2>"$out/tail-ab-bench.err" |
+      awk -v s="$s" '$2 ~ /^[0-9]+$/ && NF >= 8 {print s, $1, $2, $3, $5}' >>"$rows"
+  done
+  for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do tmp=${order[i]}; order[i]=${order[j]}; order[j]=$tmp; done
+done
+python3 - "$rows" "${timed[@]}" <<'PY'
+import collections, sys
+rows, settings = sys.argv[1], sys.argv[2:]
+d, keys = collections.defaultdict(list), []
+for line in open(rows):
+    s, preset, tokens, routing, us = line.split()
+    k = (preset, tokens, routing)
+    if k not in keys:
+        keys.append(k)
+    d[(k, s)].append(us)
+print("| preset | T | routing | " + " | ".join(settings) + " |")
+print("|---|---|---|" + "---|" * len(settings))
+for k in keys:
+    print("| " + " | ".join(k) + " | " + " | ".join(" / ".join(d[(k, s)]) or "-" for s in settings) + " |")
+PY
