@@ -42,6 +42,16 @@ pub(crate) mod grouped {
         off
     }
 
+    /// The offsets of experts with these row counts.
+    pub fn offsets_of(counts: &[usize]) -> Vec<i32> {
+        std::iter::once(0)
+            .chain(counts.iter().scan(0i32, |acc, &c| {
+                *acc += c as i32;
+                Some(*acc)
+            }))
+            .collect()
+    }
+
     pub(crate) fn expert_of(off: &[i32], row: usize) -> usize {
         off.partition_point(|&o| o as usize <= row) - 1
     }

@@ -373,12 +373,7 @@ fn sweep_grouped_gemms_match_reference() {
             for _ in 0..want_rows {
                 c[r.below(e as u64) as usize] += 1;
             }
-            std::iter::once(0)
-                .chain(c.iter().scan(0i32, |a, &v| {
-                    *a += v as i32;
-                    Some(*a)
-                }))
-                .collect()
+            crate::gemm::grouped::offsets_of(&c)
         } else {
             skewed_offsets(&mut r, e, want_rows)
         };

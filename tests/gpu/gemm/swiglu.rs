@@ -1,5 +1,5 @@
 use super::*;
-use crate::gemm::grouped::{random_offsets, random_weights};
+use crate::gemm::grouped::{offsets_of, random_offsets, random_weights};
 use nvfp4_moe::gemm::{ExpertShape, GemmTile, GroupedGemm, Interleaved, Nvfp4Weights, SwigluBf16};
 use nvfp4_moe::quantize::GroupedDesc;
 use nvfp4_moe::{host::ExpertWeightsHost, reference::swiglu_element};
@@ -417,12 +417,7 @@ fn tail_split_gives_the_unsplit_bits() {
     // rows stay with the head unless NVFP4MOE_TAIL_TILES=32,64,128.
     let counts = [257usize, 0, 288, 289, 319, 320, 321, 5, 512, 64, 456, 256, 352, 384, 100];
     let e = counts.len();
-    let off: Vec<i32> = std::iter::once(0)
-        .chain(counts.iter().scan(0i32, |acc, &c| {
-            *acc += c as i32;
-            Some(*acc)
-        }))
-        .collect();
+    let off = offsets_of(&counts);
     let rows = off[e] as usize;
     let total = rows + 3; // 3 rows past offsets[E]: never written
     assert!(total > 128 * e, "Auto must pick the 128x256 tile: {total} rows, {e} experts");
@@ -502,12 +497,7 @@ fn tail_split_then_a_launch_sees_every_row() {
     // none (768).
     let counts = [300usize, 520, 257, 40, 384, 700, 290, 100, 768, 330, 64, 450];
     let e = counts.len();
-    let off: Vec<i32> = std::iter::once(0)
-        .chain(counts.iter().scan(0i32, |acc, &c| {
-            *acc += c as i32;
-            Some(*acc)
-        }))
-        .collect();
+    let off = offsets_of(&counts);
     let rows = off[e] as usize;
     let w1 = Nvfp4Weights::from_host(&s, &random_weights(&mut rng, e, n1, k1)).unwrap();
     let w2 = Nvfp4Weights::from_host(&s, &random_weights(&mut rng, e, n2, n1)).unwrap();
