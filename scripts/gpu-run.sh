@@ -42,9 +42,11 @@ done
 # above has 128x32 and 128x64), and with the tails beside the head (NVFP4MOE_TAIL_SMS; each
 # setting is read once per process): the tests that compare it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
-  for tt in TILES=32 TILES=64 TILES=32,64,128 SMS=0 SMS=16; do
-    log="$out/test-gpu-tail-${tt//[=,]/-}.log"
-    env "NVFP4MOE_TAIL_$tt" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
+  # (A setting: environment assignments joined by "+".)
+  for tt in TILES=32 TILES=64 TILES=32,64,128 SMS=0 SMS=16 SMS=16+NVFP4MOE_TAIL_TILES=32,64,128; do
+    log="$out/test-gpu-tail-${tt//[=,+]/-}.log"
+    IFS=+ read -ra kv <<<"NVFP4MOE_TAIL_$tt"
+    env "${kv[@]}" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
       batch_invariant swiglu_nvfp4 swiglu_epilogues >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|thread .* panicked)' "$log" | head -10; }

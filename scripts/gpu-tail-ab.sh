@@ -7,8 +7,9 @@
 #    first; a setting whose tests fail is not timed.
 # 2. `nvfp4-moe bench` at T = $TOKENS (default 8192) for $PRESETS (default deepseek-v3,
 #    qwen3-30b-a3b) under the three routings, once per setting of $SETTINGS (environment
-#    assignments, "-" for none; default: the shipped split, NVFP4MOE_TAIL_SMS=0, 8, 12, 16, 24,
-#    NVFP4MOE_TAIL_TILES=32,64,128 and =0), $ROUNDS rounds (default 2), each round's order the
+#    assignments, several joined by "+", "-" for none; default: the shipped split,
+#    NVFP4MOE_TAIL_SMS=0, 8, 12, 16, 24, NVFP4MOE_TAIL_TILES=32,64,128 and =0, and the 128x128
+#    tails beside the head on 12 SMs), $ROUNDS rounds (default 2), each round's order the
 #    previous one's reversed; then a table of the layer's us per setting, the rounds separated by
 #    "/".
 # Output stays short (the device tool returns the last 12,000 characters); logs go to $OUT.
@@ -16,7 +17,8 @@ set -uo pipefail
 out=${OUT:-$PWD/gpu-out}
 mkdir -p "$out"
 b=${NVFP4MOE_BUNDLE:-gpu-bundle}
-settings=(${SETTINGS:-- NVFP4MOE_TAIL_SMS=0 NVFP4MOE_TAIL_SMS=8 NVFP4MOE_TAIL_SMS=12 NVFP4MOE_TAIL_SMS=16 NVFP4MOE_TAIL_SMS=24 NVFP4MOE_TAIL_TILES=32,64,128 NVFP4MOE_TAIL_TILES=0})
+settings=(${SETTINGS:-- NVFP4MOE_TAIL_SMS=0 NVFP4MOE_TAIL_SMS=8 NVFP4MOE_TAIL_SMS=12 NVFP4MOE_TAIL_SMS=16 NVFP4MOE_TAIL_SMS=24
+  NVFP4MOE_TAIL_TILES=32,64,128 NVFP4MOE_TAIL_TILES=0 NVFP4MOE_TAIL_SMS=12+NVFP4MOE_TAIL_TILES=32,64,128})
 rounds=${ROUNDS:-2}
 cli=$b/nvfp4-moe
 t=$b/tests/test-gpu
@@ -25,12 +27,18 @@ for f in "$cli" "$t"; do
   [ -e "$f" ] && chmod +x "$f"
 done
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader || true
-envs() { [ "$1" = - ] && echo "NVFP4MOE_TAIL_AB=shipped" || echo "$1"; }
+# run SETTING CMD...: CMD with SETTING's assignments in its environment.
+run() {
+  local kv=(NVFP4MOE_TAIL_AB=shipped)
+  [ "$1" = - ] || IFS=+ read -ra kv <<<"$1"
+  shift
+  env "${kv[@]}" "$@"
+}
 timed=()
 for s in "${settings[@]}"; do
   if [ "${TESTS:-}" != none ] && [ "$s" != - ] && [ -x "$t" ]; then
-    log="$out/tail-ab-tests-${s//[=,]/-}.log"
-    env "$(envs "$s")" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 tail_split batch_invariant \
+    log="$out/tail-ab-tests-${s//[=,+]/-}.log"
+    run "$s" timeout --kill-after=15s 300 "$t" --include-ignored --test-threads=2 tail_split batch_invariant \
       >"$log" 2>&1
     rc=$?
     echo "tests [$s]: rc=$rc $(grep -E '^test result' "$log" | tail -1)"
@@ -43,11 +51,12 @@ for s in "${settings[@]}"; do
 done
 rows="$out/tail-ab.txt"
 : >"$rows"
+[ ${#timed[@]} -gt 0 ] || { echo "tail-ab: every setting failed its tests"; exit 1; }
 order=("${timed[@]}")
 for ((r = 0; r < rounds; r++)); do
   for s in "${order[@]}"; do
-    env "$(envs "$s")" timeout 200 "$cli" bench --preset "${PRESETS:-deepseek-v3,qwen3-30b-a3b}" \
-      --tokens "${TOKENS:-8192}" --routing balanced,uniform,skewed 2>"$out/tail-ab-bench.err" |
+    run "$s" timeout 200 "$cli" bench --preset "${PRESETS:-deepseek-v3,qwen3-30b-a3b}" \
+      --tokens "${TOKENS:-8192}" --routing balanced,uniform,skewed 2>>"$out/tail-ab-bench.err" |
       awk -v s="$s" '$2 ~ /^[0-9]+$/ && NF >= 8 {print s, $1, $2, $3, $5}' >>"$rows"
   done
   for ((i = 0, j = ${#order[@]} - 1; i < j; i++, j--)); do tmp=${order[i]}; order[i]=${order[j]}; order[j]=$tmp; done

@@ -78,7 +78,7 @@ gemm::TailTiles tail_tiles() {
 // after the head (deepseek-v3 L1: 4544 tiles of <= 64 rows streaming 2.3 GB in ~926 us under ncu,
 // PERF_NOTES.md session 25); beside the head, on a few SMs, they would stream while the head
 // computes. N = 0 only overlaps the head's last tiles. Costs N / SMs of the head's rate when there
-// are no tails.
+// are no tails. N is clamped to half the SMs; without PDL (NVFP4MOE_PDL=0) the setting is ignored.
 int tail_sms() {
   static const int n = [] {
     const char* v = std::getenv("NVFP4MOE_TAIL_SMS");
@@ -304,11 +304,12 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 #endif
       case GemmTile::kM128N256: {
         // tail_split_plan's launches: disjoint rows of out (cpp/tests/tail_split.cu), each
-        // waiting for the one before it (pdl.cuh).
+        // waiting for the one before it (pdl.cuh), but under NVFP4MOE_TAIL_SMS.
         gemm::TailLaunch plan[gemm::kMaxTailLaunches];
         const int launches = gemm::tail_split_plan(tails, plan);
-        // NVFP4MOE_TAIL_SMS: tails beside the head (at most half the SMs for them).
-        const int side = launches > 1 ? std::min(tail_sms(), sms / 2) : -1;
+        // NVFP4MOE_TAIL_SMS: tails beside the head (at most half the SMs for them); only with PDL
+        // (without it the tails could only follow the head, on N SMs).
+        const int side = launches > 1 && pdl::enabled(false) ? std::min(tail_sms(), sms / 2) : -1;
         for (int i = 0; i < launches; ++i) {
           p.row_part = plan[i].row_part;
           p.tail_lo = plan[i].tail_lo;

@@ -82,12 +82,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int k_stages = (k_tiles + Cfg::kChunks - 1) / Cfg::kChunks;  // the last one may be partial
 
   // Launched with programmatic dependent launch: nothing global is touched before this (but for a
-  // tail launch with wait_at_exit, which waits before it exits instead). Not on the 128x256 tile,
-  // never a tail: reading the flag there made ptxas serialize three of its four epilogues' wgmmas
-  // (C7511, CUDA 13.0).
-  if constexpr (kBlockN != kTailBlock) {
+  // tail launch with wait_at_exit, which waits before it exits instead, pdl.cuh). Only the tail
+  // tiles (128x32, 128x64, 128x128) compile the choice: reading the flag in the 128x256 tile's
+  // prologue made ptxas serialize three of its four epilogues' wgmmas (C7511, CUDA 13.0).
+  constexpr bool kTailTile = kBlockN >= 32 && kBlockN <= 128;
+  if constexpr (kTailTile) {
     if (p.wait_at_exit) {
       pdl::release();
+      pdl::fence_acquire();
     } else {
       pdl::wait_and_release();
     }
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       pipeline.producer_tail(state);
       // (One thread of one CTA keeps the grid from completing; the other CTAs leave, freeing their
       // SM for the next tail launch.)
-      if constexpr (kBlockN != kTailBlock) {
+      if constexpr (kTailTile) {
         if (p.wait_at_exit && blockIdx.x == 0) pdl::wait();
       }
     }

@@ -6,6 +6,8 @@
 // returns once the predecessor has completed and its writes are visible (at once when the kernel
 // was launched without the attribute). The kernel then lets its own successor launch; that one
 // waits in turn, so only launch latency and shared-memory setup overlap, never memory traffic.
+// The one exception, an experiment off by default: the tail launches of the 128x256 tile's split
+// under NVFP4MOE_TAIL_SMS (release() and wait() below) run beside the head.
 // (A successor's CTAs are placed only where this grid's CTAs leave room, and all of this grid's
 // CTAs have started before it releases: no CTA can wait on one that is not resident.)
 #pragma once
@@ -26,9 +28,19 @@ CUTLASS_DEVICE void wait_and_release() {
 
 // The two halves of wait_and_release(), for a kernel that reads nothing its predecessor writes and
 // may run beside it (a tail launch of the 128x256 tile's split, grouped_gemm.cu): release() at its
-// start (everything it reads was written before its predecessor's own wait returned, and the
-// predecessor released this kernel only after that wait), wait() before it exits (so that its
-// successor, which waits for this kernel only, also finds the predecessor's writes done).
+// start, wait() before it exits (so that its successor, which waits for this kernel only, also
+// finds the predecessor's writes done). What it reads (x, the offsets or counts, the weights and
+// scales) was written before the head: the head's CTAs release their dependents only after their
+// own wait, and a tail after the first is released by a tail that the head released, so every
+// such writer has completed when a tail starts. That chain is outside PDL's documented contract
+// (griddepcontrol.wait gives visibility of the prerequisite grid's writes only), so such a kernel
+// also issues fence_acquire() before its first load: a gpu-scope acquire fence, which keeps its
+// loads from being served by stale L1 lines.
+CUTLASS_DEVICE void fence_acquire() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#endif
+}
 CUTLASS_DEVICE void release() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

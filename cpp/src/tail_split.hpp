@@ -37,7 +37,8 @@ struct TailLaunch {
 };
 constexpr int kMaxTailLaunches = 4;
 
-// The launches of one GEMM on the 128x256 tile, in order (each waits for the one before it):
+// The launches of one GEMM on the 128x256 tile, in order (each waits for the one before it, but
+// under NVFP4MOE_TAIL_SMS, grouped_gemm.cu):
 // without tail tiles one launch of every row; else the head (every whole 256-row tile, and a last
 // tile of more rows than the largest tail tile takes) on 128x256, then one launch per tail tile,
 // taking the tails of (tail_lo, tail_hi] rows. Returns the number of launches written to `out`.
