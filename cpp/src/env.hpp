@@ -13,4 +13,15 @@ inline bool switched_off(const char* name) noexcept {
   return v != nullptr && std::strcmp(v, "0") == 0;
 }
 
+// The variable `name` as a whole decimal integer clamped to [lo, hi]; `unset` when it is unset,
+// empty or not such an integer.
+inline long integer(const char* name, long unset, long lo, long hi) noexcept {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return unset;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (*end != '\0') return unset;
+  return x < lo ? lo : x > hi ? hi : x;
+}
+
 }  // namespace nvfp4moe::env

@@ -46,12 +46,7 @@ bool warp_kernel_on() {
 // 2026-12-07, PERF_NOTES.md session 23); kept as an experiment's knob.
 constexpr int kL2PrefetchStages = 0;
 int l2_prefetch_stages() {
-  static const int stages = [] {
-    const char* v = std::getenv("NVFP4MOE_L2_PREFETCH");
-    if (!v || !*v) return kL2PrefetchStages;
-    const long n = std::strtol(v, nullptr, 10);
-    return n < 0 ? 0 : n > 64 ? 64 : int(n);
-  }();
+  static const int stages = int(env::integer("NVFP4MOE_L2_PREFETCH", kL2PrefetchStages, 0, 64));
   return stages;
 }
 
@@ -80,13 +75,8 @@ gemm::TailTiles tail_tiles() {
 // computes. N = 0 only overlaps the head's last tiles. Costs N / SMs of the head's rate when there
 // are no tails. N is clamped to half the SMs; without PDL (NVFP4MOE_PDL=0) the setting is ignored.
 int tail_sms() {
-  static const int n = [] {
-    const char* v = std::getenv("NVFP4MOE_TAIL_SMS");
-    if (v == nullptr || *v == '\0') return -1;
-    char* end = nullptr;
-    const long x = std::strtol(v, &end, 10);
-    return *end == '\0' && x >= 0 && x <= 1024 ? int(x) : -1;
-  }();
+  // (A negative N is off too.)
+  static const int n = int(env::integer("NVFP4MOE_TAIL_SMS", -1, -1, 1024));
   return n;
 }
 
