@@ -38,12 +38,13 @@ for t in "$here"/tests/*; do
   [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|---- |thread .* panicked|  left|  right)' "$log" | head -20; tail -5 "$log"; }
   summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "$name" "$rc" "$secs" "$res")")
 done
-# The 128x256 tile's tail split with one tail tile, with a third (65-128 rows on 128x128; the run
-# above has 128x32 and 128x64), and with the tails beside the head (NVFP4MOE_TAIL_SMS; each
-# setting is read once per process): the tests that compare it bit for bit.
+# The 128x256 tile's tail split with one tail tile, with two (65-128 rows stay with the head; the
+# run above has 128x32, 128x64 and 128x128), with the tails after the head instead of beside it
+# (NVFP4MOE_TAIL_OVERLAP=0), and without a split (each setting is read once per process): the
+# tests that compare it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
   # (A setting: environment assignments joined by "+".)
-  for tt in TILES=32 TILES=64 TILES=32,64,128 SMS=0 SMS=16 SMS=16+NVFP4MOE_TAIL_TILES=32,64,128; do
+  for tt in TILES=32 TILES=64 TILES=32,64 OVERLAP=0 OVERLAP=0+NVFP4MOE_TAIL_TILES=32,64 TILES=0; do
     log="$out/test-gpu-tail-${tt//[=,+]/-}.log"
     IFS=+ read -ra kv <<<"NVFP4MOE_TAIL_$tt"
     env "${kv[@]}" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \

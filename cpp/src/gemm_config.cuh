@@ -69,9 +69,9 @@ struct Params {
   int row_part = 0;
   int tail_lo = 0;
   int tail_hi = 0;
-  // A tail launch under NVFP4MOE_TAIL_SMS (grouped_gemm.cu): it reads nothing its predecessor (the
-  // head, or the tail before it) writes, so it starts work at once and waits for the predecessor
-  // only before it exits (pdl.cuh's release(), wait()), letting its successor see both.
+  // A tail launch overlapping the head (grouped_gemm.cu's tail_overlap()): it reads nothing its
+  // predecessor (the head, or the tail before it) writes, so it starts work at once and waits for
+  // the predecessor only before it exits (pdl.cuh's release(), wait()), letting its successor see both.
   int wait_at_exit = 0;
 };
 
@@ -151,8 +151,8 @@ struct Config {
   static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma N is a multiple of 8 up to 256");
   // N256 (issue 22): an expert's last row tile often holds a few rows (ragged routing: deepseek-v3
   // at T = 8192 has 256 +- 16 rows per expert, so half its experts need a second, nearly empty
-  // tile; such tails of at most 64 rows now run on the N32 and N64 tiles instead, grouped_gemm.cu,
-  // so this serves last tiles of 65-255 rows, and every short one with NVFP4MOE_TAIL_TILES=0).
+  // tile; such tails of at most 128 rows now run on the N32, N64 and N128 tiles instead, grouped_gemm.cu,
+  // so this serves last tiles of 129-255 rows, and every short one with NVFP4MOE_TAIL_TILES=0).
   // A short tile issues m64n64 or m64n128 wgmmas on the first accumulators, which hold the
   // first 64 or 128 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
   // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once

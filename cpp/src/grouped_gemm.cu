@@ -51,33 +51,36 @@ int l2_prefetch_stages() {
 }
 
 // The 128x256 tile's tail split (Params::row_part): an expert's rows past its last whole 256-row
-// tile, when at most 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, each tail kind in
-// a launch of its own after the head's, instead of as a 256-row tile of their own. Such a short
+// tile, when at most 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, when 65-128 on the
+// 128x128 tile, each tail kind in a launch of its own after the head's, instead of as a 256-row
+// tile of their own. Such a short
 // tile streams and converts the expert's weights for a few rows: ~48 us of SM time on the 128x256
 // tile (one CTA per SM, its 4 stages latency-bound) against ~29 us for a 64-row 128x64 tile (two
 // CTAs per SM) at deepseek-v3 L1; with 64-row tails on 128x64 the layer was 8-11% faster at
 // deepseek-v3 T = 8192 under uniform and skewed routing, with 32-row tails on 128x32 12.5% under
 // uniform (whose tails are mostly under 32 rows) but 3% under skewed (H100, 2026-12-07,
-// PERF_NOTES.md session 24). Every tile gives the same bits, so only speed changes.
-// NVFP4MOE_TAIL_TILES in the environment (read once; tail_split.hpp's parse_tail_tiles): 0 (off),
-// 32 or 64 (one tail launch on that tile, for every tail of at most that many rows), 32,64,128
-// (also last tiles of 65-128 rows on the 128x128 tile: an experiment, not yet timed), else 32 and 64.
+// PERF_NOTES.md session 24). The 65-128-row tails on 128x128 took deepseek-v3 skewed from 11030
+// to 10490 us (-5%), mixtral-8x7b skewed -1.3%, the other rows within the noise (H100, 2026-12-07,
+// session 26, with the tails overlapping the head). Every tile gives the same bits, so only speed
+// changes. NVFP4MOE_TAIL_TILES in the environment (read once; tail_split.hpp's parse_tail_tiles):
+// 0 (off), 32 or 64 (one tail launch on that tile, for every tail of at most that many rows),
+// 32,64 (those two), else all three.
 gemm::TailTiles tail_tiles() {
   static const gemm::TailTiles t = gemm::parse_tail_tiles(std::getenv("NVFP4MOE_TAIL_TILES"));
   return t;
 }
 
-// NVFP4MOE_TAIL_SMS=N (an experiment, read once; unset: off): the tail launches start work at once
-// (Params::wait_at_exit) instead of after the head completes, and with N > 0 the head runs on all
-// SMs but N and the tails on N. Skewed routing leaves the tails HBM-bound when they run alone
-// after the head (deepseek-v3 L1: 4544 tiles of <= 64 rows streaming 2.3 GB in ~926 us under ncu,
-// PERF_NOTES.md session 25); beside the head, on a few SMs, they would stream while the head
-// computes. N = 0 only overlaps the head's last tiles. Costs N / SMs of the head's rate when there
-// are no tails. N is clamped to half the SMs; without PDL (NVFP4MOE_PDL=0) the setting is ignored.
-int tail_sms() {
-  // (A negative N is off too.)
-  static const int n = int(env::integer("NVFP4MOE_TAIL_SMS", -1, -1, 1024));
-  return n;
+// Whether the tail launches overlap the head (with PDL only): they start work at once
+// (Params::wait_at_exit, pdl.cuh's release() and wait()) instead of after the head completes, so
+// their CTAs take each SM the head's last wave leaves, and their weight streams run beside the
+// head's last tiles. Measured 1-5% faster at T = 8192 under uniform and skewed routing and no
+// slower under balanced (three presets, three rounds; H100, 2026-12-07, PERF_NOTES.md session 26).
+// NVFP4MOE_TAIL_OVERLAP=0 in the environment turns it off (read once). (Giving the tails SMs of
+// their own for the whole GEMM, session 25's NVFP4MOE_TAIL_SMS=N, made deepseek-v3 skewed 36%
+// slower with 12 SMs, 17% with 16: a tail tile costs too much SM time for a few SMs to keep up.)
+bool tail_overlap() {
+  static const bool on = !env::switched_off("NVFP4MOE_TAIL_OVERLAP");
+  return on && pdl::enabled(false);
 }
 
 #if defined(NVFP4MOE_GEMM_VARIANTS)
@@ -294,22 +297,19 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
 #endif
       case GemmTile::kM128N256: {
         // tail_split_plan's launches: disjoint rows of out (cpp/tests/tail_split.cu), each
-        // waiting for the one before it (pdl.cuh), but under NVFP4MOE_TAIL_SMS.
+        // waiting for the one before it (pdl.cuh), or, when they overlap, only before it exits.
         gemm::TailLaunch plan[gemm::kMaxTailLaunches];
         const int launches = gemm::tail_split_plan(tails, plan);
-        // NVFP4MOE_TAIL_SMS: tails beside the head (at most half the SMs for them); only with PDL
-        // (without it the tails could only follow the head, on N SMs).
-        const int side = launches > 1 && pdl::enabled(false) ? std::min(tail_sms(), sms / 2) : -1;
+        const bool overlap = launches > 1 && tail_overlap();
         for (int i = 0; i < launches; ++i) {
           p.row_part = plan[i].row_part;
           p.tail_lo = plan[i].tail_lo;
           p.tail_hi = plan[i].tail_hi;
-          p.wait_at_exit = i > 0 && side >= 0;
-          const int ctas = side <= 0 ? sms : i == 0 ? sms - side : side;
-          Status s = plan[i].block_n == 32  ? launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, ctas, st)
-                     : plan[i].block_n == 64  ? launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, ctas, st)
-                     : plan[i].block_n == 128 ? launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, ctas, st)
-                                              : launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, ctas, st);
+          p.wait_at_exit = i > 0 && overlap;
+          Status s = plan[i].block_n == 32  ? launch_grouped_gemm<gemm::ConfigN32<E>>(n32_map, p, sms, st)
+                     : plan[i].block_n == 64  ? launch_grouped_gemm<gemm::ConfigN64<E>>(map, p, sms, st)
+                     : plan[i].block_n == 128 ? launch_grouped_gemm<gemm::ConfigN128<E>>(n128_map, p, sms, st)
+                                              : launch_grouped_gemm<gemm::ConfigN256<E>>(map, p, sms, st);
           if (s != Status::kSuccess) return s;
         }
         return Status::kSuccess;

@@ -6,8 +6,9 @@
 // returns once the predecessor has completed and its writes are visible (at once when the kernel
 // was launched without the attribute). The kernel then lets its own successor launch; that one
 // waits in turn, so only launch latency and shared-memory setup overlap, never memory traffic.
-// The one exception, an experiment off by default: the tail launches of the 128x256 tile's split
-// under NVFP4MOE_TAIL_SMS (release() and wait() below) run beside the head.
+// The one exception: the tail launches of the 128x256 tile's split (release() and wait() below)
+// run beside the head's last tiles (grouped_gemm.cu's tail_overlap(); NVFP4MOE_TAIL_OVERLAP=0
+// turns it off).
 // (A successor's CTAs are placed only where this grid's CTAs leave room, and all of this grid's
 // CTAs have started before it releases: no CTA can wait on one that is not resident.)
 #pragma once

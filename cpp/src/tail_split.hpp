@@ -14,21 +14,22 @@ constexpr int kTailBlock = 256;
 
 // The tail tiles in use: an expert's rows past its last whole kTailBlock-row tile (its rem), when
 // at most 32, on the 128x32 tile (n32), when at most 64 (or 33-64 with n32) on the 128x64 tile
-// (n64), when 65-128 on the 128x128 tile (n128, an experiment). None: no split.
+// (n64), when 65-128 on the 128x128 tile (n128). None: no split.
 struct TailTiles {
   bool n32, n64, n128;
   constexpr int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
 };
 
 // NVFP4MOE_TAIL_TILES's value (null: unset): "0" none, "32" or "64" that one tail tile for every
-// tail of at most that many rows, "32,64,128" all three; anything else the default, 32 and 64.
+// tail of at most that many rows, "32,64" those two (tails of 65-128 rows stay with the head);
+// anything else the default, all three.
 inline TailTiles parse_tail_tiles(const char* v) {
-  if (v == nullptr) return TailTiles{true, true, false};
+  if (v == nullptr) return TailTiles{true, true, true};
   if (std::strcmp(v, "0") == 0) return TailTiles{false, false, false};
   if (std::strcmp(v, "32") == 0) return TailTiles{true, false, false};
   if (std::strcmp(v, "64") == 0) return TailTiles{false, true, false};
-  if (std::strcmp(v, "32,64,128") == 0) return TailTiles{true, true, true};
-  return TailTiles{true, true, false};
+  if (std::strcmp(v, "32,64") == 0) return TailTiles{true, true, false};
+  return TailTiles{true, true, true};
 }
 
 // One launch of the plan: its tile's rows (kBlockN) and its Params::row_part, tail_lo, tail_hi.
@@ -38,7 +39,7 @@ struct TailLaunch {
 constexpr int kMaxTailLaunches = 4;
 
 // The launches of one GEMM on the 128x256 tile, in order (each waits for the one before it, but
-// under NVFP4MOE_TAIL_SMS, grouped_gemm.cu):
+// when the tails overlap, grouped_gemm.cu's tail_overlap()):
 // without tail tiles one launch of every row; else the head (every whole 256-row tile, and a last
 // tile of more rows than the largest tail tile takes) on 128x256, then one launch per tail tile,
 // taking the tails of (tail_lo, tail_hi] rows. Returns the number of launches written to `out`.

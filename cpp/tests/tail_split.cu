@@ -89,9 +89,9 @@ int main() {
     int launches;
   };
   const Setting settings[] = {
-      {nullptr, {true, true, false}, 3},  {"", {true, true, false}, 3},    {"0", {false, false, false}, 1},
-      {"32", {true, false, false}, 2},    {"64", {false, true, false}, 2}, {"32,64,128", {true, true, true}, 4},
-      {"128", {true, true, false}, 3},  // (unknown: the default)
+      {nullptr, {true, true, true}, 4}, {"", {true, true, true}, 4},    {"0", {false, false, false}, 1},
+      {"32", {true, false, false}, 2},   {"64", {false, true, false}, 2}, {"32,64", {true, true, false}, 3},
+      {"32,64,128", {true, true, true}, 4}, {"128", {true, true, true}, 4},  // (unknown: the default)
   };
   // Experts of 0 .. 1100 rows: every remainder of 256, more than four whole tiles.
   constexpr int kRowsMax = 1100;

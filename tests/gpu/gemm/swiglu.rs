@@ -393,15 +393,15 @@ fn swiglu_nvfp4_equals_quantized_compact() {
 }
 
 /// The 128x256 tile's tail split (an expert's rows past its last whole 256-row tile, when at most
-/// 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, in launches of their own; one tail
-/// tile for both under `NVFP4MOE_TAIL_TILES=32` or `64`):
+/// 32, run on the 128x32 tile, when 33-64 on the 128x64 tile, when 65-128 on the 128x128 tile, in
+/// launches of their own; one tail tile for the first two under `NVFP4MOE_TAIL_TILES=32` or `64`):
 /// the `PlainBf16`, `SwigluBf16` and `SwigluNvfp4` outputs under `M128N256`, and under `Auto`, which
 /// picks that tile here, equal the 128x128 tile's bit for bit (every tile gives the same bits; the
 /// batch-invariance test), with tails of 0, 1, 32, 33, 63, 64, 65, 96 and 128 rows, experts of
 /// only a tail, an empty expert, and the rows past offsets[E] untouched: a tail left unwritten or
 /// written over a neighbour's rows fails it. (It tests the split that the environment selects: run
-/// it also under `NVFP4MOE_TAIL_TILES=32`, `=64` and `=32,64,128`, the last of which runs the tails
-/// of 65-128 rows on the 128x128 tile, as scripts/gpu-run.sh does.)
+/// it also under `NVFP4MOE_TAIL_TILES=32`, `=64` and `=32,64`, the last of which leaves the tails
+/// of 65-128 rows with the head, as scripts/gpu-run.sh does.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tail_split_gives_the_unsplit_bits() {
@@ -414,7 +414,7 @@ fn tail_split_gives_the_unsplit_bits() {
     let n = 2 * inter;
     // Tails: 1 (257), 32 (288), 33 (289), 63 (319), 64 (320), 65 (321), 96 (352), 128 (384), 200
     // (456: stays with the head), 0 (512, 256); only a tail (5, 64, 100); none (0). Tails of 65-128
-    // rows stay with the head unless NVFP4MOE_TAIL_TILES=32,64,128.
+    // rows stay with the head under NVFP4MOE_TAIL_TILES=32,64, 32 or 64.
     let counts = [257usize, 0, 288, 289, 319, 320, 321, 5, 512, 64, 456, 256, 352, 384, 100];
     let e = counts.len();
     let off = offsets_of(&counts);
@@ -481,10 +481,10 @@ fn tail_split_gives_the_unsplit_bits() {
 }
 
 /// The tail split and the launch after it: a second GEMM on the first one's output, launched right
-/// after it on the same stream, gives the 128x128 chain's bits, three rounds. Under
-/// `NVFP4MOE_TAIL_SMS` (scripts/gpu-run.sh runs it so; unset, the plain split) the tail launches
-/// start beside the head and wait for it only before they exit: a tail that let its successor
-/// start before the head finished would feed the second GEMM poisoned rows.
+/// after it on the same stream, gives the 128x128 chain's bits, three rounds. The tail launches
+/// start beside the head and wait for it only before they exit (scripts/gpu-run.sh also runs it
+/// under `NVFP4MOE_TAIL_OVERLAP=0`, where they follow it): a tail that let its successor start
+/// before the head finished would feed the second GEMM poisoned rows.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tail_split_then_a_launch_sees_every_row() {
