@@ -101,10 +101,6 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
     for (i, g) in decode_scales(&mut rng, n_g).into_iter().enumerate() {
         for (s, tuned) in (0u8..0x80).flat_map(|s| [(s, false), (s, true)]) {
             let (r, signed_d) = scale_reciprocal(s, g, tuned);
-            if i % 4 < 2 && r > 0.0 && !tuned {
-                offered += 1;
-                vouched += (signed_d > 0.0) as usize;
-            }
             if i % 4 == 2 && r > 0.0 {
                 offered_modelopt += !tuned as usize;
                 plain_modelopt += (!tuned && signed_d > 0.0) as usize;
@@ -130,7 +126,19 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
         }
     }
     // A log-uniform g leaves nearly every normal scale byte (with d in range) on the plain product.
-    assert!(vouched * 100 >= offered * 98, "plain product for {vouched} of {offered} scale bytes");
+    // Measured over many more g than the enumeration above affords (only the reciprocal here): a
+    // g near a round value sends ~29 of its ~117 bytes to the Markstein correction, so a dozen g
+    // (the debug build's share above) gave 97.9% once (seed 0xc01a0422c2eff40c, 2026-12-07).
+    for _ in 0..20_000 {
+        let g = rng.uniform(-40.0, 12.0).exp2();
+        for s in 0u8..0x80 {
+            let (r, signed_d) = scale_reciprocal(s, g, false);
+            offered += (r > 0.0) as usize;
+            vouched += (r > 0.0 && signed_d > 0.0) as usize;
+        }
+    }
+    // (99.92-99.93% over three seeds.)
+    assert!(vouched * 1000 >= offered * 995, "plain product for {vouched} of {offered} scale bytes");
     eprintln!(
         "{checked} elements equal; random g: plain product for {vouched} of {offered} scale bytes; ModelOpt's \
          g: {plain_modelopt} plain, {tuned_modelopt} with the tuned reciprocal, of {offered_modelopt}; seed={seed}"
