@@ -77,13 +77,18 @@ fn recipe_code(x: f32, d: f32) -> u8 {
     (e2m1_encode(q) & 0x7) | (((q < 0.0) as u8) << 3)
 }
 
+/// A decode scale log-uniform over 2^-40 .. 2^12.
+fn log_uniform_scale(rng: &mut Rng) -> f32 {
+    rng.uniform(-40.0, 12.0).exp2()
+}
+
 /// Decode scales: log-uniform over a wide range, ModelOpt's weight convention, and round values
 /// (whose products with E4M3 scales are bf16 values: the fast path must refuse most of them).
 fn decode_scales(rng: &mut Rng, n: usize) -> Vec<f32> {
     let mut g = Vec::with_capacity(n);
     for i in 0..n {
         g.push(match i % 4 {
-            0 | 1 => (rng.uniform(-40.0, 12.0)).exp2(),
+            0 | 1 => log_uniform_scale(rng),
             2 => half::bf16::from_f32(rng.uniform(0.01, 100.0)).to_f32() * (1.0f32 / 2688.0),
             _ => (rng.range(1, 16) as f32) * (rng.range(0, 40) as f32 - 30.0).exp2(),
         });
@@ -130,7 +135,7 @@ fn fast_codes_equal_the_recipe_for_every_bf16_input() {
     // g near a round value sends ~29 of its ~117 bytes to the Markstein correction, so a dozen g
     // (the debug build's share above) gave 97.9% once (seed 0xc01a0422c2eff40c, 2026-12-07).
     for _ in 0..20_000 {
-        let g = rng.uniform(-40.0, 12.0).exp2();
+        let g = log_uniform_scale(&mut rng);
         for s in 0u8..0x80 {
             let (r, signed_d) = scale_reciprocal(s, g, false);
             offered += (r > 0.0) as usize;
