@@ -40,18 +40,19 @@ for t in "$here"/tests/*; do
 done
 # The 128x256 tile's tail split with one tail tile, with two (65-128 rows stay with the head; the
 # run above has 128x32, 128x64 and 128x128), with the tails after the head instead of beside it
-# (NVFP4MOE_TAIL_OVERLAP=0), and without a split (each setting is read once per process): the
-# tests that compare it bit for bit.
+# (NVFP4MOE_TAIL_OVERLAP=0), without a split, and with its 129-192-row tiles issued 256 wide
+# (NVFP4MOE_ISSUE192=0; each setting is read once per process): the tests that compare it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
-  # (A setting: environment assignments joined by "+".)
-  for tt in TILES=32 TILES=64 TILES=32,64 OVERLAP=0 OVERLAP=0+NVFP4MOE_TAIL_TILES=32,64 TILES=0; do
-    log="$out/test-gpu-tail-${tt//[=,+]/-}.log"
-    IFS=+ read -ra kv <<<"NVFP4MOE_TAIL_$tt"
+  # (A setting: environment assignments joined by "+", "NVFP4MOE_" left off.)
+  for tt in TAIL_TILES=32 TAIL_TILES=64 TAIL_TILES=32,64 TAIL_OVERLAP=0 TAIL_OVERLAP=0+NVFP4MOE_TAIL_TILES=32,64 \
+    TAIL_TILES=0 ISSUE192=0; do
+    log="$out/test-gpu-${tt//[=,+]/-}.log"
+    IFS=+ read -ra kv <<<"NVFP4MOE_$tt"
     env "${kv[@]}" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \
       batch_invariant swiglu_nvfp4 swiglu_epilogues >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || { fails=$((fails + 1)); grep -E '^(test .* FAILED|thread .* panicked)' "$log" | head -10; }
-    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu TAIL_$tt" "$rc" "-" "$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')")")
+    summary+=("$(printf '%-28s rc=%-3s %4ss  %s' "test-gpu $tt" "$rc" "-" "$(grep -E '^test result:' "$log" | tail -1 | sed 's/test result: //')")")
   done
 fi
 # Each example once, as a user runs it (no arguments): its last line goes in the summary.

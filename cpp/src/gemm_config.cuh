@@ -55,9 +55,10 @@ struct Params {
   // e * expert_stride, expert_counts[e] of them (GroupedGemmArgs::expert_stride).
   const int* expert_counts;    // [E]
   int expert_stride;
-  // Tiles with Config::kNarrowIssue (N256): a row tile with at most 64 or 128 rows runs m64n64 or
-  // m64n128 wgmmas and loads only its rows' x boxes (0: always the whole tile; the A/B's switch).
-  int narrow_issue = 1;
+  // Tiles with Config::kNarrowIssue (N256): a row tile with at most 64, 128 or (with 2) 192 rows
+  // runs m64n64, m64n128 or m64n192 wgmmas and loads only its rows' x boxes (0: always the whole
+  // tile, 1: no 192; the A/B's switches, grouped_gemm.cu).
+  int narrow_issue = 2;
   // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
   int l2_prefetch = 0;
@@ -153,8 +154,8 @@ struct Config {
   // at T = 8192 has 256 +- 16 rows per expert, so half its experts need a second, nearly empty
   // tile; such tails of at most 128 rows now run on the N32, N64 and N128 tiles instead, grouped_gemm.cu,
   // so this serves last tiles of 129-255 rows, and every short one with NVFP4MOE_TAIL_TILES=0).
-  // A short tile issues m64n64 or m64n128 wgmmas on the first accumulators, which hold the
-  // first 64 or 128 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
+  // A short tile issues m64n64, m64n128 or m64n192 wgmmas on the first accumulators, which hold
+  // the first 64, 128 or 192 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
   // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once
   // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
   // depends on its own B column only, and those rows are never stored.
@@ -169,7 +170,7 @@ struct Config {
   static constexpr int kBoxRows = x_box_rows(kBlockN_);
   static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
 
-  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also 64 and 128).
+  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also 64, 128 and 192).
   template <int N>
   using MmaOpN =
       decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float, Shape<_64, Int<N>, Int<kStageK>>>());

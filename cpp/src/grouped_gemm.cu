@@ -83,6 +83,16 @@ bool tail_overlap() {
   return on && pdl::enabled(false);
 }
 
+// Whether the 128x256 tile's row tiles of 129-192 rows issue m64n192 wgmmas (Params::narrow_issue
+// 2) instead of m64n256: their MMA work follows their rows, as 64- and 128-row tiles' does. Such
+// tiles are the head's last tile of an expert whose rows past its whole 256-row tiles number
+// 129-192 (qwen3-30b-a3b and deepseek-v3 under skewed routing: ~a quarter of their partial tiles).
+// NVFP4MOE_ISSUE192=0 in the environment issues them 256 wide (read once).
+bool issue192() {
+  static const bool on = !env::switched_off("NVFP4MOE_ISSUE192");
+  return on;
+}
+
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
 // (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
@@ -213,8 +223,9 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 : tile == GemmTile::kM128N64 ? 64
                 : tile == GemmTile::kM128N128 ? 128
                                               : 256;
+  p.narrow_issue = issue192() ? 2 : 1;
 #if defined(NVFP4MOE_GEMM_VARIANTS)
-  p.narrow_issue = gemm_variant() != "n256full";
+  if (gemm_variant() == "n256full") p.narrow_issue = 0;
 #endif
   p.l2_prefetch = l2_prefetch_stages();
 
