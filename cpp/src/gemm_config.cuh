@@ -55,10 +55,11 @@ struct Params {
   // e * expert_stride, expert_counts[e] of them (GroupedGemmArgs::expert_stride).
   const int* expert_counts;    // [E]
   int expert_stride;
-  // Tiles with Config::kNarrowIssue (N256): a row tile with at most 64, 128 or (with 2) 192 rows
-  // runs m64n64, m64n128 or m64n192 wgmmas and loads only its rows' x boxes (0: always the whole
-  // tile, 1: no 192; the A/B's switches, grouped_gemm.cu).
-  int narrow_issue = 2;
+  // Tiles with Config::kNarrowIssue: N256's row tiles of at most 64, 128 or (with 2 or more) 192
+  // rows run m64n64, m64n128 or m64n192 wgmmas and load only their rows' x boxes; with 3, N128's
+  // row tiles of at most 64 or 96 rows run m64n64 or m64n96 wgmmas (0: always the whole tile;
+  // grouped_gemm.cu's narrow_issue_level()).
+  int narrow_issue = 3;
   // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
   int l2_prefetch = 0;
@@ -159,7 +160,11 @@ struct Config {
   // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once
   // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
   // depends on its own B column only, and those rows are never stored.
-  static constexpr bool kNarrowIssue = kBlockN_ == 256;
+  // N128 (the 65-128-row tails and prefill at 65-128 rows per expert): 64 or 96 wide likewise
+  // (Params::narrow_issue 3); its one x box holds every row either way. Not with the quantizer
+  // warps (kSwigluNvfp4): at their 224 consumer registers the extra widths made ptxas serialize
+  // every wgmma (C7511, CUDA 13.0).
+  static constexpr bool kNarrowIssue = kBlockN_ == 256 || (kBlockN_ == 128 && !kQuantizerWarps);
   // N256: a short row tile has little MMA work per 64-K stage, so its stages come as fast as
   // memory latency allows, and its 4 stages in flight (the x tiles' shared memory bounds them) do
   // not cover an HBM round trip: deepseek-v3 L1 under uniform routing spent ~48 us on each tile of

@@ -34,18 +34,21 @@ CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA
                         make_int_sequence<kRegsC>{}, &scale, seq<0>{});
 }
 
-// The rows the tile's wgmmas span: kBlockN, or on kNarrowIssue tiles the least of 64, 128, 192
-// (Params::narrow_issue >= 2) and 256 that holds the tile's `tile_rows` rows (the producer and the
-// consumers decide alike).
+// The rows the tile's wgmmas span: kBlockN, or on kNarrowIssue tiles the least width of the
+// tile's set that holds the tile's `tile_rows` rows (the producer and the consumers decide alike).
+// Params::narrow_issue 1: N256 64 / 128 / 256; 2: N256 also 192; 3: N128 (but kSwigluNvfp4's)
+// also 64 / 96 / 128.
 template <class Cfg>
 CUTLASS_DEVICE int issue_rows(const Params& p, int tile_rows) {
-  if constexpr (Cfg::kNarrowIssue) {
+  if constexpr (Cfg::kNarrowIssue && Cfg::kBlockN == 256) {
     if (p.narrow_issue > 0) {
       return tile_rows <= 64                            ? 64
              : tile_rows <= 128                         ? 128
              : tile_rows <= 192 && p.narrow_issue >= 2 ? 192
                                                         : 256;
     }
+  } else if constexpr (Cfg::kNarrowIssue && Cfg::kBlockN == 128) {
+    if (p.narrow_issue >= 3) return tile_rows <= 64 ? 64 : tile_rows <= 96 ? 96 : 128;
   }
   return Cfg::kBlockN;
 }
@@ -177,8 +180,8 @@ struct MainloopProducer {
 // two one-chunk fragments pipelined within 128-K stages, served the one-CTA N64 tile until N64 went
 // to two CTAs per SM, 2026-12-02.)
 //
-// issue_n: the rows the wgmmas span (Cfg::kBlockN, or 64 / 128 / 192 on a kNarrowIssue tile's
-// short row tiles: issue_rows()), on the first accumulators.
+// issue_n: the rows the wgmmas span (Cfg::kBlockN, or less on a kNarrowIssue tile's short row
+// tiles: issue_rows()), on the first accumulators.
 template <class Cfg>
 struct MainloopConsumer {
   // Its lambdas are inlined by force: with the three wgmma widths of kNarrowIssue tiles, ptxas
@@ -270,12 +273,18 @@ struct MainloopConsumer {
         warpgroup_commit_batch();
       };
       if constexpr (Cfg::kNarrowIssue) {
-        if (issue_n == 64) {
-          wgmmas(Int<64>{});
-        } else if (issue_n == 128) {
-          wgmmas(Int<128>{});
-        } else if (issue_n == 192) {
-          wgmmas(Int<192>{});
+        // (N256: 64, 128, 192; N128: 64, 96: issue_rows().)
+        constexpr int kHalf = Cfg::kBlockN / 2, kThreeQuarters = 3 * Cfg::kBlockN / 4;
+        if (issue_n == kHalf) {
+          wgmmas(Int<kHalf>{});
+        } else if (issue_n == kThreeQuarters) {
+          wgmmas(Int<kThreeQuarters>{});
+        } else if constexpr (Cfg::kBlockN == 256) {
+          if (issue_n == 64) {
+            wgmmas(Int<64>{});
+          } else {
+            wgmmas(Int<Cfg::kBlockN>{});
+          }
         } else {
           wgmmas(Int<Cfg::kBlockN>{});
         }

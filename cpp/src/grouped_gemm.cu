@@ -83,20 +83,22 @@ bool tail_overlap() {
   return on && pdl::enabled(false);
 }
 
-// Whether the 128x256 tile's row tiles of 129-192 rows issue m64n192 wgmmas (Params::narrow_issue
-// 2) instead of m64n256: their MMA work follows their rows, as 64- and 128-row tiles' does. Such
-// tiles are the head's last tile of an expert whose rows past its whole 256-row tiles number
-// 129-192 (qwen3-30b-a3b and deepseek-v3 under skewed routing: ~a quarter of their partial tiles).
-// NVFP4MOE_ISSUE192=0 in the environment issues them 256 wide (read once).
-bool issue192() {
-  static const bool on = !env::switched_off("NVFP4MOE_ISSUE192");
-  return on;
+// Params::narrow_issue: which short row tiles issue narrower wgmmas than their tile, so that their
+// MMA work follows their rows. 1: the 128x256 tile's of at most 64 and 128 rows (session 24); 2:
+// also its 129-192-row tiles (the head's last tile of an expert whose rows past its whole 256-row
+// tiles number 129-192: a quarter of the partial tiles of qwen3-30b-a3b and deepseek-v3 under
+// skewed routing) 192 wide; 3 (default): also the 128x128 tile's of at most 64 and 96 rows (the
+// 65-128-row tails; not with the kSwigluNvfp4 epilogue: gemm_config.cuh).
+// NVFP4MOE_NARROW_ISSUE=0..3 in the environment picks one (read once).
+int narrow_issue_level() {
+  static const int level = int(env::integer("NVFP4MOE_NARROW_ISSUE", 3, 0, 3));
+  return level;
 }
 
 #if defined(NVFP4MOE_GEMM_VARIANTS)
 // NVFP4MOE_GEMM_VARIANT (A/B builds only): "n64q" or "n64qp" runs that variant of the N64 tile
-// (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES), "n256full" the N256 tile with every row tile
-// issued 256 wide (Params::narrow_issue = 0); read once.
+// (gemm_config.cuh's NVFP4MOE_GEMM_VARIANT_TILES); read once. (NVFP4MOE_NARROW_ISSUE=0 replaces
+// its former "n256full".)
 const std::string& gemm_variant() {
   static const std::string v = [] {
     const char* e = std::getenv("NVFP4MOE_GEMM_VARIANT");
@@ -223,10 +225,7 @@ Status grouped_gemm_nvfp4(const GroupedGemmArgs& a, void* stream) noexcept {
                 : tile == GemmTile::kM128N64 ? 64
                 : tile == GemmTile::kM128N128 ? 128
                                               : 256;
-  p.narrow_issue = issue192() ? 2 : 1;
-#if defined(NVFP4MOE_GEMM_VARIANTS)
-  if (gemm_variant() == "n256full") p.narrow_issue = 0;
-#endif
+  p.narrow_issue = narrow_issue_level();
   p.l2_prefetch = l2_prefetch_stages();
 
   // x as a 2-D tensor (k inner, rows outer); boxes of 64 k x block_n rows (64 rows on N256:
