@@ -263,6 +263,11 @@ struct MainloopConsumer {
       // each branch's group and add an empty one, so that the wait for one group in flight waited
       // for the group just issued; an arrive before the branch made it inject one in each (C7519).
       auto wgmmas = [&](auto n) __attribute__((always_inline)) {
+        // (Without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, rs_op_selector silently picks the widest
+        // base shape that divides N, e.g. m64n32 for 160 and 224, m64n16 for 80 and 112.)
+        static_assert(extent<typename Cfg::template MmaOpN<decltype(n)::value>::CRegisters>::value ==
+                          64 * decltype(n)::value / 128,
+                      "the wgmma spans the issue width");
         warpgroup_arrive();
         CUTLASS_PRAGMA_UNROLL
         for (int kb = 0; kb < 4 * Cfg::kFragChunks; ++kb) {

@@ -65,8 +65,14 @@ int l2_prefetch_stages() {
 // changes. NVFP4MOE_TAIL_TILES in the environment (read once; tail_split.hpp's parse_tail_tiles):
 // 0 (off), 32 or 64 (one tail launch on that tile, for every tail of at most that many rows),
 // 32,64 (those two), else all three.
+// NVFP4MOE_TAIL_LARGEST_FIRST=1 (an experiment, read once): the tail launches largest tile first
+// (TailTiles::largest_first).
 gemm::TailTiles tail_tiles() {
-  static const gemm::TailTiles t = gemm::parse_tail_tiles(std::getenv("NVFP4MOE_TAIL_TILES"));
+  static const gemm::TailTiles t = [] {
+    gemm::TailTiles x = gemm::parse_tail_tiles(std::getenv("NVFP4MOE_TAIL_TILES"));
+    x.largest_first = env::integer("NVFP4MOE_TAIL_LARGEST_FIRST", 0, 0, 1) == 1;
+    return x;
+  }();
   return t;
 }
 

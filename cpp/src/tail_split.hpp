@@ -17,6 +17,10 @@ constexpr int kTailBlock = 256;
 // (n64), when 65-128 on the 128x128 tile (n128). None: no split.
 struct TailTiles {
   bool n32, n64, n128;
+  // The tail launches from the largest tail tile down (128x128 first) instead of from the smallest
+  // (NVFP4MOE_TAIL_LARGEST_FIRST=1, an experiment): the launch that ends the GEMM then has the
+  // shortest tiles, so its last wave is the least ragged.
+  bool largest_first = false;
   constexpr int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
 };
 
@@ -39,7 +43,8 @@ struct TailLaunch {
 constexpr int kMaxTailLaunches = 4;
 
 // The launches of one GEMM on the 128x256 tile, in order (each waits for the one before it, but
-// when the tails overlap, grouped_gemm.cu's tail_overlap()):
+// when the tails overlap, grouped_gemm.cu's tail_overlap(); the tails smallest tile first, or
+// largest first with TailTiles::largest_first):
 // without tail tiles one launch of every row; else the head (every whole 256-row tile, and a last
 // tile of more rows than the largest tail tile takes) on 128x256, then one launch per tail tile,
 // taking the tails of (tail_lo, tail_hi] rows. Returns the number of launches written to `out`.
@@ -60,6 +65,13 @@ inline int tail_split_plan(TailTiles t, TailLaunch (&out)[kMaxTailLaunches]) {
     lo = 64;
   }
   if (t.n128) out[n++] = TailLaunch{128, kTailRows, lo, 128};
+  if (t.largest_first) {
+    for (int i = 1, j = n - 1; i < j; ++i, --j) {
+      const TailLaunch x = out[i];
+      out[i] = out[j];
+      out[j] = x;
+    }
+  }
   return n;
 }
 

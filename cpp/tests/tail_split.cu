@@ -141,6 +141,20 @@ int main() {
     m.expert_offsets = bad.data();
     m.total_rows = 600;
     check_cover(name, t, m, false);
+    // The same launches largest tail tile first: the tails' tiles strictly descending, the same
+    // rows covered.
+    TailTiles tl = t;
+    tl.largest_first = true;
+    TailLaunch rev[kMaxTailLaunches];
+    CHECK(tail_split_plan(tl, rev) == launches, "%s, largest first: launch count", name);
+    for (int i = 1; i < launches; ++i) {
+      CHECK(rev[i].block_n == plan[launches - i].block_n && rev[i].tail_lo == plan[launches - i].tail_lo &&
+                (i == 1 || rev[i].block_n < rev[i - 1].block_n),
+            "%s, largest first: launch %d is N%d", name, i, rev[i].block_n);
+    }
+    check_cover(name, tl, p, true);
+    check_cover(name, tl, q, true);
+    check_cover(name, tl, m, false);
   }
   if (failures) {
     std::fprintf(stderr, "tail_split: %d failures\n", failures);
