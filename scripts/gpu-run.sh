@@ -40,13 +40,14 @@ for t in "$here"/tests/*; do
 done
 # The 128x256 tile's tail split with one tail tile, with two (65-128 rows stay with the head; the
 # run above has 128x32, 128x64 and 128x128), with the tails after the head instead of beside it
-# (NVFP4MOE_TAIL_OVERLAP=0), without a split, with its 129-192-row tiles issued 256 wide
-# (NVFP4MOE_NARROW_ISSUE=1) and all wgmmas tile-wide (=0; each setting is read once per process): the
-# tests that compare it bit for bit.
+# (NVFP4MOE_TAIL_OVERLAP=0), without a split, with the tail launches largest tile first
+# (NVFP4MOE_TAIL_LARGEST_FIRST=1), and at each narrow-issue level below the default (2: the 128x128
+# tile's row tiles whole; 1: also 128x256's 129-192-row tiles 256 wide; 0: every tile whole; each
+# setting is read once per process): the tests that compare it bit for bit.
 if [ -x "$here/tests/test-gpu" ] && [[ test-gpu == *"${NVFP4MOE_TESTS:-}"* ]]; then
   # (A setting: environment assignments joined by "+", "NVFP4MOE_" left off.)
   for tt in TAIL_TILES=32 TAIL_TILES=64 TAIL_TILES=32,64 TAIL_OVERLAP=0 TAIL_OVERLAP=0+NVFP4MOE_TAIL_TILES=32,64 \
-    TAIL_TILES=0 NARROW_ISSUE=1 NARROW_ISSUE=0; do
+    TAIL_TILES=0 TAIL_LARGEST_FIRST=1 NARROW_ISSUE=2 NARROW_ISSUE=1 NARROW_ISSUE=0; do
     log="$out/test-gpu-${tt//[=,+]/-}.log"
     IFS=+ read -ra kv <<<"NVFP4MOE_$tt"
     env "${kv[@]}" timeout 300 "$here/tests/test-gpu" --include-ignored --test-threads=2 tail_split \

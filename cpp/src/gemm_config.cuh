@@ -241,8 +241,8 @@ struct Config {
 // - N256 (issue 22), prefill beyond 128 rows per expert: each converted A fragment feeds a 64x256
 //   wgmma (the wgmma probe: in-register conversion does not hide under N128's wgmmas, 604 against
 //   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
-//   last row tile issues 64 or 128 wide (Config::kNarrowIssue), and its last 1-64 rows run on N32
-//   or N64 in launches of their own (grouped_gemm.cu's tail split). 128 accumulators per consumer
+//   last row tile issues 64, 128 or 192 wide (Config::kNarrowIssue), and its last 1-128 rows run on
+//   N32, N64 or N128 in launches of their own (grouped_gemm.cu's tail split). 128 accumulators per consumer
 //   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
 //   (H100, 2026-12-07): the layer 4-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,
 //   uniform and skewed routing), deepseek-v3 L1 / L2 5284 / 2890 us against 6177 / 3332; at exactly

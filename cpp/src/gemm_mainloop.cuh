@@ -35,7 +35,8 @@ CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA
 }
 
 // The rows the tile's wgmmas span: kBlockN, or on kNarrowIssue tiles the least width of the
-// tile's set that holds the tile's `tile_rows` rows (the producer and the consumers decide alike).
+// tile's set that holds the tile's `tile_rows` rows (the consumers; the producer loads the x boxes
+// that hold the rows, which the width covers).
 // Params::narrow_issue 1: N256 64 / 128 / 256; 2: N256 also 192; 3: N128 (but kSwigluNvfp4's)
 // also 64 / 96 / 128.
 template <class Cfg>
@@ -184,7 +185,7 @@ struct MainloopProducer {
 // tiles: issue_rows()), on the first accumulators.
 template <class Cfg>
 struct MainloopConsumer {
-  // Its lambdas are inlined by force: with the three wgmma widths of kNarrowIssue tiles, ptxas
+  // Its lambdas are inlined by force: with the several wgmma widths of kNarrowIssue tiles, ptxas
   // otherwise got an outlined lambda (C7510) or too few registers (C7511) and serialized every
   // wgmma (N256, CUDA 13.0).
   template <class Pipeline, class State, class TiledMma, class FragB, class FragA, class Accum>

@@ -147,6 +147,8 @@ int main() {
     tl.largest_first = true;
     TailLaunch rev[kMaxTailLaunches];
     CHECK(tail_split_plan(tl, rev) == launches, "%s, largest first: launch count", name);
+    CHECK(rev[0].block_n == plan[0].block_n && rev[0].row_part == plan[0].row_part && rev[0].tail_hi == plan[0].tail_hi,
+          "%s, largest first: the head is not first", name);
     for (int i = 1; i < launches; ++i) {
       CHECK(rev[i].block_n == plan[launches - i].block_n && rev[i].tail_lo == plan[launches - i].tail_lo &&
                 (i == 1 || rev[i].block_n < rev[i - 1].block_n),

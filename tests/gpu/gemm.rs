@@ -331,8 +331,9 @@ pub(crate) mod grouped {
 
     /// Batch invariance: with split-K off, one row per expert (a launch that would split K) gives the
     /// same bits as the same row inside launches of 300 and 380 rows per expert, on every tile: the
-    /// first row and the last (whose row tile holds 44 or 124 rows: the 128x256 tile issues those
-    /// 64 and 128 wide, the first 256 wide).
+    /// first row and the last (whose row tile holds 44 or 124 rows: the 128x128 tile issues those
+    /// 64 and 128 wide; on the 128x256 tile they are tails, run on the 128x64 and 128x128 tiles, or
+    /// with `NVFP4MOE_TAIL_TILES=0` issued 64 and 128 wide, the first row tile 256 wide).
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn batch_invariant_rows_do_not_depend_on_the_launch() {
