@@ -1,32 +1,61 @@
 #!/usr/bin/env bash
-# The GPU call session 27 could not make (device time), for the next session: on the GPU machine
-# (device tool) from the repository root, over a slim bundle ($NVFP4MOE_BUNDLE, default gpu-slim:
-# nvfp4-moe.gz, tests/test-gpu.gz and the .py files of gpu-bundle/, carried):
-#   bash scripts/gpu-next-call.sh
-# In order: the tail tests under NVFP4MOE_TAIL_LARGEST_FIRST=1 and its A/B at T = 8192 (three presets,
-# three routings, two rounds), compute-sanitizer memcheck of the tail tests, issue 22's balanced
-# sweep and PyTorch BF16 beside it, and a table of the two. Logs go to $OUT.
+# Session 28's GPU calls (issue 22), on the GPU machine (device tool) from the repository root, over
+# a slim bundle ($NVFP4MOE_BUNDLE, default gpu-slim: nvfp4-moe.gz, tests/test-gpu.gz and the .py
+# files of gpu-bundle/) and the previous build's CLI ($NVFP4MOE_BASE_CLI, default
+# gpu-base/nvfp4-moe, gzipped or not), both carried:
+#   bash scripts/gpu-next-call.sh ab      # call 1
+#   bash scripts/gpu-next-call.sh suite   # call 2
+# ab: the tail tests and the per-expert reference test at the default narrow issue (level 4); the
+#   layer at T = 8192 (three presets, three routings, two rounds) under the previous build, this
+#   build, this build at NVFP4MOE_NARROW_ISSUE=3, NVFP4MOE_TAIL_LARGEST_FIRST=1 and
+#   NVFP4MOE_TAIL_TILES=32,128; then the previous build against this one at T = 256-2048 (the
+#   128x64 tile's rows: 33-64 per expert), two rounds.
+# suite: every GPU test of gemm::, layer::, layer_ and faults::; the tail tests at narrow issue 3,
+#   2 and 0; compute-sanitizer memcheck of the tail tests; issue 22's balanced sweep with PyTorch
+#   BF16 beside it, and a table of the two. Logs go to $OUT.
 set -u
 out=${OUT:-$PWD/gpu-out}; mkdir -p "$out"
 b=${NVFP4MOE_BUNDLE:-gpu-slim}
-for f in $b/nvfp4-moe $b/tests/test-gpu; do [ -e $f.gz ] && gunzip -f $f.gz; chmod +x $f; done
+base=${NVFP4MOE_BASE_CLI:-gpu-base/nvfp4-moe}
+for f in $b/nvfp4-moe $b/tests/test-gpu $base; do [ -e $f.gz ] && gunzip -f $f.gz; chmod +x $f; done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-cat $b/REVISION
-s=$(date +%s)
-NVFP4MOE_TAIL_LARGEST_FIRST=1 timeout 100 $b/tests/test-gpu --include-ignored --test-threads=2 tail_split batch_invariant swiglu_nvfp4 swiglu_epilogues >$out/tail-largest-first.log 2>&1
-echo "tail tests LARGEST_FIRST=1 rc=$? $(( $(date +%s)-s ))s $(grep '^test result' $out/tail-largest-first.log | tail -1)"
-SETTINGS="- NVFP4MOE_TAIL_LARGEST_FIRST=1" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b timeout 120 bash scripts/gpu-tail-ab.sh
-s=$(date +%s)
-timeout --kill-after=10s 100 compute-sanitizer --tool memcheck --error-exitcode 9 $b/tests/test-gpu --include-ignored \
-  --test-threads=1 tail_split batch_invariant >$out/memcheck.log 2>&1
-echo "memcheck rc=$? $(( $(date +%s)-s ))s $(grep -E 'ERROR SUMMARY' $out/memcheck.log | sort | uniq -c | tr '\n' ' ') $(grep '^test result' $out/memcheck.log | tail -1)"
-s=$(date +%s)
-timeout 180 $b/nvfp4-moe bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b >$out/sweep.log 2>$out/sweep.err
-echo "sweep rc=$? $(( $(date +%s)-s ))s"
-s=$(date +%s)
-timeout 130 python3 $b/torch_moe_baseline.py --no-fp8 --iters 10 --tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192 >$out/torch.log 2>&1
-echo "torch rc=$? $(( $(date +%s)-s ))s"
-python3 - $out/sweep.log $out/torch.log <<'PY'
+echo "build $(cat $b/REVISION), base $(cat $(dirname $base)/REVISION 2>/dev/null)"
+t=$b/tests/test-gpu
+tests() {  # tests NAME ENV... -- FILTERS...
+  local name=$1 s rc; shift
+  local envs=(); while [ "$1" != -- ]; do envs+=("$1"); shift; done; shift
+  s=$(date +%s)
+  env "${envs[@]}" timeout --kill-after=10s ${TEST_TIMEOUT:-200} $t --include-ignored --test-threads=4 "$@" \
+    >$out/$name.log 2>&1
+  rc=$?
+  echo "tests $name: rc=$rc $(( $(date +%s)-s ))s $(grep '^test result' $out/$name.log | tail -1)"
+  grep -E '^(test .* FAILED|thread .* panicked)' $out/$name.log | head -5
+}
+case "${1:-ab}" in
+ab)
+  tests tail4 -- tail_split batch_invariant swiglu_nvfp4 swiglu_epilogues grouped_gemm_matches_reference_per_expert
+  SETTINGS="CLI=$base - NVFP4MOE_NARROW_ISSUE=3 NVFP4MOE_TAIL_LARGEST_FIRST=1 NVFP4MOE_TAIL_TILES=32,128" ROUNDS=2 \
+    TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b OUT=$out/t8192 \
+    timeout 330 bash scripts/gpu-tail-ab.sh
+  SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b TOKENS=256,512,1024,2048 \
+    ROUTINGS=balanced,uniform NVFP4MOE_BUNDLE=$b OUT=$out/decode timeout 120 bash scripts/gpu-tail-ab.sh
+  ;;
+suite)
+  tests suite -- gemm:: layer:: layer_ faults:: --skip sweep::
+  for lv in 3 2 0; do
+    TEST_TIMEOUT=100 tests tail-narrow$lv NVFP4MOE_NARROW_ISSUE=$lv -- tail_split batch_invariant
+  done
+  s=$(date +%s)
+  timeout --kill-after=10s 120 compute-sanitizer --tool memcheck --error-exitcode 9 $t --include-ignored \
+    --test-threads=1 tail_split batch_invariant >$out/memcheck.log 2>&1
+  echo "memcheck rc=$? $(( $(date +%s)-s ))s $(grep -E 'ERROR SUMMARY' $out/memcheck.log | sort | uniq -c | tr '\n' ' ') $(grep '^test result' $out/memcheck.log | tail -1)"
+  s=$(date +%s)
+  timeout 150 $b/nvfp4-moe bench --preset deepseek-v3,qwen3-30b-a3b,mixtral-8x7b >$out/sweep.log 2>$out/sweep.err
+  echo "sweep rc=$? $(( $(date +%s)-s ))s"
+  s=$(date +%s)
+  timeout 120 python3 $b/torch_moe_baseline.py --no-fp8 --iters 10 --tokens 1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192 >$out/torch.log 2>&1
+  echo "torch rc=$? $(( $(date +%s)-s ))s"
+  python3 - $out/sweep.log $out/torch.log <<'PY'
 import sys
 ours = {}
 for line in open(sys.argv[1]):
@@ -43,4 +72,6 @@ for k in sorted(ours):
     t = torch.get(k)
     print(k[0], k[1], ours[k], t, round(t / ours[k], 3) if t else "-")
 PY
-tail -3 $out/torch.log
+  tail -3 $out/torch.log
+  ;;
+esac

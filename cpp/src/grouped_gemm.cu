@@ -63,8 +63,8 @@ int l2_prefetch_stages() {
 // to 10490 us (-5%), mixtral-8x7b skewed -1.3%, the other rows within the noise (H100, 2026-12-07,
 // session 26, with the tails overlapping the head). Every tile gives the same bits, so only speed
 // changes. NVFP4MOE_TAIL_TILES in the environment (read once; tail_split.hpp's parse_tail_tiles):
-// 0 (off), 32 or 64 (one tail launch on that tile, for every tail of at most that many rows),
-// 32,64 (those two), else all three.
+// 0 (off), or which of 32, 64 and 128 take tails (e.g. 32,128: 33-128-row tails on 128x128),
+// else all three.
 // NVFP4MOE_TAIL_LARGEST_FIRST=1 (an experiment, read once): the tail launches largest tile first
 // (TailTiles::largest_first).
 gemm::TailTiles tail_tiles() {
@@ -93,11 +93,13 @@ bool tail_overlap() {
 // MMA work follows their rows. 1: the 128x256 tile's of at most 64 and 128 rows (session 24); 2:
 // also its 129-192-row tiles (the head's last tile of an expert whose rows past its whole 256-row
 // tiles number 129-192: a quarter of the partial tiles of qwen3-30b-a3b and deepseek-v3 under
-// skewed routing) 192 wide; 3 (default): also the 128x128 tile's of at most 64 and 96 rows (the
-// 65-128-row tails; not with the kSwigluNvfp4 epilogue: gemm_config.cuh).
-// NVFP4MOE_NARROW_ISSUE=0..3 in the environment picks one (read once).
+// skewed routing) 192 wide; 3: also the 128x128 tile's of at most 64 and 96 rows (the 65-128-row
+// tails; not with the kSwigluNvfp4 epilogue: gemm_config.cuh); 4 (default): in steps of an eighth
+// of the tile, also 160 and 224 on 128x256, 80 and 112 on 128x128, and 32 and 48 on 128x64 (its
+// first narrow issue; wgmma_widths.cuh).
+// NVFP4MOE_NARROW_ISSUE=0..4 in the environment picks one (read once).
 int narrow_issue_level() {
-  static const int level = int(env::integer("NVFP4MOE_NARROW_ISSUE", 3, 0, 3));
+  static const int level = int(env::integer("NVFP4MOE_NARROW_ISSUE", 4, 0, 4));
   return level;
 }
 

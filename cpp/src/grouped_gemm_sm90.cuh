@@ -235,8 +235,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     // kNarrowIssue: the rows the tile's wgmmas span (issue_rows()).
     int issue_n = kBlockN;
-    if constexpr (Cfg::kNarrowIssue) {
-      static_assert(!kLateTileValues, "the tile's rows are known before its mainloop");
+    if constexpr (Cfg::kNarrowIssue && kLateTileValues) {
+      // (Only the rows before the mainloop: the other tile values stay late.)
+      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (p.n + kTileM - 1) / kTileM);
+      int2 rr = expert_rows<kBlockN>(p, tc.expert);
+      issue_n = issue_rows<Cfg>(p, min(rr.y - rr.x - tc.n_tile * kBlockN, kBlockN));
+    } else if constexpr (Cfg::kNarrowIssue) {
       issue_n = issue_rows<Cfg>(p, min(tv.row_end - tv.row_begin, kBlockN));
     }
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,

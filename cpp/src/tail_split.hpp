@@ -24,16 +24,30 @@ struct TailTiles {
   constexpr int most() const { return n128 ? 128 : n64 ? 64 : n32 ? 32 : 0; }
 };
 
-// NVFP4MOE_TAIL_TILES's value (null: unset): "0" none, "32" or "64" that one tail tile for every
-// tail of at most that many rows, "32,64" those two (tails of 65-128 rows stay with the head);
-// anything else the default, all three.
+// NVFP4MOE_TAIL_TILES's value (null: unset): "0" none; else a comma-separated ascending subset of
+// 32, 64 and 128, each tile taking the tails of at most its rows that the smaller ones leave (e.g.
+// "32,128": 1-32 rows on 128x32, 33-128 on 128x128; "32,64": the 65-128-row tails stay with the
+// head); anything else (unset, empty, malformed) the default, all three.
 inline TailTiles parse_tail_tiles(const char* v) {
-  if (v == nullptr) return TailTiles{true, true, true};
+  const TailTiles all{true, true, true};
+  if (v == nullptr) return all;
   if (std::strcmp(v, "0") == 0) return TailTiles{false, false, false};
-  if (std::strcmp(v, "32") == 0) return TailTiles{true, false, false};
-  if (std::strcmp(v, "64") == 0) return TailTiles{false, true, false};
-  if (std::strcmp(v, "32,64") == 0) return TailTiles{true, true, false};
-  return TailTiles{true, true, true};
+  TailTiles t{false, false, false};
+  int last = 0;
+  for (const char* c = v; *c != '\0';) {
+    int x = 0, digits = 0;
+    for (; *c >= '0' && *c <= '9' && digits < 4; ++c, ++digits) x = 10 * x + (*c - '0');
+    if (digits == 0 || x <= last || (x != 32 && x != 64 && x != 128)) return all;
+    (x == 32 ? t.n32 : x == 64 ? t.n64 : t.n128) = true;
+    last = x;
+    if (*c == ',') {
+      ++c;
+      if (*c == '\0') return all;  // a trailing comma
+    } else if (*c != '\0') {
+      return all;
+    }
+  }
+  return last == 0 ? all : t;
 }
 
 // One launch of the plan: its tile's rows (kBlockN) and its Params::row_part, tail_lo, tail_hi.

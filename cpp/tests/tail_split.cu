@@ -91,7 +91,11 @@ int main() {
   const Setting settings[] = {
       {nullptr, {true, true, true}, 4}, {"", {true, true, true}, 4},    {"0", {false, false, false}, 1},
       {"32", {true, false, false}, 2},   {"64", {false, true, false}, 2}, {"32,64", {true, true, false}, 3},
-      {"32,64,128", {true, true, true}, 4}, {"128", {true, true, true}, 4},  // (unknown: the default)
+      {"32,64,128", {true, true, true}, 4}, {"128", {false, false, true}, 2}, {"32,128", {true, false, true}, 3},
+      {"64,128", {false, true, true}, 3},
+      // Malformed: the default.
+      {"128,32", {true, true, true}, 4}, {"32,32", {true, true, true}, 4}, {"48", {true, true, true}, 4},
+      {"32,", {true, true, true}, 4}, {"32;64", {true, true, true}, 4}, {"00032", {true, true, true}, 4},
   };
   // Experts of 0 .. 1100 rows: every remainder of 256, more than four whole tiles.
   constexpr int kRowsMax = 1100;
