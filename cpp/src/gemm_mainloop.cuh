@@ -284,23 +284,18 @@ struct MainloopConsumer {
         warpgroup_commit_batch();
       };
       if constexpr (Cfg::kNarrowIssue) {
-        // (N256: 64, 128, 160, 192, 224; N128: 64, 80, 96, 112; N64: 32, 48: issue_rows().) An explicit if-chain,
-        // in this order: ptxas (CUDA 13.0) serialized every wgmma (C7511) of some of these kernels
-        // with other forms: a recursive dispatch over the widths (N256 kPlain, kInterleaved,
-        // kSwigluNvfp4), 160 and 224 tested after 64 (N256 kPlain), CuTe's extended-shape ops for
-        // 80 and 112 (N128 kSwigluBf16), a second wgmma of an eighth of the tile beside a half or
-        // three quarters one, or the width chosen once per tile with one K loop per width.
+        // (N256: 64, 128, 160, 192, 224; N128: 64, 80, 96, 112; N64: 32, 48: issue_rows().) An
+        // explicit if-chain, in this order: ptxas (CUDA 13.0) serialized every wgmma (C7511) of
+        // some of these kernels with other forms: a recursive dispatch over the widths (N256
+        // kPlain, kInterleaved, kSwigluNvfp4), 160 and 224 tested after 64 (N256 kPlain), CuTe's
+        // extended-shape ops for 80 and 112 (N128 kSwigluBf16), a second wgmma of an eighth of the
+        // tile beside a half or three quarters one, or the width chosen once per tile with one K
+        // loop per width.
         constexpr int kHalf = Cfg::kBlockN / 2, kThreeQuarters = 3 * Cfg::kBlockN / 4;
         if (issue_n == kHalf) {
           wgmmas(Int<kHalf>{});
         } else if (issue_n == kThreeQuarters) {
           wgmmas(Int<kThreeQuarters>{});
-        } else if constexpr (Cfg::kBlockN == 64) {
-          if (issue_n == 48) {
-            wgmmas(Int<48>{});
-          } else {
-            wgmmas(Int<Cfg::kBlockN>{});
-          }
         } else if constexpr (Cfg::kBlockN == 256) {
           if (issue_n == 160) {
             wgmmas(Int<160>{});
@@ -311,7 +306,7 @@ struct MainloopConsumer {
           } else {
             wgmmas(Int<Cfg::kBlockN>{});
           }
-        } else {
+        } else if constexpr (Cfg::kBlockN == 128) {
           if (issue_n == 80) {
             wgmmas(Int<80>{});
           } else if (issue_n == 112) {
@@ -319,6 +314,8 @@ struct MainloopConsumer {
           } else {
             wgmmas(Int<Cfg::kBlockN>{});
           }
+        } else {  // N64: its half and three quarters above
+          wgmmas(Int<Cfg::kBlockN>{});
         }
       } else {
         wgmmas(Int<Cfg::kBlockN>{});
