@@ -2,7 +2,9 @@
 //!
 //! - this file: NVFP4 quantization and dequantization (dense and grouped), one GEMM element and
 //!   one SwiGLU element in f64;
-//! - [`routing`]: softmax top-k, the stable permutation, combine, and a whole MoE layer in f64.
+//! - [`routing`]: softmax top-k, the stable permutation, combine, and a whole MoE layer in f64;
+//! - [`fp8`]: the FP8-compute mode's quantizations and GEMM (issue 23), and its error against the
+//!   exact expert block.
 //!
 //! The host types it reads and returns ([`Nvfp4Host`], [`ExpertWeightsHost`]) and their checks
 //! live in [`crate::host`].
@@ -17,6 +19,7 @@
 
 use half::bf16;
 
+pub mod fp8;
 pub mod routing;
 
 /// The weight decode scale rule, defined in [`crate::host`] (production code uses it); kept at
