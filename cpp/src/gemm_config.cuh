@@ -61,7 +61,7 @@ struct Params {
   // row tiles of at most 64 or 96 rows run m64n64 or m64n96 wgmmas; with 4, also N256's of at most
   // 160 or 224 rows, N128's of at most 80 or 112 rows and N64's of at most 32 or 48 rows that width
   // (0: always the whole tile; grouped_gemm.cu's narrow_issue_level()).
-  int narrow_issue = 4;
+  int narrow_issue = 3;
   // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
   int l2_prefetch = 0;

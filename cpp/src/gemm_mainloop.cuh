@@ -38,7 +38,7 @@ CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA
 // tile's set that holds the tile's `tile_rows` rows (the consumers; the producer loads the x boxes
 // that hold the rows, which the width covers).
 // Params::narrow_issue 1: N256 64 / 128 / 256; 2: N256 also 192; 3: N128 (but kSwigluNvfp4's)
-// also 64 / 96 / 128; 4 (default): N256 also 160 and 224, N128 also 80 and 112, N64 32 / 48 / 64
+// also 64 / 96 / 128 (default); 4 (opt-in until run on a GPU): N256 also 160 and 224, N128 also 80 and 112, N64 32 / 48 / 64
 // (wgmma_widths.cuh has the widths CuTe's base set lacks).
 template <class Cfg>
 CUTLASS_DEVICE int issue_rows(const Params& p, int tile_rows) {
