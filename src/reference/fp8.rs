@@ -75,12 +75,12 @@ fn least_scaled_pow2(amax: f32, c: f32) -> f32 {
     s(k)
 }
 
-/// One expert matrix re-expressed for FP8 compute: `[rows, cols]` E4M3 bytes and an f32 scale per
-/// row and `block_k` columns (the last block of a row may be shorter), with the NVFP4 tensor's
-/// decode scale g kept apart: weight ~= e4m3(q) x S x g.
+/// A `[rows, cols]` matrix in E4M3 with an f32 scale per row and `block_k` columns (the last block
+/// of a row may be shorter): element ~= e4m3(code) x scale. The FP8 mode's activations, and its
+/// weights' codes and re-expression scales S ([`Fp8Weights`]).
 #[derive(Clone, Debug)]
-pub struct Fp8Weights {
-    /// Rows (output features).
+pub struct Fp8Tensor {
+    /// Rows (tokens, or output features).
     pub rows: usize,
     /// Columns (K).
     pub cols: usize,
@@ -88,23 +88,31 @@ pub struct Fp8Weights {
     pub block_k: usize,
     /// `[rows, cols]` E4M3 bytes.
     pub codes: Vec<u8>,
-    /// `[rows, ceil(cols / block_k)]` re-expression scales S.
+    /// `[rows, ceil(cols / block_k)]` scales.
     pub scales: Vec<f32>,
-    /// The NVFP4 tensor's decode scale g.
-    pub decode_scale: f32,
 }
 
-impl Fp8Weights {
+impl Fp8Tensor {
     /// Scale blocks per row.
     pub fn blocks(&self) -> usize {
         self.cols.div_ceil(self.block_k)
     }
 
-    /// Element `(r, k)` as the FP8 mode sees it, without g: `e4m3(q) * S` (in f64, exact).
+    /// Element `(r, k)`: `e4m3(code) * scale` (in f64, exact).
     pub fn value(&self, r: usize, k: usize) -> f64 {
         f64::from(e4m3_decode(self.codes[r * self.cols + k]))
             * f64::from(self.scales[r * self.blocks() + k / self.block_k])
     }
+}
+
+/// One expert matrix re-expressed for FP8 compute, with the NVFP4 tensor's decode scale g kept
+/// apart: weight ~= e4m3(q) x S x g.
+#[derive(Clone, Debug)]
+pub struct Fp8Weights {
+    /// The codes q and the re-expression scales S, per row and K block.
+    pub q: Fp8Tensor,
+    /// The NVFP4 tensor's decode scale g.
+    pub decode_scale: f32,
 }
 
 /// Re-expresses expert `e` of `w` (`[n, k]` of `[E, n, k]`) for FP8 compute with K blocks of
@@ -145,7 +153,7 @@ pub fn reexpress_expert(w: &ExpertWeightsHost, e: usize, block_k: usize, rule: F
             }
         }
     }
-    Ok(Fp8Weights { rows, cols, block_k, codes, scales, decode_scale: w.decode_scales[e] })
+    Ok(Fp8Weights { q: Fp8Tensor { rows, cols, block_k, codes, scales }, decode_scale: w.decode_scales[e] })
 }
 
 /// Weight `(e, r, kk)` without the decode scale: e2m1 x e4m3 in f32 (exact; NaN for a NaN scale).
@@ -156,35 +164,6 @@ fn product(w: &ExpertWeightsHost, e: usize, r: usize, kk: usize) -> f32 {
     e2m1_decode(code) * e4m3_decode(w.scales[row * (w.k / 16) + kk / 16])
 }
 
-/// Activations quantized for FP8 compute: `[rows, cols]` E4M3 bytes and an f32 scale per row and
-/// `block_k` columns: value ~= e4m3(q) x a.
-#[derive(Clone, Debug)]
-pub struct Fp8Activations {
-    /// Rows (tokens).
-    pub rows: usize,
-    /// Columns (K).
-    pub cols: usize,
-    /// Columns per scale block.
-    pub block_k: usize,
-    /// `[rows, cols]` E4M3 bytes.
-    pub codes: Vec<u8>,
-    /// `[rows, ceil(cols / block_k)]` scales a.
-    pub scales: Vec<f32>,
-}
-
-impl Fp8Activations {
-    /// Scale blocks per row.
-    pub fn blocks(&self) -> usize {
-        self.cols.div_ceil(self.block_k)
-    }
-
-    /// Element `(r, k)` as the FP8 mode sees it: `e4m3(q) * a` (in f64, exact).
-    pub fn value(&self, r: usize, k: usize) -> f64 {
-        f64::from(e4m3_decode(self.codes[r * self.cols + k]))
-            * f64::from(self.scales[r * self.blocks() + k / self.block_k])
-    }
-}
-
 /// Quantizes `x` (`[rows, cols]`, f32) to E4M3 per row and `block_k` columns, DeepSeek-V3's
 /// recipe: `a = amax / 448` (f32 division; 1.0 for a block without a finite non-zero value),
 /// `q = e4m3(x / a)` (saturating: an infinite element gives ±448, a NaN stays NaN).
@@ -192,7 +171,7 @@ impl Fp8Activations {
 /// # Errors
 /// [`Error::InvalidShape`] for a zero `block_k`, [`Error::BufferTooSmall`] for an `x` shorter than
 /// `rows * cols`.
-pub fn quantize_activations(x: &[f32], rows: usize, cols: usize, block_k: usize) -> Result<Fp8Activations> {
+pub fn quantize_activations(x: &[f32], rows: usize, cols: usize, block_k: usize) -> Result<Fp8Tensor> {
     if block_k == 0 {
         return Err(Error::InvalidShape("FP8 activation block of 0 columns".into()));
     }
@@ -214,7 +193,7 @@ pub fn quantize_activations(x: &[f32], rows: usize, cols: usize, block_k: usize)
             }
         }
     }
-    Ok(Fp8Activations { rows, cols, block_k, codes, scales })
+    Ok(Fp8Tensor { rows, cols, block_k, codes, scales })
 }
 
 /// The FP8 mode's GEMM in f64: `out[r, f] = g * sum_k x(r, k) * w(f, k)` over the quantized
@@ -222,7 +201,8 @@ pub fn quantize_activations(x: &[f32], rows: usize, cols: usize, block_k: usize)
 ///
 /// # Errors
 /// [`Error::InvalidShape`] when the two K differ.
-pub fn gemm(x: &Fp8Activations, w: &Fp8Weights) -> Result<Vec<f64>> {
+pub fn gemm(x: &Fp8Tensor, weights: &Fp8Weights) -> Result<Vec<f64>> {
+    let w = &weights.q;
     if x.cols != w.cols {
         return Err(Error::InvalidShape(format!("FP8 GEMM: activations K {} against weights K {}", x.cols, w.cols)));
     }
@@ -230,7 +210,7 @@ pub fn gemm(x: &Fp8Activations, w: &Fp8Weights) -> Result<Vec<f64>> {
     // Decoded once: rows of values (the products below are then exact f64 multiplies).
     let xv: Vec<f64> = (0..x.rows * k).map(|i| x.value(i / k, i % k)).collect();
     let wv: Vec<f64> = (0..w.rows * k).map(|i| w.value(i / k, i % k)).collect();
-    let g = f64::from(w.decode_scale);
+    let g = f64::from(weights.decode_scale);
     let mut out = vec![0f64; x.rows * w.rows];
     for r in 0..x.rows {
         let xr = &xv[r * k..(r + 1) * k];

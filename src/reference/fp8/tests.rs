@@ -55,7 +55,7 @@ fn reexpressed_weights_round_each_product_once() {
     for (n, k, block_k) in [(16usize, 256usize, 128usize), (8, 80, 64), (4, 48, 16), (8, 96, 1024)] {
         for w in [gaussian_expert(&mut rng, n, k), varied_expert(&mut rng, n, k)] {
             for rule in Fp8WeightScale::ALL {
-                let q = reexpress_expert(&w, 0, block_k, rule).unwrap();
+                let q = reexpress_expert(&w, 0, block_k, rule).unwrap().q;
                 assert_eq!(q.blocks(), k.div_ceil(block_k));
                 for r in 0..n {
                     for b in 0..q.blocks() {
@@ -105,7 +105,7 @@ fn the_scale_forms_keep_their_codes_exact() {
         (Fp8WeightScale::ThreeHalvesPow2, [1.5f32, 3.0, 6.0].as_slice()),
         (Fp8WeightScale::Pow2, &[0.5, 1.0, 2.0, 4.0]),
     ] {
-        let q = reexpress_expert(&w, 0, 128, rule).unwrap();
+        let q = reexpress_expert(&w, 0, 128, rule).unwrap().q;
         let (mut checked, mut other_inexact) = (0, 0);
         for r in 0..n {
             for kk in 0..k {
@@ -137,7 +137,7 @@ fn three_halves_pow2_is_the_most_accurate_form_on_gaussian_weights() {
     let w = gaussian_expert(&mut rng, n, k);
     let exact: Vec<f64> = (0..n * k).map(|i| f64::from(product(&w, 0, i / k, i % k))).collect();
     let err = |rule| {
-        let q = reexpress_expert(&w, 0, 128, rule).unwrap();
+        let q = reexpress_expert(&w, 0, 128, rule).unwrap().q;
         let y: Vec<f64> = (0..n * k).map(|i| q.value(i / k, i % k)).collect();
         relative_errors(&y, &exact, k).0
     };
@@ -155,13 +155,13 @@ fn nan_blocks_stay_nan_and_do_not_scale_their_neighbours() {
     let mut rng = Rng::new(0xf8_0004);
     let (n, k) = (4usize, 128usize);
     let mut w = gaussian_expert(&mut rng, n, k);
-    let clean = reexpress_expert(&w, 0, 128, Fp8WeightScale::ThreeHalvesPow2).unwrap();
+    let clean = reexpress_expert(&w, 0, 128, Fp8WeightScale::ThreeHalvesPow2).unwrap().q;
     // Row 1's second 16-element block: NaN. Its scale was not the row's largest, so S is unchanged.
     let row1 = &mut w.scales[k / 16..2 * k / 16];
     let largest = row1.iter().enumerate().max_by_key(|(_, &s)| s).map(|(i, _)| i).unwrap();
     let nan_block = if largest == 1 { 2 } else { 1 };
     row1[nan_block] = 0x7F;
-    let q = reexpress_expert(&w, 0, 128, Fp8WeightScale::ThreeHalvesPow2).unwrap();
+    let q = reexpress_expert(&w, 0, 128, Fp8WeightScale::ThreeHalvesPow2).unwrap().q;
     assert_eq!(q.scales, clean.scales);
     for kk in 0..k {
         let nan = (kk / 16) == nan_block;
@@ -231,8 +231,8 @@ fn gemm_sums_the_quantized_products() {
                 for kk in 0..k {
                     let xv = f64::from(e4m3_decode(xq.codes[r * k + kk]))
                         * f64::from(xq.scales[r * k.div_ceil(ab) + kk / ab]);
-                    let wv =
-                        f64::from(e4m3_decode(q.codes[f * k + kk])) * f64::from(q.scales[f * k.div_ceil(wb) + kk / wb]);
+                    let wv = f64::from(e4m3_decode(q.q.codes[f * k + kk]))
+                        * f64::from(q.q.scales[f * k.div_ceil(wb) + kk / wb]);
                     want += xv * wv;
                 }
                 let want = want * f64::from(w.decode_scales[0]);
