@@ -180,8 +180,8 @@ struct Config {
   static constexpr int kBoxRows = x_box_rows(kBlockN_);
   static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
 
-  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also 64, 96, 128, 192, and at
-  // narrow issue level 4 N256's 160 and 224 from wgmma_widths.cuh).
+  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also their narrower widths:
+  // issue_rows(); 48, 80, 112, 160 and 224, outside CuTe's base set, from wgmma_widths.cuh).
   template <int N>
   using MmaOpN = std::conditional_t<
       std::is_void_v<typename RsBf16F32<N>::type>,
@@ -249,7 +249,8 @@ struct Config {
 // - N256 (issue 22), prefill beyond 128 rows per expert: each converted A fragment feeds a 64x256
 //   wgmma (the wgmma probe: in-register conversion does not hide under N128's wgmmas, 604 against
 //   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
-//   last row tile issues 64, 128 or 192 wide (Config::kNarrowIssue), and its last 1-128 rows run on
+//   last row tile issues narrower wgmmas (Config::kNarrowIssue: 64, 128, 192, and at level 4 160
+//   and 224), and its last 1-128 rows run on
 //   N32, N64 or N128 in launches of their own (grouped_gemm.cu's tail split). 128 accumulators per consumer
 //   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
 //   (H100, 2026-12-07): the layer 4-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,

@@ -14,7 +14,8 @@ constexpr int kTailBlock = 256;
 
 // The tail tiles in use: an expert's rows past its last whole kTailBlock-row tile (its rem), when
 // at most 32, on the 128x32 tile (n32), when at most 64 (or 33-64 with n32) on the 128x64 tile
-// (n64), when 65-128 on the 128x128 tile (n128). None: no split.
+// (n64), when at most 128 (past what n32 and n64 take: 65-128 with n64) on the 128x128 tile
+// (n128). None: no split.
 struct TailTiles {
   bool n32, n64, n128;
   // The tail launches from the largest tail tile down (128x128 first) instead of from the smallest

@@ -8,17 +8,22 @@
 //! apply a scale that changes every 16 elements of K. So the FP8 mode rounds each product `u` to
 //! E4M3 under a coarser f32 scale S (one per row and `block_k` elements of K):
 //! `q = e4m3(u / S)`, with `u / S` one f32 division. For the two power-of-two forms the exact
-//! quotient is (E2M1 / 1.5 or E2M1) x (an E4M3 value) x 2^j, and m / 3 for a 4-bit m is either
-//! exact or ends in the repeating bits 01 / 10, a third of an ulp from any E4M3 tie: a kernel
-//! that multiplies by the reciprocal (or looks the 8 magnitudes of a 16-element block up in a
-//! table made once per block) gets the same byte. Under `amax / 448` the f32 quotient can land on
-//! a tie the exact one is not on (a double rounding); the mode rounds the f32 quotient, so a
-//! kernel must divide as this does to match it byte for byte.
+//! quotient is (E2M1 / 1.5 or E2M1) x (an E4M3 value) x 2^j: either a value of at most 5
+//! significant bits, exact in f32 (it may be an E4M3 tie, as 1.6875 is, and is then rounded as
+//! one either way: `u * RN(1/S)` is within 2^-25 of it, under half an f32 ulp, so it rounds back
+//! to the same f32), or m / 3 for a 4-bit m, whose bits repeat 01 / 10, a third of an E4M3 ulp
+//! from any tie. So a kernel that multiplies by the reciprocal (or looks the 8 magnitudes of a
+//! 16-element block up in a table made once per block) gets the same byte
+//! (`reciprocal_multiply_gives_the_division_bytes_for_the_pow2_forms` checks it exhaustively).
+//! Under `amax / 448` the f32 quotient can land on a tie the exact one is not on (a double
+//! rounding); the mode rounds the f32 quotient, so a kernel must divide as this does to match it
+//! byte for byte.
 //!
 //! Every step is an IEEE f32 operation with round-to-nearest-even, as the kernels will do it; the
-//! sums are f64 (the products of two E4M3 values and an f32 scale pair are exact in f64; the FP8
-//! wgmma's reduced-precision sums inside a promotion block are the kernels' tolerance, not
-//! modelled here).
+//! sums are f64 (a product of two quantized values is exact in f64 under the power-of-two forms;
+//! under `amax / 448` two f32 scales' 24-bit significands with two E4M3 values' 4 can need 56 bits,
+//! a relative error of 2^-53 per product; the FP8 wgmma's reduced-precision sums inside a
+//! promotion block are the kernels' tolerance, not modelled here).
 
 use half::bf16;
 
@@ -46,30 +51,35 @@ impl Fp8WeightScale {
         [Fp8WeightScale::ThreeHalvesPow2, Fp8WeightScale::Pow2, Fp8WeightScale::AmaxOver448];
 
     /// The rule's S for a block whose largest finite |product| is `amax` (1.0 for a block of
-    /// zeros, whose codes are 0 under any S).
+    /// zeros, whose codes are 0 under any S). S is a normal f32: for an amax below 448 times
+    /// f32's smallest normal, the smallest normal S of the form (every product then rounds to
+    /// E4M3's subnormals or zero; NVFP4 products are never that small: at least 2^-10).
     pub fn scale(self, amax: f32) -> f32 {
         if amax.is_nan() || amax <= 0.0 || amax.is_infinite() {
             return 1.0;
         }
         match self {
-            Fp8WeightScale::AmaxOver448 => amax / E4M3_MAX,
+            Fp8WeightScale::AmaxOver448 => (amax / E4M3_MAX).max(f32::MIN_POSITIVE),
             Fp8WeightScale::Pow2 => least_scaled_pow2(amax, 1.0),
             Fp8WeightScale::ThreeHalvesPow2 => least_scaled_pow2(amax, 1.5),
         }
     }
 }
 
-/// The least `c * 2^k` (k an integer, the product exact in f32) with `amax / (c * 2^k) <= 448`
-/// in f32 arithmetic. amax is finite and positive.
+/// The least `c * 2^k` (k an integer; k >= -126, so that the product is a normal f32 and exact)
+/// with `amax / (c * 2^k) <= 448` in f32 arithmetic. amax is finite and positive, c is 1 or 1.5.
 fn least_scaled_pow2(amax: f32, c: f32) -> f32 {
+    // 2^k from its bits (exact for k in [-126, 127]); 448 * 2^127 is past f32's largest finite
+    // value, so k <= 127 fits every finite amax.
+    let s = |k: i32| c * f32::from_bits(((k + 127) as u32) << 23);
     // A first guess from the exponents, then exact correction: the test is the one the
     // quantization makes (an f32 division), so the chosen S never lets a product saturate.
-    let mut k = (f64::from(amax) / (f64::from(c) * f64::from(E4M3_MAX))).log2().ceil() as i32;
-    let s = |k: i32| c * (k as f32).exp2();
-    while amax / s(k) > E4M3_MAX {
+    let guess = (f64::from(amax) / (f64::from(c) * f64::from(E4M3_MAX))).log2().ceil();
+    let mut k = (guess as i32).clamp(-126, 127);
+    while k < 127 && amax / s(k) > E4M3_MAX {
         k += 1;
     }
-    while amax / s(k - 1) <= E4M3_MAX {
+    while k > -126 && amax / s(k - 1) <= E4M3_MAX {
         k -= 1;
     }
     s(k)
@@ -116,7 +126,7 @@ pub struct Fp8Weights {
 }
 
 /// Re-expresses expert `e` of `w` (`[n, k]` of `[E, n, k]`) for FP8 compute with K blocks of
-/// `block_k` columns (a positive multiple of 16, or at least `k`: one block per row). A product
+/// `block_k` columns (a positive multiple of 16; one of at least `k` makes one block per row). A product
 /// whose block scale byte is NaN (a NaN block of the checkpoint) stays NaN (E4M3 0x7F) and does
 /// not enter its block's amax; finite products never saturate past 448 and never become NaN.
 ///
@@ -135,7 +145,7 @@ pub fn reexpress_expert(w: &ExpertWeightsHost, e: usize, block_k: usize, rule: F
     let blocks = cols.div_ceil(block_k);
     let mut codes = vec![0u8; rows * cols];
     let mut scales = vec![0f32; rows * blocks];
-    let mut u = vec![0f32; block_k];
+    let mut u = vec![0f32; block_k.min(cols)];
     for r in 0..rows {
         for b in 0..blocks {
             let (k0, k1) = (b * block_k, ((b + 1) * block_k).min(cols));
@@ -186,7 +196,9 @@ pub fn quantize_activations(x: &[f32], rows: usize, cols: usize, block_k: usize)
         for b in 0..blocks {
             let (k0, k1) = (r * cols + b * block_k, r * cols + ((b + 1) * block_k).min(cols));
             let amax = x[k0..k1].iter().filter(|v| v.is_finite()).fold(0f32, |m, v| m.max(v.abs()));
-            let a = if amax > 0.0 { amax / E4M3_MAX } else { 1.0 };
+            // (A quotient that underflows to 0, amax below ~6e-43, counts as no value: 1.0.)
+            let a = amax / E4M3_MAX;
+            let a = if a > 0.0 { a } else { 1.0 };
             scales[r * blocks + b] = a;
             for i in k0..k1 {
                 codes[i] = e4m3_encode(x[i] / a);
@@ -358,8 +370,19 @@ pub fn quantize_expert(x: &[bf16], n: usize, k: usize) -> Result<ExpertWeightsHo
 }
 
 /// Relative errors of `y` against `reference` (`[rows, cols]`): the relative Frobenius error of
-/// the whole, and the worst row's relative error (rows whose reference is all zero are skipped).
+/// the whole, and the worst row's relative error (rows whose reference is all zero are skipped;
+/// an all-zero reference gives 0 where `y` is zero too, else infinity).
+///
+/// # Panics
+/// If the two lengths differ or are not a whole number of rows of `cols > 0` (a study's helper,
+/// for outputs of one shape).
 pub fn relative_errors(y: &[f64], reference: &[f64], cols: usize) -> (f64, f64) {
+    assert!(
+        cols > 0 && y.len() == reference.len() && y.len() % cols == 0,
+        "relative_errors: {} against {} values in rows of {cols}",
+        y.len(),
+        reference.len()
+    );
     let (mut num, mut den, mut worst) = (0f64, 0f64, 0f64);
     for (yr, rr) in y.chunks(cols).zip(reference.chunks(cols)) {
         let n: f64 = yr.iter().zip(rr).map(|(a, b)| (a - b) * (a - b)).sum();
@@ -370,7 +393,14 @@ pub fn relative_errors(y: &[f64], reference: &[f64], cols: usize) -> (f64, f64) 
             worst = worst.max((n / d).sqrt());
         }
     }
-    ((num / den).sqrt(), worst)
+    let fro = if den > 0.0 {
+        (num / den).sqrt()
+    } else if num == 0.0 {
+        0.0
+    } else {
+        f64::INFINITY
+    };
+    (fro, worst)
 }
 
 #[cfg(test)]

@@ -25,7 +25,8 @@ fn e2m1_magnitude(w: &ExpertWeightsHost, r: usize, kk: usize) -> f32 {
 #[test]
 fn least_scaled_pow2_is_the_least_that_fits() {
     let mut rng = Rng::new(0x005e_edf8);
-    let mut amaxes: Vec<f32> = vec![f32::MIN_POSITIVE, 1e-30, 448.0, 672.0, 671.9, 1.0, 6.0 * 448.0, 3.0e38];
+    let mut amaxes: Vec<f32> =
+        vec![f32::MIN_POSITIVE, 1e-40, 1e-30, 448.0, 672.0, 671.9, 1.0, 6.0 * 448.0, 3.0e38, f32::MAX];
     amaxes.extend((0..2000).map(|_| rng.uniform(0.5, 1.0) * (rng.range(0, 120) as f32 - 60.0).exp2()));
     for &amax in &amaxes {
         for (rule, c) in [(Fp8WeightScale::Pow2, 1.0f32), (Fp8WeightScale::ThreeHalvesPow2, 1.5)] {
@@ -33,10 +34,15 @@ fn least_scaled_pow2_is_the_least_that_fits() {
             let k = (s / c).log2();
             assert_eq!(k, k.round(), "{rule:?} amax {amax}: S {s} is not {c} x 2^k");
             assert!(amax / s <= E4M3_MAX, "{rule:?} amax {amax}: S {s} lets it pass 448");
-            assert!(amax / (s / 2.0) > E4M3_MAX, "{rule:?} amax {amax}: S / 2 = {} fits too", s / 2.0);
+            if s > c * f32::MIN_POSITIVE {
+                assert!(amax / (s / 2.0) > E4M3_MAX, "{rule:?} amax {amax}: S / 2 = {} fits too", s / 2.0);
+            } else {
+                // The least normal S of the form, for an amax too small for any S to reach 448.
+                assert!(amax / s <= E4M3_MAX && s == c * f32::MIN_POSITIVE, "{rule:?} amax {amax}: S {s}");
+            }
         }
         let s = Fp8WeightScale::AmaxOver448.scale(amax);
-        assert!(amax / s <= E4M3_MAX * (1.0 + 1e-6), "amax / 448: {amax} / {s}");
+        assert!(s.is_normal() && amax / s <= E4M3_MAX * (1.0 + 1e-6), "amax / 448: {amax} / {s}");
     }
     for rule in Fp8WeightScale::ALL {
         assert_eq!(rule.scale(0.0), 1.0);
@@ -310,4 +316,41 @@ fn reciprocal_multiply_gives_the_division_bytes_for_the_pow2_forms() {
         }
     }
     assert_eq!(checked, 2 * 127 * 41 * 8 * 2);
+}
+
+/// The exact block's gate / up convention is the GPU oracle's: its output equals W2 applied to
+/// `swiglu_element`'s SwiGLU (rounded to BF16, the compact intermediate), element for element.
+#[test]
+fn exact_block_follows_the_swiglu_oracle() {
+    let mut rng = Rng::new(0xf8_0008);
+    let (hidden, inter, t) = (64usize, 48usize, 3usize);
+    let w13 = gaussian_expert(&mut rng, 2 * inter, hidden);
+    let w2 = gaussian_expert(&mut rng, hidden, inter);
+    let (g_gate, g_up) = (w13.decode_scales[0], w13.decode_scales[0] * 0.75);
+    let x = rng.normal_bf16(t * hidden, 1.0);
+    let y = expert_ffn_exact(&x, t, &w13, g_up, &w2, 0).unwrap();
+    for r in 0..t {
+        let h: Vec<f64> = (0..inter)
+            .map(|f| {
+                let (_, sw) = crate::reference::swiglu_element(&x, &w13, 0, r, f, g_gate, g_up);
+                f64::from(bf16::from_f64(sw).to_f32())
+            })
+            .collect();
+        for o in 0..hidden {
+            let want = f64::from(w2.decode_scales[0])
+                * h.iter().enumerate().map(|(f, hv)| hv * f64::from(w2.weight(0, o, f))).sum::<f64>();
+            let got = y[r * hidden + o];
+            assert!((got - want).abs() <= 1e-12 * want.abs().max(1e-20), "({r}, {o}): {got} vs {want}");
+        }
+    }
+}
+
+#[test]
+fn relative_errors_of_edge_cases() {
+    assert_eq!(relative_errors(&[1.0, 2.0], &[1.0, 2.0], 2), (0.0, 0.0));
+    assert_eq!(relative_errors(&[0.0, 0.0], &[0.0, 0.0], 1), (0.0, 0.0));
+    assert_eq!(relative_errors(&[1.0, 0.0], &[0.0, 0.0], 1).0, f64::INFINITY);
+    let (fro, worst) = relative_errors(&[1.0, 0.0, 3.0, 4.0], &[0.0, 0.0, 3.0, 3.0], 2);
+    assert!((fro - (2.0f64 / 18.0).sqrt()).abs() < 1e-15 && (worst - (1.0f64 / 18.0).sqrt()).abs() < 1e-15);
+    assert!(std::panic::catch_unwind(|| relative_errors(&[1.0], &[1.0, 2.0], 1)).is_err());
 }
