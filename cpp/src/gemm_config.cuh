@@ -10,7 +10,6 @@
 #include "gemm_splitk.cuh"
 #include "nvfp4_weights.cuh"
 #include "tail_split.hpp"
-#include "wgmma_widths.cuh"
 
 #include <cuda_bf16.h>
 
@@ -58,9 +57,8 @@ struct Params {
   int expert_stride;
   // Tiles with Config::kNarrowIssue: N256's row tiles of at most 64, 128 or (with 2 or more) 192
   // rows run m64n64, m64n128 or m64n192 wgmmas and load only their rows' x boxes; with 3, N128's
-  // row tiles of at most 64 or 96 rows run m64n64 or m64n96 wgmmas; with 4, also N256's of at most
-  // 160 or 224 rows, N128's of at most 80 or 112 rows and N64's of at most 32 or 48 rows that width
-  // (0: always the whole tile; grouped_gemm.cu's narrow_issue_level()).
+  // row tiles of at most 64 or 96 rows run m64n64 or m64n96 wgmmas (0: always the whole tile;
+  // grouped_gemm.cu's narrow_issue_level()).
   int narrow_issue = 3;
   // Tiles with Config::kL2Prefetch (N256): the producer prefetches into L2 the weights of the stage
   // this many stages ahead of the one it loads (0: none; grouped_gemm.cu's l2_prefetch_stages()).
@@ -157,19 +155,16 @@ struct Config {
   // at T = 8192 has 256 +- 16 rows per expert, so half its experts need a second, nearly empty
   // tile; such tails of at most 128 rows now run on the N32, N64 and N128 tiles instead, grouped_gemm.cu,
   // so this serves last tiles of 129-255 rows, and every short one with NVFP4MOE_TAIL_TILES=0).
-  // A short tile issues m64n64, m64n128, m64n160, m64n192 or m64n224 wgmmas on the first accumulators, which hold
-  // the first 64, 128, ... rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
+  // A short tile issues m64n64, m64n128 or m64n192 wgmmas on the first accumulators, which hold
+  // the first 64, 128 or 192 rows (wgmma's D layout: value i is row 8 (i / 4) + ...), and loads only the x
   // boxes that hold rows: its MMA work and x bytes follow its rows; its weights are converted once
   // either way. The columns past the tile's rows read whatever the stage holds; a wgmma column
   // depends on its own B column only, and those rows are never stored.
-  // N128 (the 65-128-row tails and prefill at 65-128 rows per expert): 64, 80, 96 or 112 wide likewise
-  // (Params::narrow_issue 3 and 4); its one x box holds every row either way. N64 (the 33-64-row
-  // tails, decode at 33-64 rows per expert): 32 or 48 wide (level 4; its rows are read before the
-  // mainloop, its other tile values after it). Not with the quantizer warps (kSwigluNvfp4): at
-  // their 224 consumer registers the extra widths made ptxas serialize every wgmma of N128 (C7511,
-  // CUDA 13.0); nor on the four-consumer N64 variants.
-  static constexpr bool kNarrowIssue =
-      kBlockN_ == 256 || ((kBlockN_ == 128 || (kBlockN_ == 64 && kConsumers_ == 2)) && !kQuantizerWarps);
+  // N128 (the 65-128-row tails and prefill at 65-128 rows per expert): 64 or 96 wide likewise
+  // (Params::narrow_issue 3); its one x box holds every row either way. Not with the quantizer
+  // warps (kSwigluNvfp4): at their 224 consumer registers the extra widths made ptxas serialize
+  // every wgmma (C7511, CUDA 13.0).
+  static constexpr bool kNarrowIssue = kBlockN_ == 256 || (kBlockN_ == 128 && !kQuantizerWarps);
   // N256: a short row tile has little MMA work per 64-K stage, so its stages come as fast as
   // memory latency allows, and its 4 stages in flight (the x tiles' shared memory bounds them) do
   // not cover an HBM round trip: deepseek-v3 L1 under uniform routing spent ~48 us on each tile of
@@ -180,13 +175,10 @@ struct Config {
   static constexpr int kBoxRows = x_box_rows(kBlockN_);
   static_assert(kBlockN_ % kBoxRows == 0, "a tile is a whole number of x boxes");
 
-  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also their narrower widths:
-  // issue_rows(); 48, 80, 112, 160 and 224, outside CuTe's base set, from wgmma_widths.cuh).
+  // The register-A wgmma of N rows (kBlockN; kNarrowIssue tiles also 64, 128 and 192).
   template <int N>
-  using MmaOpN = std::conditional_t<
-      std::is_void_v<typename RsBf16F32<N>::type>,
-      decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float, Shape<_64, Int<N>, Int<kStageK>>>()),
-      typename RsBf16F32<N>::type>;
+  using MmaOpN =
+      decltype(SM90::GMMA::rs_op_selector<bfloat16_t, bfloat16_t, float, Shape<_64, Int<N>, Int<kStageK>>>());
   using MmaOp = MmaOpN<kBlockN>;
   using TiledMma = decltype(make_tiled_mma(MmaOp{}));
   // x tile per stage: (kBlockN, 64 kChunks, stages), K-major with the 128-byte swizzle TMA writes;
@@ -249,8 +241,7 @@ struct Config {
 // - N256 (issue 22), prefill beyond 128 rows per expert: each converted A fragment feeds a 64x256
 //   wgmma (the wgmma probe: in-register conversion does not hide under N128's wgmmas, 604 against
 //   967 TFLOP/s without it, and mostly does under N256's, 927; H100 2026-12-06); an expert's short
-//   last row tile issues narrower wgmmas (Config::kNarrowIssue: 64, 128, 192, and at level 4 160
-//   and 224), and its last 1-128 rows run on
+//   last row tile issues 64, 128 or 192 wide (Config::kNarrowIssue), and its last 1-128 rows run on
 //   N32, N64 or N128 in launches of their own (grouped_gemm.cu's tail split). 128 accumulators per consumer
 //   thread, 4 stages of 36.5 KiB and a 64 KiB epilogue buffer (215 KiB). Against N128 at T = 8192
 //   (H100, 2026-12-07): the layer 4-14% faster (deepseek-v3, mixtral-8x7b, qwen3-30b-a3b; balanced,

@@ -38,12 +38,10 @@ CUTLASS_DEVICE void wgmma_rs(FragA const& a, uint64_t desc_b, Accum& accum, GMMA
 // tile's set that holds the tile's `tile_rows` rows (the consumers; the producer loads the x boxes
 // that hold the rows, which the width covers).
 // Params::narrow_issue 1: N256 64 / 128 / 256; 2: N256 also 192; 3: N128 (but kSwigluNvfp4's)
-// also 64 / 96 / 128 (default); 4 (opt-in until run on a GPU): N256 also 160 and 224, N128 also 80 and 112, N64 32 / 48 / 64
-// (wgmma_widths.cuh has the widths CuTe's base set lacks).
+// also 64 / 96 / 128.
 template <class Cfg>
 CUTLASS_DEVICE int issue_rows(const Params& p, int tile_rows) {
   if constexpr (Cfg::kNarrowIssue && Cfg::kBlockN == 256) {
-    if (p.narrow_issue >= 4 && tile_rows > 128) return (tile_rows + 31) / 32 * 32;
     if (p.narrow_issue > 0) {
       return tile_rows <= 64                            ? 64
              : tile_rows <= 128                         ? 128
@@ -51,10 +49,7 @@ CUTLASS_DEVICE int issue_rows(const Params& p, int tile_rows) {
                                                         : 256;
     }
   } else if constexpr (Cfg::kNarrowIssue && Cfg::kBlockN == 128) {
-    if (p.narrow_issue >= 4 && tile_rows > 64) return (tile_rows + 15) / 16 * 16;
     if (p.narrow_issue >= 3) return tile_rows <= 64 ? 64 : tile_rows <= 96 ? 96 : 128;
-  } else if constexpr (Cfg::kNarrowIssue && Cfg::kBlockN == 64) {
-    if (p.narrow_issue >= 4) return tile_rows <= 32 ? 32 : tile_rows <= 48 ? 48 : 64;
   }
   return Cfg::kBlockN;
 }
@@ -284,37 +279,19 @@ struct MainloopConsumer {
         warpgroup_commit_batch();
       };
       if constexpr (Cfg::kNarrowIssue) {
-        // (N256: 64, 128, 160, 192, 224; N128: 64, 80, 96, 112; N64: 32, 48: issue_rows().) An
-        // explicit if-chain, in this order: ptxas (CUDA 13.0) serialized every wgmma (C7511) of
-        // some of these kernels with other forms: a recursive dispatch over the widths (N256
-        // kPlain, kInterleaved, kSwigluNvfp4), 160 and 224 tested after 64 (N256 kPlain), CuTe's
-        // extended-shape ops for 80 and 112 (N128 kSwigluBf16), a second wgmma of an eighth of the
-        // tile beside a half or three quarters one, or the width chosen once per tile with one K
-        // loop per width.
+        // (N256: 64, 128, 192; N128: 64, 96: issue_rows().)
         constexpr int kHalf = Cfg::kBlockN / 2, kThreeQuarters = 3 * Cfg::kBlockN / 4;
         if (issue_n == kHalf) {
           wgmmas(Int<kHalf>{});
         } else if (issue_n == kThreeQuarters) {
           wgmmas(Int<kThreeQuarters>{});
         } else if constexpr (Cfg::kBlockN == 256) {
-          if (issue_n == 160) {
-            wgmmas(Int<160>{});
-          } else if (issue_n == 224) {
-            wgmmas(Int<224>{});
-          } else if (issue_n == 64) {
+          if (issue_n == 64) {
             wgmmas(Int<64>{});
           } else {
             wgmmas(Int<Cfg::kBlockN>{});
           }
-        } else if constexpr (Cfg::kBlockN == 128) {
-          if (issue_n == 80) {
-            wgmmas(Int<80>{});
-          } else if (issue_n == 112) {
-            wgmmas(Int<112>{});
-          } else {
-            wgmmas(Int<Cfg::kBlockN>{});
-          }
-        } else {  // N64: its half and three quarters above
+        } else {
           wgmmas(Int<Cfg::kBlockN>{});
         }
       } else {

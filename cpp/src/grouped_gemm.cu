@@ -93,14 +93,11 @@ bool tail_overlap() {
 // MMA work follows their rows. 1: the 128x256 tile's of at most 64 and 128 rows (session 24); 2:
 // also its 129-192-row tiles (the head's last tile of an expert whose rows past its whole 256-row
 // tiles number 129-192: a quarter of the partial tiles of qwen3-30b-a3b and deepseek-v3 under
-// skewed routing) 192 wide; 3: also the 128x128 tile's of at most 64 and 96 rows (the 65-128-row
-// tails; not with the kSwigluNvfp4 epilogue: gemm_config.cuh; the default); 4 (built in session 28,
-// opt-in until its tests and timings have run on a GPU): in steps of an eighth
-// of the tile, also 160 and 224 on 128x256, 80 and 112 on 128x128, and 32 and 48 on 128x64 (its
-// first narrow issue; wgmma_widths.cuh).
-// NVFP4MOE_NARROW_ISSUE=0..4 in the environment picks one (read once).
+// skewed routing) 192 wide; 3 (default): also the 128x128 tile's of at most 64 and 96 rows (the
+// 65-128-row tails; not with the kSwigluNvfp4 epilogue: gemm_config.cuh).
+// NVFP4MOE_NARROW_ISSUE=0..3 in the environment picks one (read once).
 int narrow_issue_level() {
-  static const int level = int(env::integer("NVFP4MOE_NARROW_ISSUE", 3, 0, 4));
+  static const int level = int(env::integer("NVFP4MOE_NARROW_ISSUE", 3, 0, 3));
   return level;
 }
 

@@ -18,8 +18,8 @@
 //   warpgroups 1.. kConsumers (consumers): each owns 64 of the tile's features. Per 64-K chunk, each thread
 //     reads its 16 code bytes and 8 scale bytes, converts them to BF16 A fragments exactly
 //     (shift/mask/or and one bf16x2 multiply per pair), and issues 4 m64 x kBlockN x k16 wgmmas
-//     as one group (narrower on a short row tile: N256 64, 128 or 192 wide, N128 64 or 96, and at
-//     narrow issue level 4 also N256 160 / 224, N128 80 / 112, N64 32 / 48: issue_rows(); N256's tails of at most 128 rows go to the N32 / N64 / N128 tiles, grouped_gemm.cu). Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
+//     as one group (narrower on a short row tile: N256 64, 128 or 192 wide, N128 64 or 96,
+//     issue_rows(); N256's tails of at most 128 rows go to the N32 / N64 / N128 tiles, grouped_gemm.cu). Unpipelined (the tiles at two CTAs per SM: 80 registers): each fragment's
 //     group retires before the next conversion, and the other CTA's warpgroups fill the wait.
 //     Pipelined (N128 and N256, one CTA per SM): two fragments, one group in flight. The epilogue multiplies by g_e * 2^8, rounds to BF16 and stores through
 //     shared memory with 16-byte row-masked stores (rows past the expert's end are never written).
@@ -235,12 +235,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     // kNarrowIssue: the rows the tile's wgmmas span (issue_rows()).
     int issue_n = kBlockN;
-    if constexpr (Cfg::kNarrowIssue && kLateTileValues) {
-      // (Only the rows before the mainloop: the other tile values stay late.)
-      TileCoord tc = decode_tile(tile, ss.tile_prefix, p.experts, (p.n + kTileM - 1) / kTileM);
-      int2 rr = expert_rows<kBlockN>(p, tc.expert);
-      issue_n = issue_rows<Cfg>(p, min(rr.y - rr.x - tc.n_tile * kBlockN, kBlockN));
-    } else if constexpr (Cfg::kNarrowIssue) {
+    if constexpr (Cfg::kNarrowIssue) {
+      static_assert(!kLateTileValues, "the tile's rows are known before its mainloop");
       issue_n = issue_rows<Cfg>(p, min(tv.row_end - tv.row_begin, kBlockN));
     }
     MainloopConsumer<Cfg>::mma_tile(pipeline, state, ss, cw, t, tiled_mma, tCrB, tCrA0, tCrA1, accum, kc_begin,

@@ -398,8 +398,7 @@ fn swiglu_nvfp4_equals_quantized_compact() {
 /// the `PlainBf16`, `SwigluBf16` and `SwigluNvfp4` outputs under `M128N256`, and under `Auto`, which
 /// picks that tile here, equal the 128x128 tile's bit for bit (every tile gives the same bits; the
 /// batch-invariance test), with tails of 0, 1, 32, 33, 63, 64, 65, 72, 96 and 128 rows, head tiles
-/// of 129-200 rows (issued 192 and 256 wide; run it under `NVFP4MOE_NARROW_ISSUE=4` too, as
-/// scripts/gpu-run.sh does), experts of only a tail, an empty expert, and
+/// of 129-200 rows (issued 192 and 256 wide), experts of only a tail, an empty expert, and
 /// the rows past offsets[E] untouched: a tail left unwritten or
 /// written over a neighbour's rows fails it. (It tests the split that the environment selects: run
 /// it also under `NVFP4MOE_TAIL_TILES=32`, `=64` and `=32,64`, the last of which leaves the tails
@@ -417,9 +416,8 @@ fn tail_split_gives_the_unsplit_bits() {
     // Tails: 1 (257), 32 (288), 33 (289), 63 (319), 64 (320), 65 (321), 72 (328), 96 (352), 128
     // (384), 200 (456: stays with the head, issued 256 wide), 144, 160 and 192 (400, 416, 448: with
     // the head, issued 192 wide), 0 (512, 256); only a tail (5, 64, 100); only a head tile of 129
-    // rows (issued 192 wide); none (0). Under NVFP4MOE_NARROW_ISSUE=4 the head tiles of 129-160
-    // and 200 rows issue 160 and 224 wide, the tails of 72 and 100 rows 80 and 112, those of 33
-    // rows 48. Tails of 65-128 rows stay with the head under NVFP4MOE_TAIL_TILES=32,64, 32 or 64.
+    // rows (issued 192 wide); none (0). Tails of 65-128 rows stay with the head under
+    // NVFP4MOE_TAIL_TILES=32,64, 32 or 64.
     let counts = [257usize, 0, 288, 289, 319, 320, 321, 5, 512, 64, 456, 256, 352, 384, 100, 400, 448, 129, 328, 416];
     let e = counts.len();
     let off = offsets_of(&counts);
