@@ -378,7 +378,7 @@ pub fn quantize_expert(x: &[bf16], n: usize, k: usize) -> Result<ExpertWeightsHo
 /// for outputs of one shape).
 pub fn relative_errors(y: &[f64], reference: &[f64], cols: usize) -> (f64, f64) {
     assert!(
-        cols > 0 && y.len() == reference.len() && y.len() % cols == 0,
+        cols > 0 && y.len() == reference.len() && y.len().is_multiple_of(cols),
         "relative_errors: {} against {} values in rows of {cols}",
         y.len(),
         reference.len()
