@@ -10,6 +10,6 @@ trap 'rm -rf "$work"' EXIT
 tar xzf gpu-cpp/cutlass.tgz -C "$work"
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 # (ptxas's notes, C7513 serialization warnings among them, are printed: the probe expects none.)
-"$nvcc" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$work/cutlass/include" scripts/wgmma-probe.cu \
+"$nvcc" -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -I"$work/cutlass/include" -Icpp/src scripts/wgmma-probe.cu \
   -o "$work/wgmma-probe"
 "$work/wgmma-probe"
