@@ -8,6 +8,7 @@
 #                                         # NVFP4MOE_TAIL_TILES=32,128; memcheck of the tail tests
 #   bash scripts/gpu-next-call.sh sweep   # issue 22's balanced sweep with PyTorch BF16 beside it
 #   bash scripts/gpu-next-call.sh probe-sweep  # the wgmma probe, then the sweep at all 14 T
+#   bash scripts/gpu-next-call.sh ab128   # GEMM tests, then `ab`'s timings at T = 8192 and 512-4096
 #   bash scripts/gpu-next-call.sh t8192   # T = 8192 under three routings, torch._grouped_mm, ncu
 #                                         # kernel durations against floors, memcheck of the tails
 #   bash scripts/gpu-next-call.sh ab      # this build against $NVFP4MOE_BASE_CLI: the layer at
@@ -72,6 +73,15 @@ t8192)
   timeout --kill-after=10s 120 compute-sanitizer --tool memcheck --error-exitcode 9 $t --include-ignored \
     --test-threads=1 tail_split batch_invariant >$out/memcheck.log 2>&1
   echo "memcheck rc=$? $(( $(date +%s)-s ))s $(grep -E 'ERROR SUMMARY' $out/memcheck.log | sort | uniq -c | tr '\n' ' ') $(grep '^test result' $out/memcheck.log | tail -1)"
+  ;;
+ab128)
+  # Session 29's 128x128 tile with 128-K stages: its GEMM tests, then this build against
+  # $NVFP4MOE_BASE_CLI at T = 8192 (three routings) and at T = 512-4096 (balanced, uniform).
+  TEST_TIMEOUT=230 tests gemm -- gemm:: layer::layer_matches_reference
+  SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b \
+    OUT=$out/t8192 timeout 150 bash scripts/gpu-tail-ab.sh
+  SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b TOKENS=512,1024,2048,4096 \
+    ROUTINGS=balanced,uniform NVFP4MOE_BUNDLE=$b OUT=$out/mid timeout 120 bash scripts/gpu-tail-ab.sh
   ;;
 ab)
   SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b \
