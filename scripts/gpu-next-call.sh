@@ -77,11 +77,12 @@ t8192)
 ab128)
   # Session 29's 128x128 tile with 128-K stages: its GEMM tests, then this build against
   # $NVFP4MOE_BASE_CLI at T = 8192 (three routings) and at T = 512-4096 (balanced, uniform).
-  TEST_TIMEOUT=230 tests gemm -- gemm:: layer::layer_matches_reference
-  SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b \
-    OUT=$out/t8192 timeout 150 bash scripts/gpu-tail-ab.sh
+  TEST_TIMEOUT=150 tests gemm -- tail_split batch_invariant grouped_gemm_matches_reference_per_expert \
+    swiglu_epilogues swiglu_nvfp4 layer::layer_matches_reference
+  SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b ROUTINGS=balanced,skewed \
+    NVFP4MOE_BUNDLE=$b OUT=$out/t8192 timeout 120 bash scripts/gpu-tail-ab.sh
   SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b TOKENS=512,1024,2048,4096 \
-    ROUTINGS=balanced,uniform NVFP4MOE_BUNDLE=$b OUT=$out/mid timeout 120 bash scripts/gpu-tail-ab.sh
+    ROUTINGS=balanced NVFP4MOE_BUNDLE=$b OUT=$out/mid timeout 100 bash scripts/gpu-tail-ab.sh
   ;;
 ab)
   SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b NVFP4MOE_BUNDLE=$b \
