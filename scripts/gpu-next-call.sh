@@ -8,7 +8,7 @@
 #                                         # NVFP4MOE_TAIL_TILES=32,128; memcheck of the tail tests
 #   bash scripts/gpu-next-call.sh sweep   # issue 22's balanced sweep with PyTorch BF16 beside it
 #   bash scripts/gpu-next-call.sh probe-sweep  # the wgmma probe, then the sweep at all 14 T
-#   bash scripts/gpu-next-call.sh ab128   # GEMM tests, then `ab`'s timings at T = 8192 and 512-4096
+#   bash scripts/gpu-next-call.sh ab128   # the 128x128 tile's tests, then `ab`'s timings (fewer rows)
 #   bash scripts/gpu-next-call.sh t8192   # T = 8192 under three routings, torch._grouped_mm, ncu
 #                                         # kernel durations against floors, memcheck of the tails
 #   bash scripts/gpu-next-call.sh ab      # this build against $NVFP4MOE_BASE_CLI: the layer at
@@ -75,8 +75,9 @@ t8192)
   echo "memcheck rc=$? $(( $(date +%s)-s ))s $(grep -E 'ERROR SUMMARY' $out/memcheck.log | sort | uniq -c | tr '\n' ' ') $(grep '^test result' $out/memcheck.log | tail -1)"
   ;;
 ab128)
-  # Session 29's 128x128 tile with 128-K stages: its GEMM tests, then this build against
-  # $NVFP4MOE_BASE_CLI at T = 8192 (three routings) and at T = 512-4096 (balanced, uniform).
+  # Session 29's 128x128 tile with 128-K stages (PERF_NOTES.md): the tests that reach that tile,
+  # then this build against $NVFP4MOE_BASE_CLI at T = 8192 (balanced, skewed) and at T = 512-4096
+  # (balanced), two rounds.
   TEST_TIMEOUT=150 tests gemm -- tail_split batch_invariant grouped_gemm_matches_reference_per_expert \
     swiglu_epilogues swiglu_nvfp4 layer::layer_matches_reference
   SETTINGS="CLI=$base -" ROUNDS=2 TESTS=none PRESETS=deepseek-v3,qwen3-30b-a3b,mixtral-8x7b ROUTINGS=balanced,skewed \
