@@ -111,8 +111,9 @@ __device__ __forceinline__ void convert(uint32_t (&next)[4][4], const uint32_t (
   }
 }
 
-// An mbarrier phase wait as a C++ loop around try_wait (ClusterBarrier::wait's branch inside its asm
-// made ptxas serialize the consumers' wgmmas, C7514).
+// An mbarrier phase wait as a C++ loop around try_wait (so that the loop is visible to ptxas; with
+// it alone the consumers' wgmmas were still serialized, C7514, until their first stage was peeled
+// off the loop, below).
 __device__ __forceinline__ void wait_phase(uint64_t* bar, uint32_t phase) {
   const uint32_t addr = uint32_t(__cvta_generic_to_shared(bar));
   uint32_t ok = 0;
@@ -256,8 +257,9 @@ __global__ void __launch_bounds__(128 * (kWG + kCWG), kCtas) probe(int iters, fl
     fence();
   };
   if constexpr (kMode == Mode::kSSConverter) {
-    // (The buffer's descriptor: 16-byte units, kWG x 8 KB per buffer. The first stage peeled off:
-    // no buffer to free before it.)
+    // (The buffer's descriptor: 16-byte units, kWG x 8 KB per buffer. The first stage is peeled
+    // off: it frees no buffer, and with an `if (it > 0)` around the free inside the loop ptxas
+    // serialized every wgmma, C7514.)
     wait_phase(&full[0], 0);
     stage(frag[0], da);
 #pragma unroll 1
